@@ -1,0 +1,59 @@
+"""The nodes' instance role: SSM, and read access to exactly the configured S3 prefixes."""
+
+from __future__ import annotations
+
+from urllib.parse import urlparse
+
+from aws_cdk import Stack, aws_iam as iam
+from constructs import Construct
+
+from clusterspec.config import ClusterConfig
+
+
+def _bucket_prefix(uri: str) -> tuple[str, str]:
+    u = urlparse(uri)
+    return u.netloc, u.path.strip("/")
+
+
+class NodeRole(Construct):
+    """Instance role and profile. No `*` action; object access scoped to the given prefixes."""
+
+    def __init__(self, scope: Construct, construct_id: str, *, config: ClusterConfig) -> None:
+        super().__init__(scope, construct_id)
+        self.role = iam.Role(
+            self,
+            "Role",
+            assumed_by=iam.ServicePrincipal("ec2.amazonaws.com"),
+            description=f"{config.cluster_name} nodes: SSM management and read access to the staged artifacts",
+            managed_policies=[iam.ManagedPolicy.from_aws_managed_policy_name("AmazonSSMManagedInstanceCore")],
+        )
+        partition = Stack.of(self).partition
+        reads = [config.model.s3_uri if config.model.source == "s3" else None, config.examples.s3_uri, config.compile_cache_s3_uri]
+        for uri in filter(None, reads):
+            self._read_prefix(partition, uri)
+        if config.results_s3_uri:
+            bucket, prefix = _bucket_prefix(config.results_s3_uri)
+            self.role.add_to_policy(
+                iam.PolicyStatement(
+                    actions=["s3:PutObject"],
+                    resources=[f"arn:{partition}:s3:::{bucket}/{prefix + '/' if prefix else ''}*"],
+                )
+            )
+        if config.model.hf_token_secret_arn:
+            self.role.add_to_policy(
+                iam.PolicyStatement(actions=["secretsmanager:GetSecretValue"], resources=[config.model.hf_token_secret_arn])
+            )
+        self.profile = iam.CfnInstanceProfile(self, "Profile", roles=[self.role.role_name])
+
+    def _read_prefix(self, partition: str, uri: str) -> None:
+        bucket, prefix = _bucket_prefix(uri)
+        self.role.add_to_policy(
+            iam.PolicyStatement(
+                actions=["s3:GetObject"],
+                resources=[f"arn:{partition}:s3:::{bucket}/{prefix + '/' if prefix else ''}*"],
+            )
+        )
+        listing = iam.PolicyStatement(actions=["s3:ListBucket"], resources=[f"arn:{partition}:s3:::{bucket}"])
+        if prefix:
+            listing.add_condition("StringLike", {"s3:prefix": [prefix, f"{prefix}/*"]})
+        self.role.add_to_policy(listing)

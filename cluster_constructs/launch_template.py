@@ -1,0 +1,100 @@
+"""EFA launch template of one role: a network interface on every network card."""
+
+from __future__ import annotations
+
+from aws_cdk import Tags, aws_ec2 as ec2
+from constructs import Construct
+
+from clusterspec.config import ClusterConfig
+from clusterspec.instance_types import InstanceType
+
+
+def network_interfaces(hw: InstanceType, *, subnet_id: str, group_id: str) -> list[ec2.CfnLaunchTemplate.NetworkInterfaceProperty]:
+    """Card 0 carries the primary interface (EFA with ENA, the IP); every other card is efa-only.
+
+    EFA interfaces exist only at launch, so they are defined here. An efa-only interface
+    cannot be primary and has no IP address (EC2 user guide, EFA on multi-card instances).
+    """
+    nics = []
+    for card in range(hw.network_cards):
+        efa = card < hw.efa_interfaces
+        nics.append(
+            ec2.CfnLaunchTemplate.NetworkInterfaceProperty(
+                network_card_index=card,
+                device_index=0,
+                interface_type=("efa" if card == 0 else "efa-only") if efa else None,
+                subnet_id=subnet_id,
+                groups=[group_id],
+                delete_on_termination=True,
+                associate_public_ip_address=False if card == 0 else None,
+                description=f"card {card}: " + ("primary, EFA with ENA" if card == 0 else "EFA only" if efa else "ENA"),
+            )
+        )
+    return nics
+
+
+class EfaLaunchTemplate(Construct):
+    """Launch template shared by every node of one role."""
+
+    def __init__(
+        self,
+        scope: Construct,
+        construct_id: str,
+        *,
+        config: ClusterConfig,
+        role: str,
+        image_id: str,
+        subnet_id: str,
+        security_group_id: str,
+        instance_profile_arn: str,
+        placement_group: str,
+    ) -> None:
+        super().__init__(scope, construct_id)
+        hw = config.hardware
+        tags = [
+            ec2.CfnLaunchTemplate.TagSpecificationProperty(
+                resource_type=kind,
+                tags=[
+                    {"key": "gptoss:cluster", "value": config.cluster_name},
+                    {"key": "gptoss:role", "value": role},
+                ],
+            )
+            for kind in ("volume", "network-interface")
+        ]
+        reservation = (
+            ec2.CfnLaunchTemplate.CapacityReservationSpecificationProperty(
+                capacity_reservation_target=ec2.CfnLaunchTemplate.CapacityReservationTargetProperty(
+                    capacity_reservation_id=config.capacity_reservation_id
+                )
+            )
+            if config.capacity_reservation_id
+            else None
+        )
+        self.template = ec2.CfnLaunchTemplate(
+            self,
+            "Template",
+            launch_template_data=ec2.CfnLaunchTemplate.LaunchTemplateDataProperty(
+                image_id=image_id,
+                instance_type=config.instance_type,
+                iam_instance_profile=ec2.CfnLaunchTemplate.IamInstanceProfileProperty(arn=instance_profile_arn),
+                metadata_options=ec2.CfnLaunchTemplate.MetadataOptionsProperty(
+                    http_tokens="required", http_endpoint="enabled", http_put_response_hop_limit=1
+                ),
+                block_device_mappings=[
+                    ec2.CfnLaunchTemplate.BlockDeviceMappingProperty(
+                        device_name="/dev/sda1",
+                        ebs=ec2.CfnLaunchTemplate.EbsProperty(
+                            volume_type="gp3", volume_size=config.root_volume_gb, encrypted=True, delete_on_termination=True
+                        ),
+                    )
+                ],
+                network_interfaces=network_interfaces(hw, subnet_id=subnet_id, group_id=security_group_id),
+                placement=ec2.CfnLaunchTemplate.PlacementProperty(group_name=placement_group),
+                monitoring=ec2.CfnLaunchTemplate.MonitoringProperty(enabled=config.detailed_monitoring),
+                disable_api_termination=config.termination_protection,
+                capacity_reservation_specification=reservation,
+                tag_specifications=tags,
+            ),
+        )
+        Tags.of(self.template).add("gptoss:cluster", config.cluster_name)
+        Tags.of(self.template).add("gptoss:role", role)

@@ -1,0 +1,69 @@
+"""One client endpoint for a fleet with several proxies: an internal Network Load Balancer."""
+
+from __future__ import annotations
+
+from aws_cdk import Duration, aws_ec2 as ec2, aws_elasticloadbalancingv2 as elbv2, aws_elasticloadbalancingv2_targets as targets
+from constructs import Construct
+
+from clusterspec.config import ClusterConfig
+
+
+class ProxyLoadBalancer(Construct):
+    """Internal NLB over every proxy; its health check is the proxy's own health route.
+
+    The example proxy has no health checking of its own, so a proxy whose servers died keeps
+    answering; the NLB at least drops a node whose proxy is down.
+    """
+
+    def __init__(
+        self,
+        scope: Construct,
+        construct_id: str,
+        *,
+        config: ClusterConfig,
+        vpc: ec2.IVpc,
+        subnet_id: str,
+        cluster_group: ec2.SecurityGroup,
+        instances: list[ec2.CfnInstance],
+    ) -> None:
+        super().__init__(scope, construct_id)
+        port = config.serving.proxy.port
+        subnet = ec2.Subnet.from_subnet_attributes(self, "Subnet", subnet_id=subnet_id, availability_zone=config.availability_zone)
+        self.group = ec2.SecurityGroup(
+            self, "Group", vpc=vpc, description=f"{config.cluster_name}: proxy load balancer", allow_all_outbound=False
+        )
+        self.group.add_egress_rule(cluster_group, ec2.Port.tcp(port), "to the proxies")
+        cluster_group.add_ingress_rule(self.group, ec2.Port.tcp(port), "proxy, from the load balancer")
+        self.group.add_ingress_rule(cluster_group, ec2.Port.tcp(port), "proxy endpoint, from the cluster (SSM forward, bench)")
+        if config.proxy_ingress_cidr:
+            self.group.add_ingress_rule(ec2.Peer.ipv4(config.proxy_ingress_cidr), ec2.Port.tcp(port), "from the operator network")
+        if config.proxy_ingress_prefix_list_id:
+            self.group.add_ingress_rule(
+                ec2.Peer.prefix_list(config.proxy_ingress_prefix_list_id), ec2.Port.tcp(port), "from the operator prefix list"
+            )
+        self.nlb = elbv2.NetworkLoadBalancer(
+            self,
+            "Nlb",
+            vpc=vpc,
+            internet_facing=False,
+            vpc_subnets=ec2.SubnetSelection(subnets=[subnet]),
+            security_groups=[self.group],
+            cross_zone_enabled=False,
+        )
+        listener = self.nlb.add_listener("Proxy", port=port, protocol=elbv2.Protocol.TCP)
+        listener.add_targets(
+            "Proxies",
+            port=port,
+            protocol=elbv2.Protocol.TCP,
+            targets=[targets.InstanceIdTarget(i.ref, port) for i in instances],
+            health_check=elbv2.HealthCheck(
+                protocol=elbv2.Protocol.HTTP,
+                path=config.serving.proxy.health_path,
+                interval=Duration.seconds(10),
+                healthy_threshold_count=2,
+                unhealthy_threshold_count=2,
+            ),
+            # Requests are long (1K output tokens): let in-flight ones finish on deregistration.
+            deregistration_delay=Duration.seconds(120),
+        )
+        self.dns_name = self.nlb.load_balancer_dns_name

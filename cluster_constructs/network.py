@@ -1,0 +1,118 @@
+"""The nodes' network: a new VPC with one private subnet in one AZ, or an existing one."""
+
+from __future__ import annotations
+
+from aws_cdk import Stack, Tags, aws_ec2 as ec2, aws_iam as iam, aws_logs as logs
+from constructs import Construct
+
+from clusterspec.config import ClusterConfig
+
+# Interface endpoints that let SSM reach nodes without any route to the internet.
+SSM_ENDPOINTS = ("ssm", "ssmmessages", "ec2messages")
+
+
+class ClusterNetwork(Construct):
+    """VPC, private subnet, egress (NAT or none) and the S3 gateway endpoint.
+
+    L1 resources on purpose: the L2 `Vpc` looks the AZs up when the stack has a region, and
+    synthesis must never call AWS. The nodes' subnet is private: "public IPs cannot be
+    associated with multiple network interfaces", and every node has one per network card.
+    """
+
+    vpc_id: str
+    subnet_id: str
+    vpc_cidr: str
+
+    def __init__(self, scope: Construct, construct_id: str, *, config: ClusterConfig) -> None:
+        super().__init__(scope, construct_id)
+        net = config.network
+        region = Stack.of(self).region
+        self.vpc_cidr = net.vpc_cidr
+        self.route_table_id: str | None = net.route_table_id
+        self.interface_endpoints: list[ec2.CfnVPCEndpoint] = []
+        if net.existing:
+            assert net.vpc_id and net.subnet_id
+            self.vpc_id, self.subnet_id = net.vpc_id, net.subnet_id
+        else:
+            self._new_vpc(config)
+        if net.s3_gateway_endpoint and self.route_table_id:
+            ec2.CfnVPCEndpoint(
+                self,
+                "S3Gateway",
+                vpc_id=self.vpc_id,
+                service_name=f"com.amazonaws.{region}.s3",
+                vpc_endpoint_type="Gateway",
+                route_table_ids=[self.route_table_id],
+            )
+        self.vpc = ec2.Vpc.from_vpc_attributes(
+            self, "Imported", vpc_id=self.vpc_id, availability_zones=[config.availability_zone], vpc_cidr_block=net.vpc_cidr
+        )
+
+    def _new_vpc(self, config: ClusterConfig) -> None:
+        net = config.network
+        vpc = ec2.CfnVPC(self, "Vpc", cidr_block=net.vpc_cidr, enable_dns_hostnames=True, enable_dns_support=True)
+        Tags.of(vpc).add("Name", config.cluster_name)
+        subnet = ec2.CfnSubnet(
+            self,
+            "NodeSubnet",
+            vpc_id=vpc.ref,
+            cidr_block=net.subnet_cidr,
+            availability_zone=config.availability_zone,
+            map_public_ip_on_launch=False,
+        )
+        Tags.of(subnet).add("Name", f"{config.cluster_name}-nodes")
+        table = ec2.CfnRouteTable(self, "NodeRoutes", vpc_id=vpc.ref)
+        ec2.CfnSubnetRouteTableAssociation(self, "NodeRoutesAssoc", subnet_id=subnet.ref, route_table_id=table.ref)
+        self.vpc_id, self.subnet_id, self.route_table_id = vpc.ref, subnet.ref, table.ref
+        if net.egress == "nat":
+            igw = ec2.CfnInternetGateway(self, "Igw")
+            attach = ec2.CfnVPCGatewayAttachment(self, "IgwAttach", vpc_id=vpc.ref, internet_gateway_id=igw.ref)
+            public = ec2.CfnSubnet(
+                self,
+                "NatSubnet",
+                vpc_id=vpc.ref,
+                cidr_block=net.public_subnet_cidr,
+                availability_zone=config.availability_zone,
+                map_public_ip_on_launch=False,
+            )
+            public_table = ec2.CfnRouteTable(self, "NatRoutes", vpc_id=vpc.ref)
+            ec2.CfnSubnetRouteTableAssociation(self, "NatRoutesAssoc", subnet_id=public.ref, route_table_id=public_table.ref)
+            to_igw = ec2.CfnRoute(
+                self, "NatDefault", route_table_id=public_table.ref, destination_cidr_block="0.0.0.0/0", gateway_id=igw.ref
+            )
+            to_igw.node.add_dependency(attach)
+            eip = ec2.CfnEIP(self, "NatEip", domain="vpc")
+            nat = ec2.CfnNatGateway(self, "Nat", subnet_id=public.ref, allocation_id=eip.attr_allocation_id)
+            nat.node.add_dependency(to_igw)
+            ec2.CfnRoute(self, "NodeDefault", route_table_id=table.ref, destination_cidr_block="0.0.0.0/0", nat_gateway_id=nat.ref)
+        if net.flow_logs:
+            group = logs.LogGroup(self, "FlowLogs", retention=logs.RetentionDays.ONE_MONTH)
+            role = iam.Role(self, "FlowLogsRole", assumed_by=iam.ServicePrincipal("vpc-flow-logs.amazonaws.com"))
+            group.grant_write(role)
+            ec2.CfnFlowLog(
+                self,
+                "FlowLog",
+                resource_id=vpc.ref,
+                resource_type="VPC",
+                traffic_type="ALL",
+                log_destination_type="cloud-watch-logs",
+                log_group_name=group.log_group_name,
+                deliver_logs_permission_arn=role.role_arn,
+            )
+
+    def add_ssm_endpoints(self, *, security_group_id: str) -> None:
+        """Interface endpoints for SSM when the nodes have no route out (egress 'none')."""
+        region = Stack.of(self).region
+        for name in SSM_ENDPOINTS:
+            self.interface_endpoints.append(
+                ec2.CfnVPCEndpoint(
+                    self,
+                    f"{name.capitalize()}Endpoint",
+                    vpc_id=self.vpc_id,
+                    service_name=f"com.amazonaws.{region}.{name}",
+                    vpc_endpoint_type="Interface",
+                    private_dns_enabled=True,
+                    subnet_ids=[self.subnet_id],
+                    security_group_ids=[security_group_id],
+                )
+            )

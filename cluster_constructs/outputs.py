@@ -1,0 +1,49 @@
+"""Stack outputs: where the nodes are and how to reach the proxy from a laptop."""
+
+from __future__ import annotations
+
+from aws_cdk import CfnOutput, Fn
+from constructs import Construct
+
+from clusterspec.config import ClusterConfig
+from cluster_constructs.node import ClusterNode
+
+
+def port_forward_command(*, region: str, target: str, port: int, remote_host: str | None = None) -> str:
+    """The SSM command that forwards localhost:PORT to the proxy (or to a host behind a node)."""
+    if remote_host is None:
+        doc, params = "AWS-StartPortForwardingSession", f"portNumber={port},localPortNumber={port}"
+    else:
+        doc, params = "AWS-StartPortForwardingSessionToRemoteHost", f"host={remote_host},portNumber={port},localPortNumber={port}"
+    return f"aws ssm start-session --region {region} --target {target} --document-name {doc} --parameters {params}"
+
+
+class ClusterOutputs(Construct):
+    """Instance ids, private IPs, the proxy URL and the SSM port-forward command."""
+
+    def __init__(
+        self,
+        scope: Construct,
+        construct_id: str,
+        *,
+        config: ClusterConfig,
+        nodes: list[ClusterNode],
+        proxy_node: ClusterNode,
+        endpoint_dns: str | None,
+    ) -> None:
+        super().__init__(scope, construct_id)
+        port = config.serving.proxy.port
+        for node in nodes:
+            lid = node.render.node.logical_id
+            CfnOutput(scope, f"{lid}InstanceId", value=node.instance.ref, description=f"{node.render.node.name} instance id")
+            CfnOutput(scope, f"{lid}PrivateIp", value=node.private_ip, description=f"{node.render.node.name} private IP")
+        host = endpoint_dns or proxy_node.private_ip
+        CfnOutput(scope, "ProxyUrl", value=Fn.join("", ["http://", host, f":{port}"]), description="The client endpoint (in the VPC)")
+        CfnOutput(
+            scope,
+            "ProxyPortForward",
+            value=port_forward_command(
+                region=config.region, target=proxy_node.instance.ref, port=port, remote_host=endpoint_dns
+            ),
+            description=f"Run on a laptop with the Session Manager plugin, then use http://localhost:{port}",
+        )

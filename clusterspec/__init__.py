@@ -1,0 +1,1 @@
+"""Deployment spec of the Trn3 gpt-oss-120b serving cluster: pure Python, no CDK."""

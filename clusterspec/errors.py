@@ -1,0 +1,50 @@
+"""Validation errors that name the field, the value, the rule and the fix."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import ValidationError
+from pydantic_core import PydanticCustomError
+
+
+def rule_error(field: str, value: Any, rule: str, fix: str) -> PydanticCustomError:
+    """Build an error for a broken rule; raised inside pydantic validators or on its own."""
+    return PydanticCustomError(
+        "spec_rule",
+        "{field}={value}: {rule}. Fix: {fix}.",
+        {"field": field, "value": repr(value) if isinstance(value, str) else str(value), "rule": rule, "fix": fix},
+    )
+
+
+class SpecError(ValueError):
+    """One or more invalid deployment inputs; str() is the message the user sees."""
+
+    def __init__(self, messages: list[str]):
+        self.messages = messages
+        super().__init__("\n".join(f"  - {m}" for m in messages))
+
+
+def _loc(err: Any, prefix: str) -> str:
+    parts = [str(p) for p in err["loc"] if not str(p).startswith("function-")]
+    return ".".join([prefix, *parts] if prefix else parts)
+
+
+def explain(exc: ValidationError, prefix: str = "") -> SpecError:
+    """Turn a pydantic ValidationError into messages with field, value, rule and fix."""
+    messages = []
+    for err in exc.errors():
+        if err["type"] == "spec_rule":
+            messages.append(err["msg"])
+            continue
+        field = _loc(err, prefix) or prefix or "config"
+        value = err.get("input")
+        shown = repr(value) if not isinstance(value, dict) else "{...}"
+        if err["type"] == "extra_forbidden":
+            rule, fix = "is not a known setting", f"remove `{field}` or check its spelling (see README 'Parameters')"
+        elif err["type"] == "missing":
+            rule, fix = "is required", f"set `{field}` in the config file or with -c"
+        else:
+            rule, fix = err["msg"][0].lower() + err["msg"][1:], f"set `{field}` to a value that satisfies it"
+        messages.append(f"{field}={shown}: {rule}. Fix: {fix}.")
+    return SpecError(messages)

@@ -1,0 +1,228 @@
+"""Fleet layout: which replica runs where, on which cores and ports, feeding which decode server."""
+
+from __future__ import annotations
+
+import math
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict
+
+from clusterspec.errors import SpecError
+from clusterspec.instance_types import InstanceType
+from clusterspec.serving import Serving
+
+Role = Literal["prefill", "decode"]
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class Replica(_Frozen):
+    """One TP prefill server."""
+
+    node: str
+    index: int
+    global_index: int
+    first_core: int
+    last_core: int
+    http_port: int
+    side_channel_port: int
+    side_channel_last: int
+    decode_server: int
+
+    @property
+    def unit(self) -> str:
+        """The systemd instance of the prefill template unit."""
+        return f"gptoss-prefill@{self.index}.service"
+
+    @property
+    def visible_cores(self) -> str:
+        """NEURON_VISIBLE_DEVICES value (`4i-(4i+3)`)."""
+        return f"{self.first_core}-{self.last_core}"
+
+
+class ProxyPlacement(_Frozen):
+    """One proxy: the node it runs on, its decode server and the replicas it routes to."""
+
+    node: str
+    decode_server: int
+    replicas: tuple[Replica, ...]
+
+
+class Node(_Frozen):
+    """One instance of the fleet."""
+
+    name: str
+    logical_id: str
+    role: Role
+    index: int
+    replicas: tuple[Replica, ...] = ()
+    cores: int
+    used_cores: int
+
+    @property
+    def idle_cores(self) -> int:
+        """Logical NeuronCores no server binds."""
+        return self.cores - self.used_cores
+
+
+class Layout(_Frozen):
+    """The computed fleet."""
+
+    decode_instances: int
+    prefill_per_decode: int
+    replicas_per_prefill_instance: int
+    prefill_capacity: int
+    nodes: tuple[Node, ...]
+    proxies: tuple[ProxyPlacement, ...]
+
+    @property
+    def prefill_nodes(self) -> tuple[Node, ...]:
+        """Prefill instances, in order."""
+        return tuple(n for n in self.nodes if n.role == "prefill")
+
+    @property
+    def decode_nodes(self) -> tuple[Node, ...]:
+        """Decode instances, in order."""
+        return tuple(n for n in self.nodes if n.role == "decode")
+
+    @property
+    def replicas(self) -> tuple[Replica, ...]:
+        """Every prefill replica of the fleet."""
+        return tuple(r for n in self.prefill_nodes for r in n.replicas)
+
+    @property
+    def max_replicas_per_node(self) -> int:
+        """The most replicas any prefill instance runs (sizes the security-group rules)."""
+        return max(len(n.replicas) for n in self.prefill_nodes)
+
+    @property
+    def load_balanced(self) -> bool:
+        """Several proxies stand behind one internal load balancer."""
+        return len(self.proxies) > 1
+
+    def node(self, name: str) -> Node:
+        """Look a node up by name."""
+        return next(n for n in self.nodes if n.name == name)
+
+    def proxies_on(self, name: str) -> tuple[ProxyPlacement, ...]:
+        """Proxies that run on node `name`."""
+        return tuple(p for p in self.proxies if p.node == name)
+
+
+def compute_layout(
+    *,
+    decode_instances: int,
+    prefill_per_decode: int,
+    instance_type: InstanceType,
+    serving: Serving,
+    replicas_per_prefill_instance: int | None = None,
+) -> Layout:
+    """Place prefill replicas and decode servers on instances from the prefill:decode ratio."""
+    pre, dec = serving.prefill, serving.decode
+    errors: list[str] = []
+    if decode_instances < 1:
+        errors.append(
+            f"decode_instances={decode_instances}: a fleet needs at least one decode server. "
+            "Fix: set decode_instances >= 1."
+        )
+    if prefill_per_decode < 1:
+        errors.append(
+            f"prefill_per_decode={prefill_per_decode}: each decode server needs at least one prefill replica. "
+            "Fix: set prefill_per_decode >= 1 (the tested ratio is 6)."
+        )
+    prefill_cores = instance_type.logical_cores(pre.lnc)
+    per_replica = pre.tensor_parallel
+    if prefill_cores % per_replica:
+        errors.append(
+            f"serving.prefill.tensor_parallel={per_replica}: cores per replica must divide the "
+            f"{prefill_cores} logical cores of {instance_type.name} at LNC={pre.lnc}. "
+            "Fix: choose a tensor_parallel that divides it (the tested value is 4)."
+        )
+    decode_cores = instance_type.logical_cores(dec.lnc)
+    if dec.tensor_parallel * dec.data_parallel > decode_cores:
+        errors.append(
+            f"serving.decode.data_parallel={dec.data_parallel}: TP{dec.tensor_parallel} x DP{dec.data_parallel} "
+            f"needs {dec.tensor_parallel * dec.data_parallel} logical cores, {instance_type.name} has "
+            f"{decode_cores} at LNC={dec.lnc}. Fix: lower data_parallel or tensor_parallel."
+        )
+    if serving.shape.quantization == "mxfp4" and not instance_type.mxfp4:
+        errors.append(
+            f"instance_type={instance_type.name!r}: the MXFP4 path of the tested configuration runs only on "
+            "Trainium3. Fix: use a trn3 instance type, or set serving.shape.quantization to 'bf16' "
+            "(an untested profile)."
+        )
+    capacity = prefill_cores // per_replica if per_replica else 0
+    per_node = replicas_per_prefill_instance or capacity
+    if replicas_per_prefill_instance is not None and not 1 <= replicas_per_prefill_instance <= capacity:
+        errors.append(
+            f"replicas_per_prefill_instance={replicas_per_prefill_instance}: an instance holds 1 to {capacity} "
+            f"TP{per_replica} replicas ({prefill_cores} logical cores / {per_replica}). "
+            f"Fix: set it between 1 and {capacity}, or leave it unset to fill each instance."
+        )
+    if errors:
+        raise SpecError(errors)
+
+    total = decode_instances * prefill_per_decode
+    prefill_count = math.ceil(total / per_node)
+    by_node: dict[int, list[Replica]] = {i: [] for i in range(prefill_count)}
+    for g in range(total):
+        node_index, local = divmod(g, per_node)
+        first, last = pre.cores(local)
+        sc_first, sc_last = pre.side_channel_range(local)
+        by_node[node_index].append(
+            Replica(
+                node=f"prefill-{node_index}",
+                index=local,
+                global_index=g,
+                first_core=first,
+                last_core=last,
+                http_port=pre.http_port(local),
+                side_channel_port=sc_first,
+                side_channel_last=sc_last,
+                decode_server=g // prefill_per_decode,
+            )
+        )
+    nodes = [
+        Node(
+            name=f"prefill-{i}",
+            logical_id=f"Prefill{i}",
+            role="prefill",
+            index=i,
+            replicas=tuple(reps),
+            cores=prefill_cores,
+            used_cores=len(reps) * per_replica,
+        )
+        for i, reps in by_node.items()
+    ]
+    nodes += [
+        Node(
+            name=f"decode-{d}",
+            logical_id=f"Decode{d}",
+            role="decode",
+            index=d,
+            cores=decode_cores,
+            used_cores=dec.tensor_parallel * dec.data_parallel,
+        )
+        for d in range(decode_instances)
+    ]
+    all_replicas = [r for reps in by_node.values() for r in reps]
+    # One decode server: the tested placement, the proxy on prefill node A. Several: one proxy
+    # per decode server on its own decode node, so losing a node loses one proxy, not all.
+    proxies = tuple(
+        ProxyPlacement(
+            node="prefill-0" if decode_instances == 1 else f"decode-{d}",
+            decode_server=d,
+            replicas=tuple(r for r in all_replicas if r.decode_server == d),
+        )
+        for d in range(decode_instances)
+    )
+    return Layout(
+        decode_instances=decode_instances,
+        prefill_per_decode=prefill_per_decode,
+        replicas_per_prefill_instance=per_node,
+        prefill_capacity=capacity,
+        nodes=tuple(nodes),
+        proxies=proxies,
+    )

@@ -1,0 +1,546 @@
+"""Render each node's plan, files and cloud-init user data from the config and the layout.
+
+One rendering serves three readers: `cluster.py plan` prints the services, the CDK stack
+embeds the user data, and the tests parse the user data back and compare it with the plan.
+"""
+
+from __future__ import annotations
+
+import base64
+import gzip
+import io
+import json
+import re
+import shlex
+import tarfile
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path, PurePosixPath
+
+import jinja2
+import yaml
+
+from clusterspec.config import ClusterConfig
+from clusterspec.layout import Layout, Node, ProxyPlacement, Replica
+from clusterspec.serving import Serving, json_arg
+
+USERDATA_DIR = Path(__file__).resolve().parent.parent / "userdata"
+BIN = "/opt/gptoss/bin"
+ETC = "/etc/gptoss"
+UNIT_DIR = "/etc/systemd/system"
+EXAMPLES_DIR = "/opt/gptoss/vllm-neuron"
+BUNDLE = "/var/lib/gptoss/bundle.tgz"
+HOSTS_ENV = f"{ETC}/hosts.env"
+CLUSTER_ENV = f"{ETC}/cluster.env"
+USER_DATA_LIMIT = 16 * 1024
+START_LIMIT_BURST = 5
+RESTART_SEC = 60
+
+_ENV = jinja2.Environment(
+    loader=jinja2.FileSystemLoader(USERDATA_DIR / "units"),
+    undefined=jinja2.StrictUndefined,
+    keep_trailing_newline=True,
+    trim_blocks=True,
+    lstrip_blocks=True,
+    # Shell text such as ${#ARR[@]} must never open a Jinja comment.
+    comment_start_string="{##",
+    comment_end_string="##}",
+)
+
+
+def host_var(node: str) -> str:
+    """Environment variable that holds a node's private IP in hosts.env."""
+    return "GPTOSS_HOST_" + re.sub(r"[^A-Z0-9]", "_", node.upper())
+
+
+@dataclass(frozen=True)
+class Service:
+    """One command a unit runs: what `plan` prints for it."""
+
+    unit: str
+    environment: dict[str, str]
+    argv: list[str]
+    step: str | None = None
+
+    def as_json(self) -> dict[str, object]:
+        """The `plan --json` form of this service."""
+        out: dict[str, object] = {"unit": self.unit, "environment": self.environment, "argv": self.argv}
+        if self.step:
+            out["step"] = self.step
+        return out
+
+
+@dataclass
+class NodeRender:
+    """Everything one node runs, and the files that make it run it."""
+
+    node: Node
+    instance_type: str
+    services: list[Service]
+    files: dict[str, tuple[str, int]] = field(default_factory=dict)
+    enable: list[str] = field(default_factory=list)
+    peers: list[str] = field(default_factory=list)
+
+    def as_json(self) -> dict[str, object]:
+        """The `plan --json` form of this node."""
+        return {
+            "name": self.node.name,
+            "role": self.node.role,
+            "instance_type": self.instance_type,
+            "replicas": len(self.node.replicas),
+            "idle_cores": self.node.idle_cores,
+            "services": [s.as_json() for s in self.services],
+        }
+
+
+# ---- quoting -----------------------------------------------------------------------------
+
+_SAFE = re.compile(r"^[A-Za-z0-9_@%+=:,./${}-]+$")
+
+
+def systemd_quote(arg: str) -> str:
+    """Quote one argument for an Exec line; ${VAR} stays expandable, % only as %i."""
+    if re.search(r"%(?!i)", arg):
+        raise ValueError(f"argument {arg!r} holds a systemd specifier other than %i")
+    if _SAFE.match(arg):
+        return arg
+    if "'" in arg or "\\" in arg:
+        raise ValueError(f"argument {arg!r} cannot be single-quoted for systemd")
+    return f"'{arg}'"
+
+
+def env_file(env: Mapping[str, str]) -> str:
+    """An environment file both systemd and bash read the same way."""
+    lines = []
+    for k, v in env.items():
+        if "'" in v or "\n" in v:
+            raise ValueError(f"environment value of {k} holds a quote or a newline: {v!r}")
+        lines.append(f"{k}={v}" if _SAFE.match(v) and "$" not in v else f"{k}='{v}'")
+    return "\n".join(lines) + "\n"
+
+
+def parse_env_file(text: str) -> dict[str, str]:
+    """Read an environment file written by env_file()."""
+    out = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            k, _, v = line.partition("=")
+            out[k] = shlex.split(v)[0] if v else ""
+    return out
+
+
+def expand(arg: str, env: Mapping[str, str], instance: str | None = None) -> str:
+    """Expand ${VAR} and %i as systemd does on an Exec line."""
+    out = re.sub(r"\$\{([A-Za-z0-9_]+)\}", lambda m: env.get(m.group(1), f"<{m.group(1)}>"), arg)
+    return out.replace("%i", instance) if instance is not None else out
+
+
+# ---- command lines -----------------------------------------------------------------------
+
+
+def _neuron_config(s: Serving, role: str) -> dict[str, object]:
+    sh = s.shape
+    cfg: dict[str, object] = {"quantization": sh.quantization}
+    if role == "decode":
+        d = s.decode
+        cfg |= {
+            "ep_degree": d.ep_degree,
+            "embedding_dp_size": d.embedding_dp_size,
+            "lm_head_dp_size": d.lm_head_dp_size,
+            "gpt_oss_tail_hops": list(d.tail_hops),
+        }
+        seqs = d.max_num_seqs
+    else:
+        cfg["ep_degree"] = s.prefill.ep_degree
+        seqs = s.prefill.max_num_seqs
+    cfg |= {
+        "fp8_packed_kv": sh.fp8_packed_kv,
+        "kv_segment_size_buckets": [sh.max_num_batched_tokens],
+        "num_batched_tokens_buckets": [sh.max_num_batched_tokens],
+        "num_seqs_buckets": [seqs],
+    }
+    return cfg
+
+
+def vllm_argv(cfg: ClusterConfig, role: str, *, port: str, additional_config: str | None = None) -> list[str]:
+    """`vllm serve` command of a decode server or a prefill replica, from the spec."""
+    s, sh = cfg.serving, cfg.serving.shape
+    r = s.decode if role == "decode" else s.prefill
+    argv = [
+        "vllm", "serve", model_dir(cfg),
+        "--tensor-parallel-size", str(r.tensor_parallel),
+        "--data-parallel-size", str(r.data_parallel),
+        "--enable-expert-parallel",
+    ]  # fmt: skip
+    if role == "decode":
+        argv += ["--optimization-level", str(s.decode.optimization_level)]
+    argv += [
+        "--max-model-len", str(sh.max_model_len),
+        "--max-num-batched-tokens", str(sh.max_num_batched_tokens),
+        "--max-num-seqs", str(r.max_num_seqs),
+        "--block-size", str(sh.block_size),
+        "--kv-cache-dtype", sh.kv_cache_dtype,
+        "--max-logprobs", str(sh.max_logprobs),
+    ]  # fmt: skip
+    if sh.keep_hybrid_kv_cache_manager:
+        argv.append("--no-disable-hybrid-kv-cache-manager")
+    kv_transfer = {
+        "kv_connector": sh.kv_connector,
+        "kv_role": "kv_consumer" if role == "decode" else "kv_producer",
+        "kv_buffer_device": sh.kv_buffer_device,
+        "kv_connector_extra_config": {"backends": list(sh.nixl_backends)},
+    }
+    argv += [
+        "--distributed-executor-backend", sh.distributed_executor_backend,
+        "--port", port,
+        "--hf-overrides", json_arg(sh.hf_overrides),
+        "--kv-transfer-config", json_arg(kv_transfer),
+        "--additional-config", additional_config or json_arg({"neuron_config": _neuron_config(s, role)}),
+    ]  # fmt: skip
+    for flag in r.extra_flags:
+        argv += [flag.name] + ([flag.value] if flag.value is not None else [])
+    return argv
+
+
+def prefill_additional_config(cfg: ClusterConfig, replica: Replica) -> str:
+    """Additional config of one replica: its side-channel port goes in nixl_side_channel_port."""
+    return json_arg(
+        {"neuron_config": _neuron_config(cfg.serving, "prefill"), "nixl_side_channel_port": replica.side_channel_port}
+    )
+
+
+def proxy_argv(cfg: ClusterConfig, proxy: ProxyPlacement) -> list[str]:
+    """The example proxy: one prefill host per port, then the decode host."""
+    p, s = cfg.serving.proxy, cfg.serving
+    return [
+        "python3", f"{EXAMPLES_DIR}/{p.script}",
+        "--host", p.bind_host,
+        "--port", str(p.port),
+        "--prefiller-hosts", *[f"${{{host_var(r.node)}}}" for r in proxy.replicas],
+        "--prefiller-ports", *[str(r.http_port) for r in proxy.replicas],
+        "--decoder-hosts", f"${{{host_var(f'decode-{proxy.decode_server}')}}}",
+        "--decoder-ports", str(s.decode.http_port),
+    ]  # fmt: skip
+
+
+def bench_argv(cfg: ClusterConfig, prompts: int, result_file: str) -> list[str]:
+    """One leg of the reference's benchmark: random 8K prompts, 1K outputs, decode-capacity concurrency."""
+    s = cfg.serving
+    return [
+        "vllm", "bench", "serve",
+        "--backend", "vllm",
+        "--base-url", f"http://127.0.0.1:{s.proxy.port}",
+        "--model", model_dir(cfg),
+        "--dataset-name", "random",
+        "--random-input-len", str(s.shape.input_len),
+        "--random-output-len", str(s.shape.output_len),
+        "--ignore-eos",
+        "--max-concurrency", str(s.decode.capacity),
+        "--num-prompts", str(prompts),
+        "--percentile-metrics", "ttft,tpot,itl,e2el",
+        "--metric-percentiles", "50,99",
+        "--save-result",
+        "--result-dir", cfg.results_dir,
+        "--result-filename", result_file,
+    ]  # fmt: skip
+
+
+def model_dir(cfg: ClusterConfig) -> str:
+    """Where the checkpoint lives on every node (the reference's MODEL_ID)."""
+    return f"{cfg.nvme_mount}/models/{cfg.serving.model_id.rsplit('/', 1)[-1]}"
+
+
+def schedule_path(cfg: ClusterConfig) -> str:
+    """The fixed schedule path the decode server reads."""
+    return f"{cfg.nvme_mount}/cache/megakernel_schedule/active_dma_order.json"
+
+
+def health_url(host: str, port: int, path: str) -> str:
+    """URL a wait polls."""
+    return f"http://{host}:{port}{path}"
+
+
+# ---- environments ------------------------------------------------------------------------
+
+
+def _common(cfg: ClusterConfig) -> dict[str, str]:
+    return {k: v.value for k, v in cfg.serving.common_env.items()}
+
+
+def decode_env(cfg: ClusterConfig) -> dict[str, str]:
+    """Environment of the decode server: both-roles table, then decode-only table."""
+    d = cfg.serving.decode
+    return (
+        _common(cfg)
+        | {"NEURON_LOGICAL_NC_CONFIG": str(d.lnc)}
+        | {k: v.value for k, v in d.env.items()}
+        | {
+            "VLLM_NEURON_MEGA_DMA_ORDER_CONSTRAINTS_FILE": schedule_path(cfg),
+            "VLLM_NIXL_SIDE_CHANNEL_PORT": str(d.side_channel_port),
+        }
+    )
+
+
+def prefill_env(cfg: ClusterConfig) -> dict[str, str]:
+    """Environment shared by every prefill replica of a node."""
+    return _common(cfg) | {"NEURON_LOGICAL_NC_CONFIG": str(cfg.serving.prefill.lnc)}
+
+
+def replica_env(cfg: ClusterConfig, replica: Replica) -> dict[str, str]:
+    """Per-replica environment: its cores, its side channel, and its port and config for the Exec line."""
+    return {
+        "NEURON_VISIBLE_DEVICES": replica.visible_cores,
+        "VLLM_NIXL_SIDE_CHANNEL_PORT": str(replica.side_channel_port),
+        "GPTOSS_HTTP_PORT": str(replica.http_port),
+        "GPTOSS_ADDITIONAL_CONFIG": prefill_additional_config(cfg, replica),
+    }
+
+
+def cluster_env(cfg: ClusterConfig, node: Node) -> dict[str, str]:
+    """Settings of the staging scripts and wrappers on one node (no secrets: an ARN at most)."""
+    s = cfg.serving
+    return {
+        "AWS_REGION": cfg.region,
+        "GPTOSS_CLUSTER": cfg.cluster_name,
+        "GPTOSS_NODE": node.name,
+        "GPTOSS_SELF_HOST_VAR": host_var(node.name),
+        "GPTOSS_UNITS_FILE": f"{ETC}/units",
+        "GPTOSS_NVME_MOUNT": cfg.nvme_mount,
+        "GPTOSS_MODEL_DIR": model_dir(cfg),
+        "GPTOSS_MODEL_SOURCE": cfg.model.source,
+        "GPTOSS_MODEL_ID": s.model_id,
+        "GPTOSS_MODEL_S3_URI": cfg.model.s3_uri or "",
+        "GPTOSS_MODEL_SHARDS": str(cfg.model.expected_shards),
+        "GPTOSS_HF_TOKEN_SECRET_ARN": cfg.model.hf_token_secret_arn or "",
+        "GPTOSS_EXAMPLES_DIR": EXAMPLES_DIR,
+        "GPTOSS_EXAMPLES_REPO": cfg.examples.repo_url,
+        "GPTOSS_EXAMPLES_REF": cfg.examples.ref,
+        "GPTOSS_EXAMPLES_S3_URI": cfg.examples.s3_uri or "",
+        "GPTOSS_PROXY_SCRIPT": s.proxy.script,
+        "GPTOSS_SCHEDULE_SUBDIR": s.examples_dir,
+        "GPTOSS_SCHEDULE_HELPER": s.schedule_helper,
+        "GPTOSS_SCHEDULE_FILE": s.decode.schedule_file,
+        "MEGAKERNEL_SCHEDULE_DIR": str(PurePosixPath(schedule_path(cfg)).parent),
+        "MEGAKERNEL_SCOPE": s.decode.megakernel_scope,
+        "GPTOSS_CACHE_DIR": f"{cfg.nvme_mount}/cache",
+        "GPTOSS_COMPILE_CACHE_S3_URI": cfg.compile_cache_s3_uri or "",
+        "GPTOSS_VENV_GLOB": cfg.venv_glob,
+        "GPTOSS_RESULTS_DIR": cfg.results_dir,
+        "GPTOSS_LOG_DIR": f"{cfg.results_dir}/logs",
+        "GPTOSS_RESULTS_S3_URI": cfg.results_s3_uri or "",
+        "GPTOSS_BENCH_RESULT_FILE": s.bench.result_file,
+    }
+
+
+# ---- units -------------------------------------------------------------------------------
+
+
+def _exec(argv: list[str]) -> str:
+    return " ".join(systemd_quote(a) for a in argv)
+
+
+def _limits(cfg: ClusterConfig) -> dict[str, int]:
+    ready = cfg.serving.engine_ready_timeout_s
+    return {
+        # The Exec wait of a replica lasts up to one engine-ready timeout, then the server
+        # itself may take another; systemd must not kill either.
+        "start_timeout_s": 2 * ready + 600,
+        "start_limit_interval_s": 4 * (2 * ready + 600),
+        "start_limit_burst": START_LIMIT_BURST,
+        "restart_sec": RESTART_SEC,
+    }
+
+
+def render_node(cfg: ClusterConfig, layout: Layout, node: Node, *, bin_dir: str = BIN) -> NodeRender:
+    """Render the services and files of one node."""
+    s = cfg.serving
+    out = NodeRender(node=node, instance_type=cfg.instance_type, services=[])
+    files = out.files
+    cenv = cluster_env(cfg, node)
+    files[CLUSTER_ENV] = (env_file(cenv), 0o644)
+    for script in sorted((USERDATA_DIR / "bin").iterdir()):
+        files[f"{bin_dir}/{script.name}"] = (script.read_text(), 0o755)
+    for name in ("gptoss-nvme.service", "gptoss-stage.service"):
+        files[f"{UNIT_DIR}/{name}"] = (
+            _ENV.get_template(f"{name}.j2").render(bin=bin_dir, nvme_mount=cfg.nvme_mount, stage_timeout_s=cfg.stage_timeout_s),
+            0o644,
+        )
+    out.enable += ["gptoss-nvme.service", "gptoss-stage.service"]
+    limits = _limits(cfg)
+    hosts_env: dict[str, str] = {}
+
+    if node.role == "decode":
+        env = decode_env(cfg)
+        files[f"{ETC}/decode.env"] = (env_file(env), 0o644)
+        argv = [f"{bin_dir}/gptoss-exec", "decode", *vllm_argv(cfg, "decode", port=str(s.decode.http_port))]
+        files[f"{UNIT_DIR}/gptoss-decode.service"] = (
+            _ENV.get_template("gptoss-decode.service.j2").render(
+                bin=bin_dir, port=s.decode.http_port, env_files=[f"{ETC}/decode.env"], exec_start=_exec(argv), **limits
+            ),
+            0o644,
+        )
+        out.services.append(Service("gptoss-decode.service", env, argv[2:]))
+        out.enable.append("gptoss-decode.service")
+    else:
+        penv = prefill_env(cfg)
+        files[f"{ETC}/prefill.env"] = (env_file(penv), 0o644)
+        template_argv = [
+            f"{bin_dir}/gptoss-exec",
+            "prefill_%i",
+            *vllm_argv(cfg, "prefill", port="${GPTOSS_HTTP_PORT}", additional_config="${GPTOSS_ADDITIONAL_CONFIG}"),
+        ]
+        first = node.replicas[0]
+        gate = [
+            f"{bin_dir}/gptoss-prefill-gate",
+            "%i",
+            str(s.engine_ready_timeout_s),
+            health_url("127.0.0.1", first.http_port, s.server_health_path),
+        ]
+        files[f"{UNIT_DIR}/gptoss-prefill@.service"] = (
+            _ENV.get_template("gptoss-prefill@.service.j2").render(
+                env_files=[f"{ETC}/prefill.env", f"{ETC}/prefill@%i.env"],
+                gate=_exec(gate),
+                exec_start=_exec(template_argv),
+                **limits,
+            ),
+            0o644,
+        )
+        for r in node.replicas:
+            renv = replica_env(cfg, r)
+            files[f"{ETC}/prefill@{r.index}.env"] = (env_file(renv), 0o644)
+            full = penv | renv
+            argv = [expand(a, full, str(r.index)) for a in template_argv[2:]]
+            out.services.append(Service(r.unit, full, argv))
+        files[f"{UNIT_DIR}/gptoss-prefill.target"] = (
+            _ENV.get_template("gptoss-prefill.target.j2").render(replicas=[r.unit for r in node.replicas]),
+            0o644,
+        )
+        out.enable.append("gptoss-prefill.target")
+
+    for proxy in layout.proxies_on(node.name):
+        peers = sorted({r.node for r in proxy.replicas} | {f"decode-{proxy.decode_server}"})
+        for peer in peers:
+            hosts_env[host_var(peer)] = f"<{peer}>"
+        urls = [health_url(f"${{{host_var(r.node)}}}", r.http_port, s.server_health_path) for r in proxy.replicas]
+        urls.append(health_url(f"${{{host_var(f'decode-{proxy.decode_server}')}}}", s.decode.http_port, s.server_health_path))
+        # The proxy waits for every server, which may first wait for staging and compiles.
+        wait_s = cfg.stage_timeout_s + 2 * s.engine_ready_timeout_s
+        wait = [f"{bin_dir}/gptoss-wait-healthy", str(wait_s), *urls]
+        argv = [f"{bin_dir}/gptoss-exec", "proxy", *proxy_argv(cfg, proxy)]
+        local = ["gptoss-prefill.target"] if node.role == "prefill" else ["gptoss-decode.service"]
+        files[f"{UNIT_DIR}/gptoss-proxy.service"] = (
+            _ENV.get_template("gptoss-proxy.service.j2").render(
+                port=s.proxy.port,
+                decode_server=proxy.decode_server,
+                after=local,
+                env_files=[HOSTS_ENV],
+                wait=_exec(wait),
+                exec_start=_exec(argv),
+                start_timeout_s=wait_s + 600,
+            ),
+            0o644,
+        )
+        out.services.append(Service("gptoss-proxy.service", dict(hosts_env), [expand(a, hosts_env) for a in argv[2:]]))
+        out.enable.append("gptoss-proxy.service")
+
+        b = s.bench
+        bench_env = {"NETRC": b.netrc}
+        files[f"{ETC}/bench.env"] = (env_file(bench_env), 0o644)
+        legs = [("warmup", b.warmup_prompts, "bench_warmup.json"), ("measured", b.measured_prompts, b.result_file)]
+        lines = [[f"{bin_dir}/gptoss-exec", "bench", *bench_argv(cfg, n, f)] for _, n, f in legs]
+        files[f"{UNIT_DIR}/gptoss-bench.service"] = (
+            _ENV.get_template("gptoss-bench.service.j2").render(
+                bin=bin_dir,
+                env_files=[f"{ETC}/bench.env"],
+                wait=_exec([f"{bin_dir}/gptoss-wait-healthy", "60", health_url("127.0.0.1", s.proxy.port, s.proxy.health_path)]),
+                exec_start=[_exec(line) for line in lines],
+            ),
+            0o644,
+        )
+        for (step, _, _), line in zip(legs, lines, strict=True):
+            out.services.append(Service("gptoss-bench.service", bench_env, line[2:], step=step))
+
+    out.peers = sorted(p for p in {k[1:-1] for k in hosts_env.values()} if p != node.name)
+    files[f"{ETC}/units"] = ("\n".join(out.enable) + "\n", 0o644)
+    return out
+
+
+def render_cluster(cfg: ClusterConfig) -> list[NodeRender]:
+    """Render every node of the fleet."""
+    layout = cfg.layout
+    return [render_node(cfg, layout, n) for n in layout.nodes]
+
+
+# ---- user data ---------------------------------------------------------------------------
+
+
+def bundle(files: Mapping[str, tuple[str, int]]) -> bytes:
+    """A reproducible gzip tarball of a node's files (sorted, zero mtimes, root-owned)."""
+    raw = io.BytesIO()
+    with tarfile.open(fileobj=raw, mode="w", format=tarfile.PAX_FORMAT) as tar:
+        for path in sorted(files):
+            text, mode = files[path]
+            data = text.encode()
+            info = tarfile.TarInfo(path.lstrip("/"))
+            info.size, info.mode, info.mtime = len(data), mode, 0
+            tar.addfile(info, io.BytesIO(data))
+    out = io.BytesIO()
+    with gzip.GzipFile(fileobj=out, mode="wb", mtime=0, compresslevel=9) as gz:
+        gz.write(raw.getvalue())
+    return out.getvalue()
+
+
+def unbundle(blob: bytes) -> dict[str, tuple[str, int]]:
+    """Read a bundle back (tests, `plan --verify`)."""
+    out = {}
+    with tarfile.open(fileobj=io.BytesIO(gzip.decompress(blob))) as tar:
+        for m in tar.getmembers():
+            f = tar.extractfile(m)
+            assert f is not None
+            out["/" + m.name] = (f.read().decode(), m.mode)
+    return out
+
+
+class _Literal(str):
+    pass
+
+
+def _literal(dumper: yaml.SafeDumper, data: _Literal) -> yaml.ScalarNode:
+    return dumper.represent_scalar("tag:yaml.org,2002:str", data, style="|")
+
+
+yaml.SafeDumper.add_representer(_Literal, _literal)
+
+
+def user_data(render: NodeRender, hosts: Mapping[str, str]) -> str:
+    """cloud-init user data: the node's bundle, and the peers' IPs (CDK tokens at synth)."""
+    missing = [p for p in render.peers if p not in hosts]
+    if missing:
+        raise ValueError(f"{render.node.name}: no address given for peers {missing}")
+    hosts_text = "".join(f"{host_var(p)}={hosts[p]}\n" for p in render.peers) or "# no peers\n"
+    doc = {
+        "write_files": [
+            {
+                "path": BUNDLE,
+                "encoding": "b64",
+                "permissions": "0600",
+                "content": base64.b64encode(bundle(render.files)).decode(),
+            },
+            {"path": HOSTS_ENV, "permissions": "0644", "content": _Literal(hosts_text)},
+        ],
+        "runcmd": [["tar", "-xzf", BUNDLE, "-C", "/"], [f"{BIN}/gptoss-bootstrap"]],
+    }
+    return "#cloud-config\n" + yaml.safe_dump(doc, sort_keys=False, width=1 << 20)
+
+
+def parse_user_data(text: str) -> tuple[dict[str, tuple[str, int]], dict[str, str], list[list[str]]]:
+    """Parse user data back into (bundle files, hosts.env, runcmd)."""
+    doc = yaml.safe_load(text)
+    by_path = {f["path"]: f for f in doc["write_files"]}
+    files = unbundle(base64.b64decode(by_path[BUNDLE]["content"]))
+    return files, parse_env_file(by_path[HOSTS_ENV]["content"]), doc["runcmd"]
+
+
+def plan_json(renders: list[NodeRender]) -> str:
+    """The `plan --json` document."""
+    return json.dumps({"nodes": [r.as_json() for r in renders]}, indent=2)

@@ -1,0 +1,312 @@
+"""The tested serving configuration of reference 000 (Neuron SDK 2.33, gpt-oss-120b 8K/1K, 6P1D).
+
+Every default here is a value of the reference's tables; the field description is the
+reason the reference gives. The rest of the project derives ports, flags, environment,
+security-group rules and systemd units from these objects and writes none of them again.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from clusterspec.errors import rule_error
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class EnvSetting(_Frozen):
+    """One environment variable of a server, with the reason it is set."""
+
+    value: str
+    reason: str
+
+
+class ExtraFlag(_Frozen):
+    """A serving flag the spec does not model; added after the tested flags."""
+
+    name: str = Field(pattern=r"^--[a-z0-9][a-z0-9-]*$")
+    value: str | None = None
+    reason: str = Field(min_length=1)
+
+
+def _env(**pairs: tuple[str, str]) -> dict[str, EnvSetting]:
+    return {k: EnvSetting(value=v, reason=r) for k, (v, r) in pairs.items()}
+
+
+COMMON_ENV = _env(
+    VLLM_NEURON_BACKEND=(
+        "neuron_native",
+        "The compile route; libtorch-neuronx-lite selects its native-route setup only for an explicit value.",
+    ),
+    NEURON_LIBTORCH_DISABLE_GRAPH_CAPTURE_BACKEND=("1", "The native route needs the graph-capture backend off."),
+    TORCH_NEURONX_VOCAB_SHARDING_SPMD_DISABLE=(
+        "1",
+        "Turns off the vocab-sharding FX pass, so the per-rank vocab offset stays out of the graph.",
+    ),
+    NEURON_RT_DBG_VECTOR_DGE_SKIP_NOTIF=(
+        "1",
+        "Packed-FP8 KV writes benign out-of-bound skip notifications that otherwise stop the decode server on a long run.",
+    ),
+    VLLM_NEURON_NIXL_PROGRESS_THREAD_DELAY_US=(
+        "250",
+        "The NIXL progress thread polls with no delay by default and takes a core from the worker.",
+    ),
+    VLLM_NIXL_SIDE_CHANNEL_HOST=("0.0.0.0", "The side channel must accept the KV handshake from the other node."),
+    NEURON_LIBTORCH_COMPILATION_TIMEOUT=(
+        "2400",
+        "Seconds for the compile of one graph; the default 600 is shorter than one prefill graph compile.",
+    ),
+    VLLM_ENGINE_READY_TIMEOUT_S=(
+        "14400",
+        "Seconds for the startup of one server; the first prefill replica compiles its graph during startup.",
+    ),
+)
+
+DECODE_ENV = _env(
+    VLLM_NEURON_MEGA_COLLECTIVE_PRIVATE_SRC=(
+        "1",
+        "Keeps the source tensors of a collective off shared HBM; a toolchain that requires it stops the trace without it.",
+    ),
+    VLLM_NEURON_BATCH_QUEUE_DEPTH=("4", "Four batches in flight hide the host time of a step."),
+    NEURON_RT_XU_WORKER_ENABLE_LOW_LATENCY_COMPLETION=(
+        "0",
+        "The completion poll backs off and gives host cores back to the workers.",
+    ),
+    VLLM_NEURON_MEGA_FUSE_EMBED=("1", "The token embedding inside the megakernel."),
+    VLLM_NEURON_TAIL_FLAT_ROW_GATHER=("1", "One row gather in the fused tail."),
+)
+
+# Variables the renderer computes from typed fields; an env table may not set them by hand.
+DERIVED_ENV = frozenset(
+    {
+        "NEURON_LOGICAL_NC_CONFIG",
+        "NEURON_VISIBLE_DEVICES",
+        "VLLM_NIXL_SIDE_CHANNEL_PORT",
+        "VLLM_NEURON_MEGA_DMA_ORDER_CONSTRAINTS_FILE",
+    }
+)
+
+
+def _check_env(field: str, env: dict[str, EnvSetting]) -> None:
+    derived = sorted(DERIVED_ENV & set(env))
+    if derived:
+        raise rule_error(
+            field,
+            derived,
+            "these variables are derived from typed fields (lnc, ports, layout, schedule path)",
+            "remove them from the env table and set the typed field instead",
+        )
+
+
+class Shape(_Frozen):
+    """Settings both roles share (reference 000, 'Shape')."""
+
+    max_model_len: int = Field(10240, gt=0, description="Holds the 8,192 input tokens and the 1,024 output tokens.")
+    max_num_batched_tokens: int = Field(
+        8192, gt=0, description="One prefill segment holds the whole prompt; one bucket [8192] on both roles."
+    )
+    block_size: int = Field(128, gt=0, description="The KV block size of the packed FP8 cache.")
+    kv_cache_dtype: Literal["fp8"] = Field("fp8", description="The packed FP8 KV layout prefill writes and the megakernel reads.")
+    fp8_packed_kv: bool = Field(True, description="The packed FP8 KV layout prefill writes and the megakernel reads.")
+    max_logprobs: int = Field(0, ge=0, description="No logprob gather.")
+    keep_hybrid_kv_cache_manager: bool = Field(
+        True, description="--no-disable-hybrid-kv-cache-manager: the sliding-window layers need it."
+    )
+    hf_overrides: dict[str, Any] = Field(
+        default_factory=lambda: {"quantization_config": {}},
+        description="Lets vLLM load the published MXFP4 checkpoint.",
+    )
+    quantization: Literal["mxfp4", "bf16"] = Field(
+        "mxfp4", description="neuron_config.quantization selects the Neuron MXFP4 path (Trn3 only)."
+    )
+    distributed_executor_backend: Literal["mp"] = Field("mp", description="The multiprocess executor.")
+    kv_connector: Literal["NixlConnector"] = Field("NixlConnector", description="KV transfer over NIXL.")
+    kv_buffer_device: str = Field("cuda", description="As in the DI command of the Neuron gpt-oss tutorial (reference 001).")
+    nixl_backends: tuple[str, ...] = Field(("LIBFABRIC",), description="NIXL over libfabric, that is EFA on AWS.")
+
+    @property
+    def input_len(self) -> int:
+        """Prompt tokens of the tested shape."""
+        return self.max_num_batched_tokens
+
+    @property
+    def output_len(self) -> int:
+        """Output tokens of the tested shape (1,024)."""
+        return 1024
+
+    @model_validator(mode="after")
+    def _shape_fits(self) -> Shape:
+        if self.max_num_batched_tokens + self.output_len > self.max_model_len:
+            raise rule_error(
+                "serving.shape.max_model_len",
+                self.max_model_len,
+                f"must hold max_num_batched_tokens + {self.output_len} output tokens "
+                f"= {self.max_num_batched_tokens + self.output_len}",
+                f"set max_model_len >= {self.max_num_batched_tokens + self.output_len}",
+            )
+        return self
+
+
+class Decode(_Frozen):
+    """The megakernel decode server (reference 000, node B)."""
+
+    tensor_parallel: int = Field(8, gt=0, description="TP8 ranks.")
+    data_parallel: int = Field(16, gt=0, description="16 TP8 ranks give 128 ranks.")
+    ep_degree: int = Field(128, gt=0, description="One expert on each of the 128 ranks (EP = TP x DP).")
+    lnc: Literal[1, 2] = Field(1, description="NEURON_LOGICAL_NC_CONFIG=1: the megakernel needs one logical core per physical core.")
+    max_num_seqs: int = Field(
+        8, gt=0, description="The partition axis caps the per-rank decode batch at 128 * TP / EP = 8."
+    )
+    optimization_level: int = Field(2, ge=0, le=3, description="The compiler optimization level of the decode graph.")
+    embedding_dp_size: int = Field(1, gt=0, description="The megakernel builds the token embedding; not sharded over DP.")
+    lm_head_dp_size: int = Field(16, gt=0, description="The lm_head is replicated over the 16 data-parallel ranks.")
+    tail_hops: tuple[int, ...] = Field((128,), description="One 128-rank all-to-all in the fused tail.")
+    http_port: int = Field(8200, ge=1024, le=65535, description="The decode server's HTTP port.")
+    side_channel_port: int = Field(8759, ge=1024, le=65535, description="Past the last prefill side-channel port.")
+    env: dict[str, EnvSetting] = Field(default_factory=lambda: dict(DECODE_ENV))
+    schedule_file: str = Field(
+        "gpt_oss_120b_megakernel_dma_order.json",
+        description="The shipped DMA-order schedule (MEGAKERNEL_SCHEDULE) in the examples directory.",
+    )
+    megakernel_scope: str = Field("auto", description="MEGAKERNEL_SCOPE: auto gives 250 on the native route.")
+    extra_flags: tuple[ExtraFlag, ...] = ()
+
+    @property
+    def capacity(self) -> int:
+        """Concurrent sequences of one decode server: max_num_seqs on each DP rank."""
+        return self.max_num_seqs * self.data_parallel
+
+    @property
+    def side_channel_ports(self) -> tuple[int, int]:
+        """Side-channel range covering base+dp_rank (current vLLM) and base+dp*tp+tp (older)."""
+        return self.side_channel_port, self.side_channel_port + self.data_parallel * self.tensor_parallel - 1
+
+    @model_validator(mode="after")
+    def _decode_rules(self) -> Decode:
+        if self.ep_degree != self.tensor_parallel * self.data_parallel:
+            raise rule_error(
+                "serving.decode.ep_degree",
+                self.ep_degree,
+                f"decode EP must equal TP x DP = {self.tensor_parallel} x {self.data_parallel} "
+                f"= {self.tensor_parallel * self.data_parallel} (one expert slice per rank)",
+                f"set ep_degree to {self.tensor_parallel * self.data_parallel} or change tensor_parallel/data_parallel",
+            )
+        cap = 128 * self.tensor_parallel // self.ep_degree
+        if self.max_num_seqs > cap:
+            raise rule_error(
+                "serving.decode.max_num_seqs",
+                self.max_num_seqs,
+                f"the partition axis caps it at 128*TP/EP = {cap} for TP{self.tensor_parallel} "
+                f"EP{self.ep_degree} (else the trace stops with 'Partition dim size must be preserved')",
+                f"set max_num_seqs <= {cap}",
+            )
+        if self.lm_head_dp_size != self.data_parallel:
+            raise rule_error(
+                "serving.decode.lm_head_dp_size",
+                self.lm_head_dp_size,
+                f"the lm_head is replicated over the data-parallel ranks: it must equal data_parallel={self.data_parallel}",
+                f"set lm_head_dp_size to {self.data_parallel}",
+            )
+        _check_env("serving.decode.env", self.env)
+        return self
+
+
+class Prefill(_Frozen):
+    """One TP4 prefill replica (reference 000, node A); replicas differ only in cores and ports."""
+
+    tensor_parallel: int = Field(4, gt=0, description="TP4 for each replica.")
+    data_parallel: Literal[1] = Field(
+        1, description="Separate DP1 servers: expert parallelism cannot share DP ranks on the prefill graph."
+    )
+    ep_degree: int = Field(2, gt=0, description="ep_degree 2 sets the MoE expert-parallel width of prefill.")
+    lnc: Literal[1, 2] = Field(2, description="The prefill graph runs the per-layer path at LNC=2.")
+    max_num_seqs: int = Field(1, gt=0, description="One prompt for each prefill step.")
+    http_port_base: int = Field(8100, ge=1024, le=65535, description="Replica i serves HTTP on 8100 + i.")
+    side_channel_port_base: int = Field(5559, ge=1024, le=65535, description="Replica i uses side channel 5559 + 100 * i.")
+    side_channel_port_step: int = Field(100, gt=0, description="One side-channel port block for each replica.")
+    extra_flags: tuple[ExtraFlag, ...] = ()
+
+    def http_port(self, index: int) -> int:
+        """HTTP port of replica `index` on its instance."""
+        return self.http_port_base + index
+
+    def side_channel_port(self, index: int) -> int:
+        """NIXL side-channel base port of replica `index` on its instance."""
+        return self.side_channel_port_base + self.side_channel_port_step * index
+
+    def side_channel_range(self, index: int) -> tuple[int, int]:
+        """Ports of replica `index` under both vLLM formulas (base+dp, base+dp*tp+tp)."""
+        base = self.side_channel_port(index)
+        return base, base + self.data_parallel * self.tensor_parallel - 1
+
+    def cores(self, index: int) -> tuple[int, int]:
+        """First and last logical NeuronCore of replica `index` (4i .. 4i+3 for TP4)."""
+        return self.tensor_parallel * index, self.tensor_parallel * index + self.tensor_parallel - 1
+
+
+class Proxy(_Frozen):
+    """The example proxy (toy_proxy_server.py) of the vLLM Neuron examples."""
+
+    port: int = Field(8000, ge=1024, le=65535, description="The client endpoint.")
+    bind_host: str = Field("0.0.0.0", description="The proxy defaults to 127.0.0.1; other nodes and the NLB must reach it.")
+    health_path: str = Field("/healthcheck", description="The proxy has no /health route.")
+    script: str = Field(
+        "examples/vllm_neuron/vllm/disaggregated_inference/toy_proxy_server.py",
+        description="Path of the proxy inside the vLLM Neuron repository.",
+    )
+
+
+class Bench(_Frozen):
+    """The benchmark client of reference 000 step 5."""
+
+    warmup_prompts: int = Field(1280, gt=0, description="The first leg after a launch is not a valid measurement.")
+    measured_prompts: int = Field(12800, gt=0, description="The result leg.")
+    netrc: str = Field("/dev/null", description="vllm bench serve reads ~/.netrc before each request; keep it local.")
+    result_file: str = Field("bench_clean.json", description="The measured leg's result, in the results directory.")
+
+
+class Serving(_Frozen):
+    """The whole tested serving configuration."""
+
+    model_id: str = Field("openai/gpt-oss-120b", description="The Hugging Face checkpoint.")
+    examples_dir: str = Field(
+        "examples/vllm_neuron/models/gpt_oss/120b/mxfp4/multinode_DI_8k1k",
+        description="The 8K/1K scripts, the schedule and its helper in the vLLM Neuron repository.",
+    )
+    schedule_helper: str = Field(
+        "prepare_megakernel_schedule.py", description="Writes the schedule into MEGAKERNEL_SCHEDULE_DIR."
+    )
+    server_health_path: str = Field("/health", description="vLLM servers answer GET /health.")
+    shape: Shape = Field(default_factory=Shape)
+    decode: Decode = Field(default_factory=Decode)
+    prefill: Prefill = Field(default_factory=Prefill)
+    common_env: dict[str, EnvSetting] = Field(default_factory=lambda: dict(COMMON_ENV))
+    proxy: Proxy = Field(default_factory=Proxy)
+    bench: Bench = Field(default_factory=Bench)
+
+    @property
+    def engine_ready_timeout_s(self) -> int:
+        """VLLM_ENGINE_READY_TIMEOUT_S: the longest a server may take to start."""
+        return int(self.common_env["VLLM_ENGINE_READY_TIMEOUT_S"].value)
+
+    @model_validator(mode="after")
+    def _serving_rules(self) -> Serving:
+        _check_env("serving.common_env", self.common_env)
+        if "VLLM_ENGINE_READY_TIMEOUT_S" not in self.common_env:
+            raise rule_error(
+                "serving.common_env",
+                sorted(self.common_env),
+                "VLLM_ENGINE_READY_TIMEOUT_S is required: units size their start timeouts from it",
+                "add VLLM_ENGINE_READY_TIMEOUT_S (the tested value is 14400)",
+            )
+        return self
+
+
+def json_arg(value: Any) -> str:
+    """Serialize a JSON command-line argument the same way everywhere (stable, compact)."""
+    return json.dumps(value, separators=(", ", ": "))

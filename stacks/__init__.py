@@ -1,0 +1,1 @@
+"""Thin stacks that compose the cluster components."""

@@ -1,0 +1,116 @@
+"""The serving cluster stack: it only wires the components together."""
+
+from __future__ import annotations
+
+from aws_cdk import Acknowledgment, CfnParameter, Environment, Stack, Tags, Validations, aws_ec2 as ec2
+from constructs import Construct
+
+from clusterspec.config import ClusterConfig
+from clusterspec.render import render_cluster
+from cluster_constructs.iam import NodeRole
+from cluster_constructs.launch_template import EfaLaunchTemplate
+from cluster_constructs.load_balancer import ProxyLoadBalancer
+from cluster_constructs.network import ClusterNetwork
+from cluster_constructs.node import ClusterNode
+from cluster_constructs.outputs import ClusterOutputs
+from cluster_constructs.security_group import ClusterSecurityGroup
+
+# Each cdk-nag finding this design accepts, with the reason.
+NAG_ACKNOWLEDGEMENTS = {
+    "AwsSolutions-IAM4[Policy::arn:<AWS::Partition>:iam::aws:policy/AmazonSSMManagedInstanceCore]": "AmazonSSMManagedInstanceCore is the AWS-maintained policy for the SSM agent; "
+    "its actions are explicit (no '*' action) and copying it would drift from AWS updates.",
+    "AwsSolutions-IAM5": "Object-level wildcards are limited to the configured S3 prefixes (prefix/*) and the "
+    "CloudWatch log group of the flow logs; no action is a wildcard.",
+    "AwsSolutions-EC29": "Termination protection is off by default so `cdk destroy` tears the cluster down; "
+    "set termination_protection=true for a long-lived production cluster.",
+    "AwsSolutions-ELB2": "The internal NLB only spreads TCP connections over the proxies; the proxies and servers "
+    "log every request to journald and the results directory. Add an access-log bucket if policy requires it.",
+}
+
+
+class GptOssClusterStack(Stack):
+    """A Trn3 gpt-oss-120b serving cluster: network, EFA nodes, their bootstrap and outputs."""
+
+    def __init__(self, scope: Construct, construct_id: str, *, config: ClusterConfig) -> None:
+        super().__init__(
+            scope,
+            construct_id,
+            env=Environment(region=config.region),
+            description=f"gpt-oss-120b on {config.instance_type}: {config.decode_instances} decode server(s), "
+            f"{config.decode_instances * config.prefill_per_decode} prefill replicas (vLLM Neuron, disaggregated)",
+        )
+        layout = config.layout
+        Tags.of(self).add("gptoss:cluster", config.cluster_name)
+
+        network = ClusterNetwork(self, "Network", config=config)
+        security = ClusterSecurityGroup(self, "SecurityGroup", config=config, layout=layout, vpc=network.vpc)
+        if config.network.egress == "none" and not config.network.existing:
+            network.add_ssm_endpoints(security_group_id=security.group.security_group_id)
+        placement = ec2.CfnPlacementGroup(self, "PlacementGroup", strategy="cluster")
+        role = NodeRole(self, "NodeRole", config=config)
+        image_id = config.ami_id or CfnParameter(
+            self,
+            "NeuronDlamiAmi",
+            type="AWS::SSM::Parameter::Value<AWS::EC2::Image::Id>",
+            default=config.ami_ssm_parameter,
+            description="SSM parameter of the Neuron DLAMI (resolved at deploy time, not at synth)",
+        ).value_as_string
+        templates = {
+            r: EfaLaunchTemplate(
+                self,
+                f"{r.capitalize()}LaunchTemplate",
+                config=config,
+                role=r,
+                image_id=image_id,
+                subnet_id=network.subnet_id,
+                security_group_id=security.group.security_group_id,
+                instance_profile_arn=role.profile.attr_arn,
+                placement_group=placement.ref,
+            ).template
+            for r in ("prefill", "decode")
+        }
+
+        # A node's user data names the private IPs of its peers, so peers are created first.
+        renders = render_cluster(config)
+        nodes: dict[str, ClusterNode] = {}
+        for render in sorted(renders, key=lambda r: bool(r.peers)):
+            nodes[render.node.name] = ClusterNode(
+                self,
+                render.node.logical_id,
+                config=config,
+                render=render,
+                template=templates[render.node.role],
+                image_id=image_id,
+                peer_ips={p: nodes[p].private_ip for p in render.peers},
+            )
+        ordered = [nodes[r.node.name] for r in renders]
+        proxy_nodes = [nodes[p.node] for p in layout.proxies]
+        endpoint = None
+        if layout.load_balanced:
+            endpoint = ProxyLoadBalancer(
+                self,
+                "ProxyEndpoint",
+                config=config,
+                vpc=network.vpc,
+                subnet_id=network.subnet_id,
+                cluster_group=security.group,
+                instances=[n.instance for n in proxy_nodes],
+            ).dns_name
+        ClusterOutputs(self, "Outputs", config=config, nodes=ordered, proxy_node=proxy_nodes[0], endpoint_dns=endpoint)
+
+        for rule, reason in NAG_ACKNOWLEDGEMENTS.items():
+            Validations.of(self).acknowledge(Acknowledgment(id=f"AwsSolutions::{rule}", reason=reason))
+        Validations.of(self).acknowledge(
+            Acknowledgment(
+                id="CloudFormation-Validate::W3010",
+                reason="EFA nodes must share one subnet in one named AZ; the AZ is the availability_zone parameter.",
+            )
+        )
+        if config.instance_type.startswith("trn3"):
+            Validations.of(self).acknowledge(
+                Acknowledgment(
+                    id="CloudFormation-Validate::E3628",
+                    reason=f"{config.instance_type} is newer than the CloudFormation schema the validator ships; "
+                    "preflight checks that the type is offered in the AZ.",
+                )
+            )
