@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from clusterspec.errors import SpecError, explain, rule_error
 from clusterspec.instance_types import KNOWN_INSTANCE_TYPES, InstanceType
@@ -43,11 +43,11 @@ class NetworkConfig(_Frozen):
 
     @field_validator("vpc_cidr", "subnet_cidr", "public_subnet_cidr")
     @classmethod
-    def _cidr(cls, v: str) -> str:
+    def _cidr(cls, v: str, info: ValidationInfo) -> str:
         try:
             ipaddress.ip_network(v)
         except ValueError as e:
-            raise rule_error("network CIDR", v, f"is not an IPv4 CIDR block ({e})", "give a block like 10.42.0.0/16") from None
+            raise rule_error(f"network.{info.field_name}", v, f"is not an IPv4 CIDR block ({e})", "give a block like 10.42.0.0/16") from None
         return v
 
     @property

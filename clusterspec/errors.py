@@ -30,6 +30,20 @@ def _loc(err: Any, prefix: str) -> str:
     return ".".join([prefix, *parts] if prefix else parts)
 
 
+_FIXES = {
+    "int_parsing": "set `{field}` to a whole number",
+    "int_type": "set `{field}` to a whole number",
+    "bool_parsing": "set `{field}` to true or false",
+    "literal_error": "set `{field}` to one of the values listed",
+    "string_pattern_mismatch": "set `{field}` to a value of that form",
+    "greater_than": "raise `{field}`",
+    "greater_than_equal": "raise `{field}`",
+    "less_than_equal": "lower `{field}`",
+    "dict_type": "give `{field}` as a mapping of settings",
+    "model_type": "give `{field}` as a mapping of settings",
+}
+
+
 def explain(exc: ValidationError, prefix: str = "") -> SpecError:
     """Turn a pydantic ValidationError into messages with field, value, rule and fix."""
     messages = []
@@ -45,6 +59,7 @@ def explain(exc: ValidationError, prefix: str = "") -> SpecError:
         elif err["type"] == "missing":
             rule, fix = "is required", f"set `{field}` in the config file or with -c"
         else:
-            rule, fix = err["msg"][0].lower() + err["msg"][1:], f"set `{field}` to a value that satisfies it"
+            rule = err["msg"][0].lower() + err["msg"][1:]
+            fix = _FIXES.get(err["type"], "set `{field}` to a value that satisfies this rule").format(field=field)
         messages.append(f"{field}={shown}: {rule}. Fix: {fix}.")
     return SpecError(messages)

@@ -15,19 +15,6 @@ from cluster_constructs.node import ClusterNode
 from cluster_constructs.outputs import ClusterOutputs
 from cluster_constructs.security_group import ClusterSecurityGroup
 
-# Each cdk-nag finding this design accepts, with the reason.
-NAG_ACKNOWLEDGEMENTS = {
-    "AwsSolutions-IAM4[Policy::arn:<AWS::Partition>:iam::aws:policy/AmazonSSMManagedInstanceCore]": "AmazonSSMManagedInstanceCore is the AWS-maintained policy for the SSM agent; "
-    "its actions are explicit (no '*' action) and copying it would drift from AWS updates.",
-    "AwsSolutions-IAM5": "Object-level wildcards are limited to the configured S3 prefixes (prefix/*) and the "
-    "CloudWatch log group of the flow logs; no action is a wildcard.",
-    "AwsSolutions-EC29": "Termination protection is off by default so `cdk destroy` tears the cluster down; "
-    "set termination_protection=true for a long-lived production cluster.",
-    "AwsSolutions-ELB2": "The internal NLB only spreads TCP connections over the proxies; the proxies and servers "
-    "log every request to journald and the results directory. Add an access-log bucket if policy requires it.",
-}
-
-
 class GptOssClusterStack(Stack):
     """A Trn3 gpt-oss-120b serving cluster: network, EFA nodes, their bootstrap and outputs."""
 
@@ -93,13 +80,20 @@ class GptOssClusterStack(Stack):
                 config=config,
                 vpc=network.vpc,
                 subnet_id=network.subnet_id,
+                route_table_id=network.route_table_id,
                 cluster_group=security.group,
                 instances=[n.instance for n in proxy_nodes],
             ).dns_name
         ClusterOutputs(self, "Outputs", config=config, nodes=ordered, proxy_node=proxy_nodes[0], endpoint_dns=endpoint)
 
-        for rule, reason in NAG_ACKNOWLEDGEMENTS.items():
-            Validations.of(self).acknowledge(Acknowledgment(id=f"AwsSolutions::{rule}", reason=reason))
+        if not config.termination_protection:
+            Validations.of(self).acknowledge(
+                Acknowledgment(
+                    id="AwsSolutions::AwsSolutions-EC29",
+                    reason="Termination protection is off by default so `cdk destroy` tears the cluster down; "
+                    "set termination_protection=true for a long-lived production cluster.",
+                )
+            )
         Validations.of(self).acknowledge(
             Acknowledgment(
                 id="CloudFormation-Validate::W3010",

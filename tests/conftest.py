@@ -1,0 +1,107 @@
+"""Shared fixtures: each stack is synthesized once per test run."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+CDK = ROOT / "node_modules" / ".bin" / "cdk"
+STACK = "GptOss8k1kStack"
+
+
+def cli_env(**extra: str) -> dict[str, str]:
+    """Environment of every CDK CLI call: quiet, offline, no credentials needed."""
+    node_major = subprocess.run(
+        ["node", "-p", "process.versions.node.split('.')[0]"], capture_output=True, text=True, check=True
+    ).stdout.strip()
+    env = {
+        **os.environ,
+        "JSII_SILENCE_WARNING_END_OF_LIFE_NODE_VERSION": node_major,
+        "AWS_SDK_JS_NODE_VERSION_SUPPORT_WARNING_DISABLED": "true",
+        "CDK_DISABLE_CLI_TELEMETRY": "true",
+        "AWS_REGION": "us-east-2",
+        "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
+    }
+    env.update(extra)
+    return env
+
+
+class Synth:
+    """One `cdk synth` through the pinned CLI: its template and its validation report."""
+
+    def __init__(self, outdir: Path, result: subprocess.CompletedProcess[str]):
+        self.outdir = outdir
+        self.result = result
+        self.template_path = outdir / f"{STACK}.template.json"
+        self.template: dict[str, Any] = json.loads(self.template_path.read_text())
+        report = outdir / "validation-report.json"
+        self.report: dict[str, Any] = json.loads(report.read_text()) if report.exists() else {}
+
+    def resources(self, rtype: str) -> dict[str, dict[str, Any]]:
+        """Resources of one CloudFormation type, by logical id."""
+        return {k: v for k, v in self.template["Resources"].items() if v["Type"] == rtype}
+
+
+def run_cli_synth(outdir: Path, *context: str) -> Synth:
+    """Run the pinned CLI, failing the test with its output if synth fails."""
+    args = [str(CDK), "synth", STACK, "--no-notices", "--quiet", "-o", str(outdir)]
+    for c in context:
+        args += ["-c", c]
+    result = subprocess.run(args, cwd=ROOT, env=cli_env(), capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, f"cdk synth failed:\n{result.stdout}\n{result.stderr}"
+    return Synth(outdir, result)
+
+
+@pytest.fixture(scope="session")
+def cli_synth(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Synth]:
+    """`cdk synth GptOss8k1kStack -c ...` through the pinned CLI, once per context."""
+    cache: dict[tuple[str, ...], Synth] = {}
+
+    def get(*context: str) -> Synth:
+        if context not in cache:
+            cache[context] = run_cli_synth(tmp_path_factory.mktemp("cdk.out"), *context)
+        return cache[context]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def default_synth(cli_synth: Callable[..., Synth]) -> Synth:
+    """The tested two-node 6P1D stack."""
+    return cli_synth()
+
+
+@pytest.fixture(scope="session")
+def fleet_synth(cli_synth: Callable[..., Synth]) -> Synth:
+    """The production layout: 3 prefill + 8 decode instances."""
+    return cli_synth("decode_instances=8")
+
+
+@pytest.fixture(scope="session")
+def synth_variant() -> Callable[..., dict[str, Any]]:
+    """In-process template of a parameter variant (one jsii runtime for all of them)."""
+    import aws_cdk as cdk
+    from aws_cdk.assertions import Template
+
+    from clusterspec.config import load_config
+    from stacks.cluster_stack import GptOssClusterStack
+
+    cache: dict[str, dict[str, Any]] = {}
+
+    def get(**context: Any) -> dict[str, Any]:
+        key = json.dumps(context, sort_keys=True)
+        if key not in cache:
+            app = cdk.App()
+            stack = GptOssClusterStack(app, STACK, config=load_config(context))
+            cache[key] = Template.from_stack(stack).to_json()
+        return cache[key]
+
+    return get
