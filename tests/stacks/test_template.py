@@ -306,6 +306,19 @@ def normalized(template: dict[str, Any]) -> dict[str, Any]:
     t.pop("Rules", None)
     for r in t["Resources"].values():
         r.pop("Metadata", None)
+        if r["Type"] == "AWS::EC2::Instance":
+            # Decode the bundle so a change to one script reads as a diff of that script.
+            from clusterspec.render import parse_user_data
+
+            joined = r["Properties"]["UserData"]["Fn::Base64"]
+            parts = joined["Fn::Join"][1] if isinstance(joined, dict) else [joined]
+            text = "".join(p if isinstance(p, str) else "<" + ".".join(p["Fn::GetAtt"]) + ">" for p in parts)
+            files, hosts, runcmd = parse_user_data(text)
+            r["Properties"]["UserData"] = {
+                "runcmd": runcmd,
+                "hosts.env": hosts,
+                "bundle": {path: {"mode": oct(mode), "text": body.splitlines()} for path, (body, mode) in files.items()},
+            }
     return t
 
 

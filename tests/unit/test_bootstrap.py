@@ -449,3 +449,71 @@ def test_units_order_and_timeouts(tmp_path: Path) -> None:
     assert "ExecStartPre=/opt/gptoss/bin/gptoss-wait-healthy" in proxy
     assert "[Install]" not in files["/etc/systemd/system/gptoss-bench.service"]
     assert "Before=gptoss-stage.service" in files["/etc/systemd/system/gptoss-nvme.service"]
+
+
+def test_hugging_face_download_excludes_unused_folders_and_keeps_the_token_off_disk(artifacts_env: dict[str, str]) -> None:
+    root = Path(artifacts_env["ROOT"])
+    venv = root / "venv-vllm"
+    (venv / "bin").mkdir(parents=True)
+    (venv / "bin/activate").write_text(f'export VIRTUAL_ENV={venv}\nexport PATH="{venv}/bin:$PATH"\n')
+    src = Path(artifacts_env["S3"]) / "models/gpt-oss-120b"
+    _fake(
+        venv / "bin",
+        "hf",
+        f'echo "hf $* token=${{HF_TOKEN:-}} xet=${{HF_XET_HIGH_PERFORMANCE:-}}" >>"{root}/state/calls.log"\n'
+        'dst=""; while [ $# -gt 0 ]; do [ "$1" = --local-dir ] && dst=$2; shift; done\n'
+        f'cp -r "{src}/." "$dst/"\n',
+    )
+    fakes = Path(artifacts_env["PATH"].split(os.pathsep)[0])
+    _fake(
+        fakes,
+        "aws",
+        f'echo "aws $*" >>"{root}/state/calls.log"\n'
+        'if [ "$1" = secretsmanager ]; then echo hf_secretTOKENvalue1234567890; fi\n'
+        'if [ "$1 $2" = "s3 sync" ]; then dst=${*: -1}; src=${*: -2:1}; src=${src#s3://}; mkdir -p "$dst"; '
+        f'cp -r "{artifacts_env["S3"]}/$src/." "$dst/"; fi\n',
+    )
+    env_file = Path(artifacts_env["GPTOSS_CLUSTER_ENV"])
+    arn = "arn:aws:secretsmanager:us-east-2:123456789012:secret:hf-token-AbCdEf"
+    env_file.write_text(
+        env_file.read_text().replace("GPTOSS_MODEL_SOURCE=s3", "GPTOSS_MODEL_SOURCE=huggingface")
+        + f"GPTOSS_MODEL_ID=openai/gpt-oss-120b\nGPTOSS_HF_TOKEN_SECRET_ARN={arn}\nGPTOSS_VENV_GLOB={root}/venv-vll*\n"
+    )
+    res = _run_artifacts(artifacts_env)
+    assert res.returncode == 0, res.stdout + res.stderr
+    calls = (root / "state/calls.log").read_text().splitlines()
+    assert f"aws secretsmanager get-secret-value --secret-id {arn} --query SecretString --output text" in calls
+    hf = [c for c in calls if c.startswith("hf ")]
+    assert hf == [
+        f"hf download openai/gpt-oss-120b --local-dir {root}/nvme/models/gpt-oss-120b.partial --exclude original/* metal/* "
+        "token=hf_secretTOKENvalue1234567890 xet=1"
+    ]
+    on_disk = subprocess.run(["grep", "-rl", "hf_secretTOKEN", str(root / "nvme"), str(root / "opt")], capture_output=True)
+    assert on_disk.stdout == b""
+    assert (root / "nvme/models/gpt-oss-120b/.gptoss-complete").exists()
+
+
+def test_examples_are_fetched_at_the_pinned_ref(artifacts_env: dict[str, str], tmp_path: Path) -> None:
+    """A real git repository with two commits: the node checks out the tagged one."""
+    repo = tmp_path / "vllm-neuron-upstream"
+    ex = Path(artifacts_env["S3"]) / "models/vllm-neuron"
+    shutil.copytree(ex, repo)
+    git = ["git", "-C", str(repo), "-c", "user.name=t", "-c", "user.email=t@example.invalid"]
+    subprocess.run(["git", "init", "-q", str(repo)], check=True)
+    subprocess.run([*git, "add", "-A"], check=True)
+    subprocess.run([*git, "commit", "-qm", "release"], check=True)
+    subprocess.run([*git, "tag", "test-ref"], check=True)
+    (repo / "LATER").write_text("not in the release")
+    subprocess.run([*git, "add", "-A"], check=True)
+    subprocess.run([*git, "commit", "-qm", "later"], check=True)
+    env_file = Path(artifacts_env["GPTOSS_CLUSTER_ENV"])
+    env_file.write_text(
+        env_file.read_text().replace("GPTOSS_EXAMPLES_S3_URI=s3://models/vllm-neuron", "GPTOSS_EXAMPLES_S3_URI=")
+        + f"GPTOSS_EXAMPLES_REPO={repo}\n"
+    )
+    res = _run_artifacts(artifacts_env)
+    assert res.returncode == 0, res.stdout + res.stderr
+    dest = Path(artifacts_env["ROOT"]) / "opt/vllm-neuron"
+    assert (dest / load_config({}).serving.proxy.script).is_file()
+    assert not (dest / "LATER").exists()
+    assert (dest / ".gptoss-ref").read_text().strip() == "test-ref"

@@ -1,0 +1,52 @@
+"""`scripts/cluster.py plan`: the table and the JSON document users read."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from typing import Any
+
+from tests.conftest import ROOT
+
+
+def plan(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "cluster.py"), "plan", *args], capture_output=True, text=True, cwd=ROOT
+    )
+
+
+def plan_json(*args: str) -> dict[str, Any]:
+    r = plan("--json", *args)
+    assert r.returncode == 0, r.stderr
+    return json.loads(r.stdout)
+
+
+def test_json_schema_of_the_default_two_node_plan() -> None:
+    doc = plan_json()
+    assert [(n["name"], n["role"], n["instance_type"]) for n in doc["nodes"]] == [
+        ("prefill-0", "prefill", "trn3.48xlarge"),
+        ("decode-0", "decode", "trn3.48xlarge"),
+    ]
+    for node in doc["nodes"]:
+        for s in node["services"]:
+            assert set(s) <= {"unit", "environment", "argv", "step"}
+            assert isinstance(s["environment"], dict) and all(isinstance(a, str) for a in s["argv"])
+    units = [s["unit"] for s in doc["nodes"][0]["services"]]
+    assert units[:6] == [f"gptoss-prefill@{i}.service" for i in range(6)]
+    assert "gptoss-proxy.service" in units
+
+
+def test_table_names_every_node_unit_and_command() -> None:
+    r = plan("--width", "250")
+    assert r.returncode == 0, r.stderr
+    out = r.stdout
+    assert "1 prefill + 1 decode = 2 x trn3.48xlarge, 6 prefill replicas, 1 proxy" in out
+    for text in ("gptoss-prefill@5.service", "gptoss-decode.service", "NEURON_VISIBLE_DEVICES=20-23", "--port 8105", "toy_proxy_server.py"):
+        assert text in out, text
+
+
+def test_bad_option_exits_2_with_the_rule() -> None:
+    r = plan("--decode-instances", "0")
+    assert r.returncode == 2
+    assert "decode_instances=0: a fleet needs at least one decode server. Fix: set decode_instances >= 1." in r.stderr
