@@ -341,6 +341,9 @@ def load_config(context: dict[str, Any]) -> ClusterConfig:
         cfg.layout  # noqa: B018 - validates the fleet too
     except ValidationError as e:
         raise explain(e) from None
+    from clusterspec import limits  # rendering imports this module
+
+    limits.check(cfg)
     return cfg
 
 

@@ -152,7 +152,7 @@ def test_plan_and_user_data_agree(layout: str) -> None:
     """Each plan service is what its unit runs once systemd expands the node's env files."""
     for r in renders(layout):
         files, hosts, runcmd = parse_user_data(user_data(r, {p: f"<{p}>" for p in r.peers}))
-        assert runcmd == [["tar", "-xzf", "/var/lib/gptoss/bundle.tgz", "-C", "/"], [f"{BIN}/gptoss-bootstrap"]]
+        assert runcmd == [["tar", "-xJf", "/var/lib/gptoss/bundle.tar.xz", "-C", "/"], [f"{BIN}/gptoss-bootstrap"]]
         enabled = files["/etc/gptoss/units"][0].split()
         for s in r.services:
             template = re.sub(r"@\d+\.service$", "@.service", s.unit)

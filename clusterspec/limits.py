@@ -1,0 +1,93 @@
+"""CloudFormation limits a fleet must fit in one stack, checked before anything is synthesized."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from clusterspec.config import ClusterConfig
+from clusterspec.errors import SpecError
+from clusterspec.render import render_cluster, user_data
+
+MAX_TEMPLATE_BYTES = 1_000_000  # CloudFormation: 1 MB for a template uploaded to S3
+MAX_RESOURCES = 500
+MAX_OUTPUTS = 200
+# Measured on synthesized stacks (scripts/bench_scale.py): what a template holds besides the
+# nodes' user data, fixed and per node (instance, outputs, rules), as the CLI writes it.
+BASE_BYTES = 35_000
+PER_NODE_BYTES = 2_000
+BASE_RESOURCES = 40
+BASE_OUTPUTS = 2
+IP_PLACEHOLDER = "10.255.255.254"
+
+
+@dataclass(frozen=True)
+class StackSize:
+    """Estimated size of the stack a config synthesizes."""
+
+    nodes: int
+    resources: int
+    outputs: int
+    template_bytes: int
+    largest_user_data: int
+
+
+def estimate(cfg: ClusterConfig) -> StackSize:
+    """Size the stack from the exact user data of every node plus measured per-node overhead."""
+    renders = render_cluster(cfg)
+    sizes = [len(user_data(r, {p: IP_PLACEHOLDER for p in r.peers}).encode()) for r in renders]
+    layout = cfg.layout
+    nodes = len(renders)
+    sg_rules = layout.max_replicas_per_node + 5
+    # The template holds user data as text; CloudFormation base64-encodes it at deploy time.
+    return StackSize(
+        nodes=nodes,
+        resources=BASE_RESOURCES + nodes + sg_rules,
+        outputs=BASE_OUTPUTS + 2 * nodes,
+        template_bytes=BASE_BYTES + sum(sizes) + PER_NODE_BYTES * nodes,
+        largest_user_data=max(sizes),
+    )
+
+
+def _over(size: StackSize) -> list[str]:
+    over = []
+    if size.outputs > MAX_OUTPUTS:
+        over.append(f"{size.outputs} outputs (CloudFormation allows {MAX_OUTPUTS})")
+    if size.resources > MAX_RESOURCES:
+        over.append(f"about {size.resources} resources (CloudFormation allows {MAX_RESOURCES})")
+    if size.template_bytes > MAX_TEMPLATE_BYTES:
+        over.append(f"about {size.template_bytes / 1e6:.2f} MB of template (CloudFormation allows 1 MB)")
+    return over
+
+
+def largest_fleet(cfg: ClusterConfig, size: StackSize | None = None) -> int:
+    """The most decode instances one stack holds with the other parameters of `cfg`."""
+    size = size or estimate(cfg)
+    # Size grows linearly with the fleet: guess from this size, then search near the guess.
+    per_decode = size.nodes / cfg.decode_instances
+    per_node = (size.template_bytes - BASE_BYTES) / size.nodes
+    max_nodes = min((MAX_OUTPUTS - BASE_OUTPUTS) // 2, (MAX_TEMPLATE_BYTES - BASE_BYTES) / per_node)
+    guess = int(max_nodes / per_decode)
+    lo, hi = max(1, guess - 2), min(cfg.decode_instances, guess + 2)
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if _over(estimate(cfg.model_copy(update={"decode_instances": mid}))):
+            hi = mid - 1
+        else:
+            lo = mid
+    return lo
+
+
+def check(cfg: ClusterConfig) -> StackSize:
+    """Fail with the field, the value, the limit and the fix when one stack cannot hold the fleet."""
+    size = estimate(cfg)
+    over = _over(size)
+    if over:
+        raise SpecError(
+            [
+                f"decode_instances={cfg.decode_instances}: {size.nodes} instances in one stack need "
+                + " and ".join(over)
+                + f". Fix: keep one stack at or below {largest_fleet(cfg, size)} decode instances and deploy a larger "
+                "fleet as several stacks, each with its own stack_name and cluster_name."
+            ]
+        )
+    return size
