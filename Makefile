@@ -12,7 +12,7 @@ export AWS_REGION ?= us-east-2
 export PATH := $(CURDIR)/.venv/bin:$(PATH)
 CDK_ARGS ?=
 
-.PHONY: setup synth plan test lint clean
+.PHONY: setup synth plan test bench-scale diagrams clean
 
 setup: .make/python .make/node .make/system
 
@@ -28,11 +28,15 @@ setup: .make/python .make/node .make/system
 	npm ci --no-audit --no-fund --loglevel=error
 	@touch $@
 
-# systemd-analyze checks the rendered units; curl runs the wait helper in tests.
+# systemd-analyze checks the rendered units, curl runs the wait helper in tests, Graphviz
+# draws `plan --diagram`, git and xz are what the nodes use too.
+SYSTEM_TOOLS := systemd-analyze:systemd curl:curl dot:graphviz git:git xz:xz-utils
 .make/system:
 	@mkdir -p .make
-	@command -v systemd-analyze >/dev/null && command -v curl >/dev/null || \
-	  { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq systemd curl >/dev/null; }
+	@missing=$$(for t in $(SYSTEM_TOOLS); do command -v $${t%%:*} >/dev/null || echo $${t#*:}; done); \
+	if [ -n "$$missing" ]; then \
+	  echo "installing $$missing"; apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing >/dev/null; \
+	fi
 	@touch $@
 
 synth: setup
@@ -46,6 +50,13 @@ plan: setup
 
 test: setup
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+bench-scale: setup
+	$(PY) scripts/bench_scale.py
+
+diagrams: setup
+	$(PY) scripts/cluster.py plan --diagram docs/layout-6p1d.png > /dev/null
+	$(PY) scripts/cluster.py plan --decode-instances 8 --diagram docs/layout-3p8d.png > /dev/null
 
 clean:
 	rm -rf cdk.out .make .pytest_cache

@@ -11,10 +11,13 @@ from clusterspec.render import render_cluster, user_data
 MAX_TEMPLATE_BYTES = 1_000_000  # CloudFormation: 1 MB for a template uploaded to S3
 MAX_RESOURCES = 500
 MAX_OUTPUTS = 200
-# Measured on synthesized stacks (scripts/bench_scale.py): what a template holds besides the
-# nodes' user data, fixed and per node (instance, outputs, rules), as the CLI writes it.
-BASE_BYTES = 35_000
-PER_NODE_BYTES = 2_000
+# Measured on templates the CLI writes (scripts/bench_scale.py prints estimate and actual):
+# what a template holds besides the nodes' user data. Rounded up: the estimate must not be
+# smaller than the template.
+BASE_BYTES = 40_000
+PER_NODE_BYTES = 1_700
+PER_RULE_BYTES = 400
+LOAD_BALANCER_BYTES = 6_000
 BASE_RESOURCES = 40
 BASE_OUTPUTS = 2
 IP_PLACEHOLDER = "10.255.255.254"
@@ -43,7 +46,11 @@ def estimate(cfg: ClusterConfig) -> StackSize:
         nodes=nodes,
         resources=BASE_RESOURCES + nodes + sg_rules,
         outputs=BASE_OUTPUTS + 2 * nodes,
-        template_bytes=BASE_BYTES + sum(sizes) + PER_NODE_BYTES * nodes,
+        template_bytes=BASE_BYTES
+        + sum(sizes)
+        + PER_NODE_BYTES * nodes
+        + PER_RULE_BYTES * sg_rules
+        + (LOAD_BALANCER_BYTES if layout.load_balanced else 0),
         largest_user_data=max(sizes),
     )
 

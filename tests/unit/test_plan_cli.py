@@ -50,3 +50,37 @@ def test_bad_option_exits_2_with_the_rule() -> None:
     r = plan("--decode-instances", "0")
     assert r.returncode == 2
     assert "decode_instances=0: a fleet needs at least one decode server. Fix: set decode_instances >= 1." in r.stderr
+
+
+def test_plan_draws_the_layout(tmp_path: object) -> None:
+    from pathlib import Path
+
+    out = Path(str(tmp_path)) / "fleet.png"
+    r = plan("--decode-instances", "2", "--diagram", str(out))
+    assert r.returncode == 0, r.stderr
+    data = out.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
+
+
+def test_production_plan_is_three_plus_eight() -> None:
+    doc = plan_json("--decode-instances", "8")
+    nodes = doc["nodes"]
+    assert [n["name"] for n in nodes] == [f"prefill-{i}" for i in range(3)] + [f"decode-{d}" for d in range(8)]
+    assert sum(n["replicas"] for n in nodes) == 48
+    assert [n["idle_cores"] for n in nodes] == [0] * 11
+    for n in nodes[:3]:
+        assert [s["unit"] for s in n["services"]] == [f"gptoss-prefill@{i}.service" for i in range(16)]
+    for n in nodes[3:]:
+        units = [s["unit"] for s in n["services"]]
+        assert units[:2] == ["gptoss-decode.service", "gptoss-proxy.service"]
+    r = plan("--decode-instances", "8", "--width", "250")
+    assert "3 prefill + 8 decode = 11 x trn3.48xlarge, 48 prefill replicas, 8 proxies behind an internal NLB" in r.stdout
+    assert "0 idle cores" in r.stdout
+
+
+def test_partial_last_instance_shows_idle_cores() -> None:
+    doc = plan_json("--decode-instances", "3")
+    assert [(n["name"], n["replicas"], n["idle_cores"]) for n in doc["nodes"] if n["role"] == "prefill"] == [
+        ("prefill-0", 16, 0),
+        ("prefill-1", 2, 56),
+    ]

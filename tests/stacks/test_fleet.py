@@ -1,0 +1,90 @@
+"""The production layout synthesized: `cdk synth GptOss8k1kStack -c decode_instances=8`."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+from clusterspec.config import load_config
+from clusterspec.limits import estimate
+from clusterspec.render import parse_user_data, render_cluster, user_data
+from tests.conftest import Synth
+from tests.stacks.test_template import ingress_rules, normalized, of_type, one
+
+
+def _user_data(res: dict[str, Any]) -> str:
+    joined = res["Properties"]["UserData"]["Fn::Base64"]
+    parts = joined["Fn::Join"][1] if isinstance(joined, dict) else [joined]
+    return "".join(p if isinstance(p, str) else "<" + p["Fn::GetAtt"][0] + ">" for p in parts)
+
+
+def test_eleven_instances_three_prefill_eight_decode(fleet_synth: Synth) -> None:
+    insts = of_type(fleet_synth.template, "AWS::EC2::Instance")
+    roles = sorted({t["Key"]: t["Value"] for t in v["Properties"]["Tags"]}["gptoss:role"] for v in insts.values())
+    assert roles == ["decode"] * 8 + ["prefill"] * 3
+
+
+def test_each_full_prefill_instance_runs_sixteen_replicas(fleet_synth: Synth) -> None:
+    for lid, res in of_type(fleet_synth.template, "AWS::EC2::Instance").items():
+        files, _, _ = parse_user_data(_user_data(res))
+        target = files.get("/etc/systemd/system/gptoss-prefill.target")
+        if lid.startswith("Prefill"):
+            assert target is not None
+            wants = re.search(r"^Wants=(.*)$", target[0], re.M).group(1).split()  # type: ignore[union-attr]
+            assert wants == [f"gptoss-prefill@{i}.service" for i in range(16)]
+            assert sorted(p for p in files if re.search(r"prefill@\d+\.env$", p)) == sorted(
+                f"/etc/gptoss/prefill@{i}.env" for i in range(16)
+            )
+        else:
+            assert target is None and "/etc/systemd/system/gptoss-decode.service" in files
+            assert "/etc/systemd/system/gptoss-proxy.service" in files, "each decode node runs its own proxy"
+
+
+def test_security_group_covers_all_sixteen_replicas(fleet_synth: Synth) -> None:
+    rules = {r for r in ingress_rules(fleet_synth.template) if r[3] == "self"}
+    assert ("tcp", 8100, 8115, "self") in rules
+    assert {("tcp", 5559 + 100 * i, 5562 + 100 * i, "self") for i in range(16)} <= rules
+    assert ("tcp", 8759, 8886, "self") in rules
+
+
+def test_one_internal_endpoint_over_every_proxy(fleet_synth: Synth) -> None:
+    t = fleet_synth.template
+    lb_id, lb = one(t, "AWS::ElasticLoadBalancingV2::LoadBalancer")
+    assert lb["Properties"]["Scheme"] == "internal" and lb["Properties"]["Type"] == "network"
+    _, listener = one(t, "AWS::ElasticLoadBalancingV2::Listener")
+    assert listener["Properties"]["Port"] == 8000
+    _, tg = one(t, "AWS::ElasticLoadBalancingV2::TargetGroup")
+    p = tg["Properties"]
+    assert (p["HealthCheckProtocol"], p["HealthCheckPath"], p["Port"]) == ("HTTP", "/healthcheck", 8000)
+    targets = sorted(x["Id"]["Ref"] for x in p["Targets"])
+    assert len(targets) == 8 and all(x.startswith("Decode") for x in targets)
+    out = t["Outputs"]
+    assert lb_id in json.dumps(out["ProxyUrl"]) and lb_id in json.dumps(out["ProxyPortForward"])
+    assert "AWS-StartPortForwardingSessionToRemoteHost" in json.dumps(out["ProxyPortForward"])
+
+
+def test_every_node_runs_what_the_plan_shows(fleet_synth: Synth) -> None:
+    renders = {r.node.logical_id: r for r in render_cluster(load_config({"decode_instances": "8"}))}
+    for lid, res in of_type(fleet_synth.template, "AWS::EC2::Instance").items():
+        r = next(v for k, v in renders.items() if lid.startswith(k + "Instance"))
+        peer_ids = re.findall(r"<(\w+)>", _user_data(res))
+        hosts = dict(zip(r.peers, [f"<{p}>" for p in peer_ids], strict=True))
+        assert _user_data(res) == user_data(r, hosts)
+
+
+def test_config_file_gives_the_same_stack_as_context(fleet_synth: Synth, synth_variant: Any, tmp_path: Path) -> None:
+    f = tmp_path / "production.yaml"
+    f.write_text("decode_instances: 8\n")
+    from_file = synth_variant(config=str(f))
+    assert normalized(from_file)["Resources"] == normalized(fleet_synth.template)["Resources"]
+
+
+def test_size_estimate_is_conservative_and_close(default_synth: Synth, fleet_synth: Synth) -> None:
+    for s, ctx in ((default_synth, {}), (fleet_synth, {"decode_instances": "8"})):
+        e = estimate(load_config(ctx))
+        actual = s.template_path.stat().st_size
+        assert actual <= e.template_bytes <= actual * 1.2
+        assert len(s.template["Resources"]) <= e.resources
+        assert len(s.template["Outputs"]) == e.outputs
