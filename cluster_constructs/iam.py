@@ -51,14 +51,16 @@ class NodeRole(Construct):
                 "explicit (no '*' action) and a copy would drift from AWS updates.",
             )
         )
-        if any(reads) or config.results_s3_uri:
-            Validations.of(self).acknowledge(
-                Acknowledgment(
-                    id="AwsSolutions::AwsSolutions-IAM5",
-                    reason="Object-level wildcards cover only the configured S3 prefixes (bucket/prefix/*); "
-                    "no action is a wildcard.",
+        for uri in [*filter(None, reads), config.results_s3_uri]:
+            if uri:
+                bucket, prefix = _bucket_prefix(uri)
+                path = f"{bucket}/{prefix + '/' if prefix else ''}*"
+                Validations.of(self).acknowledge(
+                    Acknowledgment(
+                        id=f"AwsSolutions::AwsSolutions-IAM5[Resource::arn:<AWS::Partition>:s3:::{path}]",
+                        reason=f"Object access is limited to the configured prefix s3://{path}; no action is a wildcard.",
+                    )
                 )
-            )
 
     def _read_prefix(self, partition: str, uri: str) -> None:
         bucket, prefix = _bucket_prefix(uri)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from aws_cdk import Stack, Tags, aws_ec2 as ec2, aws_iam as iam, aws_logs as logs
+from aws_cdk import RemovalPolicy, Stack, Tags, aws_ec2 as ec2, aws_iam as iam, aws_logs as logs
 from constructs import Construct
 
 from clusterspec.config import ClusterConfig
@@ -86,7 +86,10 @@ class ClusterNetwork(Construct):
             nat.node.add_dependency(to_igw)
             ec2.CfnRoute(self, "NodeDefault", route_table_id=table.ref, destination_cidr_block="0.0.0.0/0", nat_gateway_id=nat.ref)
         if net.flow_logs:
-            group = logs.LogGroup(self, "FlowLogs", retention=logs.RetentionDays.ONE_MONTH)
+            # Removed with the stack: `cdk destroy` leaves nothing behind (30 days of history).
+            group = logs.LogGroup(
+                self, "FlowLogs", retention=logs.RetentionDays.ONE_MONTH, removal_policy=RemovalPolicy.DESTROY
+            )
             role = iam.Role(self, "FlowLogsRole", assumed_by=iam.ServicePrincipal("vpc-flow-logs.amazonaws.com"))
             group.grant_write(role)
             ec2.CfnFlowLog(

@@ -28,7 +28,7 @@ class ClusterOutputs(Construct):
         *,
         config: ClusterConfig,
         nodes: list[ClusterNode],
-        proxy_node: ClusterNode,
+        proxy_nodes: list[ClusterNode],
         endpoint_dns: str | None,
     ) -> None:
         super().__init__(scope, construct_id)
@@ -37,6 +37,14 @@ class ClusterOutputs(Construct):
             lid = node.render.node.logical_id
             CfnOutput(scope, f"{lid}InstanceId", value=node.instance.ref, description=f"{node.render.node.name} instance id")
             CfnOutput(scope, f"{lid}PrivateIp", value=node.private_ip, description=f"{node.render.node.name} private IP")
+        proxy_node = proxy_nodes[0]
+        if len(proxy_nodes) > 1 and endpoint_dns is None:
+            CfnOutput(
+                scope,
+                "ProxyUrls",
+                value=Fn.join(" ", [Fn.join("", ["http://", n.private_ip, f":{port}"]) for n in proxy_nodes]),
+                description="One proxy per decode server (no load balancer): spread clients over these",
+            )
         host = endpoint_dns or proxy_node.private_ip
         CfnOutput(scope, "ProxyUrl", value=Fn.join("", ["http://", host, f":{port}"]), description="The client endpoint (in the VPC)")
         CfnOutput(

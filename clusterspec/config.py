@@ -140,6 +140,11 @@ class ClusterConfig(_Frozen):
     termination_protection: bool = False
     detailed_monitoring: bool = True
     network: NetworkConfig = Field(default_factory=NetworkConfig)
+    proxy_load_balancer: bool | None = Field(
+        None,
+        description="Internal NLB over the proxies; default on when there are several proxies. Off: clients "
+        "(or your own router) use the per-proxy URLs in the outputs.",
+    )
     proxy_ingress_cidr: str | None = None
     proxy_ingress_prefix_list_id: str | None = Field(None, pattern=r"^pl-[0-9a-f]{8,17}$")
     model: ModelSource = Field(default_factory=ModelSource)
@@ -200,6 +205,13 @@ class ClusterConfig(_Frozen):
             serving=self.serving,
             replicas_per_prefill_instance=self.replicas_per_prefill_instance,
         )
+
+    @property
+    def load_balanced(self) -> bool:
+        """One internal NLB fronts the proxies."""
+        if self.proxy_load_balancer is None:
+            return self.layout.load_balanced
+        return self.proxy_load_balancer
 
     @model_validator(mode="after")
     def _config_rules(self) -> ClusterConfig:

@@ -57,7 +57,7 @@ def draw(cfg: ClusterConfig, path: Path) -> Path:
         # Only the KV flow (prefill -> decode) ranks the columns; request edges would fold
         # the picture back on itself, so they do not constrain the layout.
         free = {"constraint": "false"}
-        if layout.load_balanced:
+        if cfg.load_balanced:
             lb = NLB(f"internal NLB :{s.proxy.port}\nhealth {s.proxy.health_path}")
             client >> lb
             for p in proxies.values():

@@ -99,7 +99,7 @@ class Layout(_Frozen):
 
     @property
     def load_balanced(self) -> bool:
-        """Several proxies stand behind one internal load balancer."""
+        """Several proxies: by default they stand behind one internal load balancer."""
         return len(self.proxies) > 1
 
     def node(self, name: str) -> Node:

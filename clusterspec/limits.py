@@ -45,12 +45,12 @@ def estimate(cfg: ClusterConfig) -> StackSize:
     return StackSize(
         nodes=nodes,
         resources=BASE_RESOURCES + nodes + sg_rules,
-        outputs=BASE_OUTPUTS + 2 * nodes,
+        outputs=BASE_OUTPUTS + 2 * nodes + (1 if len(layout.proxies) > 1 and not cfg.load_balanced else 0),
         template_bytes=BASE_BYTES
         + sum(sizes)
         + PER_NODE_BYTES * nodes
         + PER_RULE_BYTES * sg_rules
-        + (LOAD_BALANCER_BYTES if layout.load_balanced else 0),
+        + (LOAD_BALANCER_BYTES if cfg.load_balanced else 0),
         largest_user_data=max(sizes),
     )
 

@@ -46,7 +46,7 @@ def _summary(cfg: ClusterConfig, renders: list[NodeRender]) -> Table:
     t = Table(title=f"{cfg.stack_name}: {len(layout.prefill_nodes)} prefill + {len(layout.decode_nodes)} decode = "
               f"{len(layout.nodes)} x {cfg.instance_type}, {len(layout.replicas)} prefill replicas, "
               f"{len(layout.proxies)} prox{'y' if len(layout.proxies) == 1 else 'ies'}"
-              + (" behind an internal NLB" if layout.load_balanced else "")
+              + (" behind an internal NLB" if cfg.load_balanced else "")
               + f", {sum(n.idle_cores for n in layout.nodes)} idle cores")
     for col in ("node", "role", "replicas", "cores", "idle cores", "feeds decode", "units"):
         t.add_column(col, overflow="fold")

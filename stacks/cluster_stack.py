@@ -73,7 +73,7 @@ class GptOssClusterStack(Stack):
         ordered = [nodes[r.node.name] for r in renders]
         proxy_nodes = [nodes[p.node] for p in layout.proxies]
         endpoint = None
-        if layout.load_balanced:
+        if config.load_balanced:
             endpoint = ProxyLoadBalancer(
                 self,
                 "ProxyEndpoint",
@@ -84,7 +84,7 @@ class GptOssClusterStack(Stack):
                 cluster_group=security.group,
                 instances=[n.instance for n in proxy_nodes],
             ).dns_name
-        ClusterOutputs(self, "Outputs", config=config, nodes=ordered, proxy_node=proxy_nodes[0], endpoint_dns=endpoint)
+        ClusterOutputs(self, "Outputs", config=config, nodes=ordered, proxy_nodes=proxy_nodes, endpoint_dns=endpoint)
 
         if not config.termination_protection:
             Validations.of(self).acknowledge(

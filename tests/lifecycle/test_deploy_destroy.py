@@ -1,0 +1,313 @@
+"""`cdk deploy` and `cdk destroy` of GptOss8k1kStack against a local moto server, checked with boto3.
+
+The local configuration is one users can also choose on AWS: no NAT and no internet
+gateway (nodes reach S3 through the gateway endpoint and SSM through interface endpoints),
+model and examples from S3, the DLAMI from a named SSM parameter.
+"""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import time
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import boto3
+import pytest
+
+from tests.conftest import CDK, ROOT, STACK, cli_env
+
+pytestmark = pytest.mark.lifecycle
+
+REGION = "us-east-2"
+ACCOUNT = "123456789012"  # moto's account
+CLUSTER = "gptoss-8k1k"
+LOCAL_CONFIG = """\
+ami_ssm_parameter: /gptoss/test/neuron-dlami
+network:
+  egress: none
+model:
+  source: s3
+  s3_uri: s3://gptoss-local-models/gpt-oss-120b
+examples:
+  s3_uri: s3://gptoss-local-models/vllm-neuron
+"""
+
+
+@dataclass
+class LocalAws:
+    endpoint: str
+    env: dict[str, str]
+    config: Path
+
+    def client(self, name: str) -> Any:
+        return boto3.client(
+            name, endpoint_url=self.endpoint, region_name=REGION, aws_access_key_id="testing", aws_secret_access_key="testing"
+        )
+
+    def cdk(self, *args: str, timeout: int = 300) -> subprocess.CompletedProcess[str]:
+        r = subprocess.run(
+            ["timeout", str(timeout), str(CDK), *args, "--no-notices", "-c", f"config={self.config}"],
+            cwd=ROOT,
+            env=self.env,
+            capture_output=True,
+            text=True,
+        )
+        assert r.returncode == 0, f"cdk {' '.join(args)} failed:\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
+        return r
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture(scope="module")
+def local_aws(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalAws]:
+    """A moto server on loopback, bootstrapped for the CDK, with the test's AMI parameter and bucket."""
+    port = _free_port()
+    log = tmp_path_factory.mktemp("moto") / "moto.log"
+    moto_server = Path(__import__("sys").executable).parent / "moto_server"
+    # AWS managed policies (AmazonSSMManagedInstanceCore) exist in moto only when loaded.
+    proc = subprocess.Popen(
+        [str(moto_server), "-H", "127.0.0.1", "-p", str(port)],
+        stdout=log.open("w"),
+        stderr=subprocess.STDOUT,
+        env={**__import__("os").environ, "MOTO_IAM_LOAD_MANAGED_POLICIES": "true"},
+    )
+    # The name `localhost`: the CDK parses the asset bucket URL by that name.
+    endpoint = f"http://localhost:{port}"
+    try:
+        for _ in range(100):
+            try:
+                urllib.request.urlopen(f"{endpoint}/moto-api/", timeout=1)
+                break
+            except OSError:
+                time.sleep(0.1)
+        else:
+            pytest.fail(f"moto server did not start: {log.read_text()[-2000:]}")
+        config = tmp_path_factory.mktemp("config") / "local.yaml"
+        config.write_text(LOCAL_CONFIG)
+        env = cli_env(
+            AWS_ENDPOINT_URL=endpoint,
+            AWS_ACCESS_KEY_ID="testing",
+            AWS_SECRET_ACCESS_KEY="testing",
+            AWS_DEFAULT_REGION=REGION,
+        )
+        aws = LocalAws(endpoint, env, config)
+        image = aws.client("ec2").describe_images(Owners=["amazon"])["Images"][0]["ImageId"]
+        # moto cannot create names under /aws/...: the parameter name is configurable for this reason.
+        aws.client("ssm").put_parameter(Name="/gptoss/test/neuron-dlami", Value=image, Type="String", DataType="aws:ec2:image")
+        aws.client("s3").create_bucket(Bucket="gptoss-local-models", CreateBucketConfiguration={"LocationConstraint": REGION})
+        aws.cdk("bootstrap", f"aws://{ACCOUNT}/{REGION}")
+        yield aws
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+
+
+def inventory(aws: LocalAws) -> dict[str, set[str]]:
+    """Every resource of the kinds the stack creates, by id."""
+    ec2, iam = aws.client("ec2"), aws.client("iam")
+    live = [i for r in ec2.describe_instances()["Reservations"] for i in r["Instances"] if i["State"]["Name"] != "terminated"]
+    return {
+        "vpcs": {v["VpcId"] for v in ec2.describe_vpcs()["Vpcs"]},
+        "subnets": {s["SubnetId"] for s in ec2.describe_subnets()["Subnets"]},
+        "route_tables": {t["RouteTableId"] for t in ec2.describe_route_tables()["RouteTables"]},
+        "security_groups": {g["GroupId"] for g in ec2.describe_security_groups()["SecurityGroups"]},
+        "instances": {i["InstanceId"] for i in live},
+        "launch_templates": {t["LaunchTemplateId"] for t in ec2.describe_launch_templates()["LaunchTemplates"]},
+        "endpoints": {
+            e["VpcEndpointId"] for e in ec2.describe_vpc_endpoints()["VpcEndpoints"] if e["State"].lower() != "deleted"
+        },
+        "roles": {r["RoleName"] for r in iam.list_roles()["Roles"]},
+        "instance_profiles": {p["InstanceProfileName"] for p in iam.list_instance_profiles()["InstanceProfiles"]},
+        "log_groups": {g["logGroupName"] for g in aws.client("logs").describe_log_groups()["logGroups"]},
+    }
+
+
+def rules(perms: list[dict[str, Any]], group_id: str) -> set[tuple[Any, ...]]:
+    out = set()
+    for p in perms:
+        for pair in p.get("UserIdGroupPairs", []):
+            out.add((p["IpProtocol"], p.get("FromPort"), p.get("ToPort"), "self" if pair["GroupId"] == group_id else pair["GroupId"]))
+        for r in p.get("IpRanges", []):
+            out.add((p["IpProtocol"], p.get("FromPort"), p.get("ToPort"), r["CidrIp"]))
+    return out
+
+
+# Resource types moto's CloudFormation creates but has no delete handler for (moto 5.2.x):
+# a `cdk destroy` there leaves them, and the VPC behind them. CloudFormation on AWS deletes them.
+MOTO_CANNOT_DELETE = ("AWS::EC2::VPCEndpoint", "AWS::EC2::FlowLog", "AWS::EC2::SubnetRouteTableAssociation", "AWS::EC2::RouteTable")
+
+
+def remove_what_moto_cannot_delete(aws: LocalAws, resources: list[dict[str, Any]]) -> None:
+    """Delete, through the EC2 API and by the ids CloudFormation recorded, only those types."""
+    ec2 = aws.client("ec2")
+    ids = {t: [r["PhysicalResourceId"] for r in resources if r["ResourceType"] == t] for t in MOTO_CANNOT_DELETE}
+    if ids["AWS::EC2::VPCEndpoint"]:
+        ec2.delete_vpc_endpoints(VpcEndpointIds=ids["AWS::EC2::VPCEndpoint"])
+    if ids["AWS::EC2::FlowLog"]:
+        ec2.delete_flow_logs(FlowLogIds=ids["AWS::EC2::FlowLog"])
+    for table in ec2.describe_route_tables(RouteTableIds=ids["AWS::EC2::RouteTable"])["RouteTables"]:
+        # moto records the table's id as the association's physical id: read the table's own.
+        for assoc in table["Associations"]:
+            if not assoc.get("Main"):
+                ec2.disassociate_route_table(AssociationId=assoc["RouteTableAssociationId"])
+        ec2.delete_route_table(RouteTableId=table["RouteTableId"])
+
+
+def deploy_check_destroy(aws: LocalAws, *context: str) -> dict[str, Any]:
+    """Deploy, collect what was created, destroy, and prove nothing created remains."""
+    before = inventory(aws)
+    ctx = [a for c in context for a in ("-c", c)]
+    aws.cdk("deploy", STACK, "--require-approval", "never", *ctx)
+    cf, ec2, iam = aws.client("cloudformation"), aws.client("ec2"), aws.client("iam")
+    # A deploy can report success while a resource failed: read every resource's status.
+    resources = cf.list_stack_resources(StackName=STACK)["StackResourceSummaries"]
+    assert {r["ResourceStatus"] for r in resources} == {"CREATE_COMPLETE"}
+    created = {k: v - before[k] for k, v in inventory(aws).items()}
+
+    (group_id,) = [
+        g["GroupId"] for g in ec2.describe_security_groups(GroupIds=sorted(created["security_groups"]))["SecurityGroups"]
+        if {"Key": "gptoss:cluster", "Value": CLUSTER} in g.get("Tags", [])
+    ]  # fmt: skip
+    group = ec2.describe_security_groups(GroupIds=[group_id])["SecurityGroups"][0]
+    vpc = ec2.describe_vpcs(VpcIds=[group["VpcId"]])["Vpcs"][0]
+    lt_subnets = set()
+    templates = {}
+    for lt_id in created["launch_templates"]:
+        data = ec2.describe_launch_template_versions(LaunchTemplateId=lt_id)["LaunchTemplateVersions"][0]["LaunchTemplateData"]
+        role = {t["Key"]: t["Value"] for ts in data["TagSpecifications"] for t in ts["Tags"]}["gptoss:role"]
+        templates[role] = data
+        lt_subnets |= {n["SubnetId"] for n in data["NetworkInterfaces"]}
+    (subnet_id,) = lt_subnets
+    subnet = ec2.describe_subnets(SubnetIds=[subnet_id])["Subnets"][0]
+    instances = [
+        i for r in ec2.describe_instances(InstanceIds=sorted(created["instances"]))["Reservations"] for i in r["Instances"]
+    ]  # fmt: skip
+    (role_name,) = [r for r in created["roles"] if "NodeRole" in r]
+    # moto's CloudFormation ignores a role's ManagedPolicyArns (SSM core is asserted on the
+    # template); the inline policy it does create is read back here.
+    statements = [
+        st
+        for name in iam.list_role_policies(RoleName=role_name)["PolicyNames"]
+        for st in iam.get_role_policy(RoleName=role_name, PolicyName=name)["PolicyDocument"]["Statement"]
+    ]
+    (profile,) = created["instance_profiles"]
+    profile_roles = [r["RoleName"] for r in iam.get_instance_profile(InstanceProfileName=profile)["InstanceProfile"]["Roles"]]
+    endpoints = {
+        e["ServiceName"]: e["VpcEndpointType"]
+        for e in ec2.describe_vpc_endpoints()["VpcEndpoints"]
+        if e["VpcEndpointId"] in created["endpoints"]
+    }
+    seen = {
+        "vpc": vpc,
+        "subnet": subnet,
+        "group": group,
+        "rules_in": rules(group["IpPermissions"], group["GroupId"]),
+        "templates": templates,
+        "instances": instances,
+        "role_statements": statements,
+        "profile_roles": profile_roles,
+        "role_name": role_name,
+        "endpoints": endpoints,
+        "created": created,
+    }
+
+    remove_what_moto_cannot_delete(aws, resources)
+    aws.cdk("destroy", STACK, "--force", *ctx)
+    stacks = [s for s in cf.list_stacks()["StackSummaries"] if s["StackName"] == STACK]
+    assert all(s["StackStatus"] == "DELETE_COMPLETE" for s in stacks)
+    after = inventory(aws)
+    left = {k: sorted(created[k] & after[k]) for k in created if created[k] & after[k]}
+    assert left == {}, f"resources the stack created are still there after destroy: {left}"
+    assert not aws.client("ec2").describe_flow_logs()["FlowLogs"]
+    seen["after"] = after
+    return seen
+
+
+EXPECTED_6P1D = {
+    ("-1", None, None, "self"),
+    ("tcp", 8000, 8000, "self"),
+    ("tcp", 8100, 8105, "self"),
+    ("tcp", 8200, 8200, "self"),
+    *{("tcp", 5559 + 100 * i, 5562 + 100 * i, "self") for i in range(6)},
+    ("tcp", 8759, 8886, "self"),
+}
+
+
+def _check_templates(templates: dict[str, Any], subnet_id: str, group_id: str) -> None:
+    assert set(templates) == {"prefill", "decode"}
+    for data in templates.values():
+        nics = sorted(data["NetworkInterfaces"], key=lambda n: n["NetworkCardIndex"])
+        assert [n["NetworkCardIndex"] for n in nics] == list(range(16))
+        assert [n["InterfaceType"] for n in nics] == ["efa"] + ["efa-only"] * 15
+        assert {n["SubnetId"] for n in nics} == {subnet_id}
+        assert all(n["Groups"] == [group_id] for n in nics)
+        assert nics[0]["AssociatePublicIpAddress"] is False
+        assert data["MetadataOptions"]["HttpTokens"] == "required"
+        assert data["InstanceType"] == "trn3.48xlarge"
+        (root,) = data["BlockDeviceMappings"]
+        assert root["Ebs"]["Encrypted"] is True and root["Ebs"]["VolumeSize"] >= 512
+
+
+def _roles(instances: list[dict[str, Any]]) -> list[str]:
+    return sorted({t["Key"]: t["Value"] for t in i["Tags"]}["gptoss:role"] for i in instances)
+
+
+def test_default_two_node_stack_deploys_and_is_destroyed(local_aws: LocalAws) -> None:
+    seen = deploy_check_destroy(local_aws)
+    assert seen["created"]["vpcs"] == {seen["vpc"]["VpcId"]} and seen["created"]["subnets"] == {seen["subnet"]["SubnetId"]}
+    assert seen["vpc"]["CidrBlock"] == "10.42.0.0/16"
+    assert (seen["subnet"]["CidrBlock"], seen["subnet"]["AvailabilityZone"]) == ("10.42.0.0/20", "us-east-2a")
+    assert seen["subnet"]["MapPublicIpOnLaunch"] is False
+    assert seen["rules_in"] == EXPECTED_6P1D
+    _check_templates(seen["templates"], seen["subnet"]["SubnetId"], seen["group"]["GroupId"])
+    assert _roles(seen["instances"]) == ["decode", "prefill"]
+    assert all(i["State"]["Name"] == "running" for i in seen["instances"])
+    reads = {
+        r
+        for st in seen["role_statements"]
+        if st["Action"] == "s3:GetObject"
+        for r in (st["Resource"] if isinstance(st["Resource"], list) else [st["Resource"]])
+    }
+    assert reads == {"arn:aws:s3:::gptoss-local-models/gpt-oss-120b/*", "arn:aws:s3:::gptoss-local-models/vllm-neuron/*"}
+    assert not [st for st in seen["role_statements"] if "*" in str(st["Action"]).replace("s3:GetObject", "")]
+    assert seen["profile_roles"] == [seen["role_name"]]
+    assert seen["endpoints"] == {
+        f"com.amazonaws.{REGION}.s3": "Gateway",
+        f"com.amazonaws.{REGION}.ssm": "Interface",
+        f"com.amazonaws.{REGION}.ssmmessages": "Interface",
+        f"com.amazonaws.{REGION}.ec2messages": "Interface",
+    }
+
+
+def test_production_three_plus_eight_in_an_existing_vpc_deploys_and_is_destroyed(local_aws: LocalAws) -> None:
+    """The operator's own network (VPC, subnet, S3 endpoint) stays; everything the stack made goes."""
+    ec2 = local_aws.client("ec2")
+    vpc = ec2.create_vpc(CidrBlock="10.50.0.0/16")["Vpc"]["VpcId"]
+    subnet = ec2.create_subnet(VpcId=vpc, CidrBlock="10.50.0.0/20", AvailabilityZone="us-east-2a")["Subnet"]["SubnetId"]
+    table = ec2.create_route_table(VpcId=vpc)["RouteTable"]["RouteTableId"]
+    ec2.associate_route_table(RouteTableId=table, SubnetId=subnet)
+    ec2.create_vpc_endpoint(VpcId=vpc, ServiceName=f"com.amazonaws.{REGION}.s3", VpcEndpointType="Gateway", RouteTableIds=[table])
+    # moto's CloudFormation creates every ELBv2 load balancer as an application one and then
+    # rejects the NLB's TCP listener: the local run uses per-proxy URLs (proxy_load_balancer=false).
+    seen = deploy_check_destroy(
+        local_aws,
+        "decode_instances=8",
+        "proxy_load_balancer=false",
+        f'network={{"vpc_id": "{vpc}", "subnet_id": "{subnet}"}}',
+    )
+    assert (seen["vpc"]["VpcId"], seen["subnet"]["SubnetId"]) == (vpc, subnet)
+    assert not seen["created"]["vpcs"] and not seen["created"]["subnets"] and not seen["created"]["endpoints"]
+    assert vpc in seen["after"]["vpcs"] and subnet in seen["after"]["subnets"]
+    assert _roles(seen["instances"]) == ["decode"] * 8 + ["prefill"] * 3
+    assert ("tcp", 8100, 8115, "self") in seen["rules_in"]
+    assert {("tcp", 5559 + 100 * i, 5562 + 100 * i, "self") for i in range(16)} <= seen["rules_in"]
+    _check_templates(seen["templates"], seen["subnet"]["SubnetId"], seen["group"]["GroupId"])
