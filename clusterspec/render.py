@@ -459,21 +459,73 @@ def render_node(cfg: ClusterConfig, layout: Layout, node: Node, *, bin_dir: str 
         for (step, _, _), line in zip(legs, lines, strict=True):
             out.services.append(Service("gptoss-bench.service", bench_env, line[2:], step=step))
 
+    files[f"{ETC}/health"] = (health_file(cfg, out), 0o644)
     _add_scripts(files, bin_dir)
     out.peers = sorted(p for p in {k[1:-1] for k in hosts_env.values()} if p != node.name)
     files[f"{ETC}/units"] = ("\n".join(out.enable) + "\n", 0o644)
     return out
 
 
+def strip_comments(name: str, text: str) -> str:
+    """A script as shipped to a node: comment-only lines dropped (the repository keeps them).
+
+    User data is limited to 16 KB per node and the template to 1 MB per stack; the comments
+    explain the scripts to their maintainers, not to the node. The shebang, shellcheck
+    directives and heredoc bodies are kept verbatim.
+    """
+    lines = text.splitlines()
+    out = [lines[0], f"# {name}: userdata/bin/{name} of the cluster project, comments stripped"]
+    heredoc_end: str | None = None
+    for line in lines[1:]:
+        if heredoc_end is not None:
+            out.append(line)
+            if line.strip() == heredoc_end:
+                heredoc_end = None
+            continue
+        stripped = line.strip()
+        if stripped.startswith("#") and not stripped.startswith("# shellcheck"):
+            continue
+        out.append(line)
+        m = re.search(r"<<-?\s*'?(\w+)'?\s*$", line)
+        if m:
+            heredoc_end = m.group(1)
+    return "\n".join(out) + "\n"
+
+
 @functools.cache
 def _scripts() -> dict[str, str]:
-    return {p.name: p.read_text() for p in sorted((USERDATA_DIR / "bin").iterdir())}
+    return {p.name: strip_comments(p.name, p.read_text()) for p in sorted((USERDATA_DIR / "bin").iterdir())}
+
+
+def node_script(name: str) -> str:
+    """The text of a script as a node receives it."""
+    return _scripts()[name]
+
+
+def health_checks(cfg: ClusterConfig, render: NodeRender) -> list[tuple[str, str | None]]:
+    """(unit, local health URL or None) for every unit that must be up on a ready node."""
+    s = cfg.serving
+    checks: list[tuple[str, str | None]] = [("gptoss-nvme.service", None), ("gptoss-stage.service", None)]
+    for svc in render.services:
+        if svc.unit == "gptoss-decode.service":
+            checks.append((svc.unit, health_url("127.0.0.1", s.decode.http_port, s.server_health_path)))
+        elif svc.unit.startswith("gptoss-prefill@"):
+            port = int(svc.environment["GPTOSS_HTTP_PORT"])
+            checks.append((svc.unit, health_url("127.0.0.1", port, s.server_health_path)))
+        elif svc.unit == "gptoss-proxy.service":
+            checks.append((svc.unit, health_url("127.0.0.1", s.proxy.port, s.proxy.health_path)))
+    return checks
+
+
+def health_file(cfg: ClusterConfig, render: NodeRender) -> str:
+    """`unit url` lines read by gptoss-status (`-` where only the unit state counts)."""
+    return "".join(f"{unit} {url or '-'}\n" for unit, url in health_checks(cfg, render))
 
 
 def _add_scripts(files: dict[str, tuple[str, int]], bin_dir: str) -> None:
-    """Add the scripts this node's units (and those scripts) name, and the first-boot script."""
+    """Add the scripts this node's units (and those scripts) name, plus first-boot and status."""
     scripts = _scripts()
-    wanted = {"gptoss-bootstrap"}
+    wanted = {"gptoss-bootstrap", "gptoss-status"}
     texts = [text for text, _ in files.values()]
     while True:
         found = {name for name in scripts for text in texts if name in text} | wanted

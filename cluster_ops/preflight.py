@@ -1,0 +1,159 @@
+"""Checks against the real account before a deploy: what the stack assumes, as AWS reports it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from botocore.exceptions import ClientError
+
+from clusterspec.config import ClusterConfig
+
+
+@dataclass(frozen=True)
+class Check:
+    """One preflight result."""
+
+    name: str
+    ok: bool
+    detail: str
+    fix: str = ""
+
+
+def _quota_name(family: str) -> str:
+    # EC2 groups vCPU quotas by letter family: trn1/trn2/trn3 share "Running On-Demand Trn instances".
+    letters = "".join(c for c in family if c.isalpha())
+    return f"Running On-Demand {letters.capitalize()} instances"
+
+
+def check_offered(cfg: ClusterConfig, ec2: Any) -> Check:
+    """The instance type is offered in the configured AZ."""
+    offers = ec2.describe_instance_type_offerings(
+        LocationType="availability-zone",
+        Filters=[
+            {"Name": "instance-type", "Values": [cfg.instance_type]},
+            {"Name": "location", "Values": [cfg.availability_zone]},
+        ],
+    )["InstanceTypeOfferings"]
+    if offers:
+        return Check("instance type offered", True, f"{cfg.instance_type} in {cfg.availability_zone}")
+    return Check(
+        "instance type offered",
+        False,
+        f"{cfg.instance_type} is not offered in {cfg.availability_zone}",
+        "set availability_zone (and region) to a zone that offers it: "
+        f"aws ec2 describe-instance-type-offerings --location-type availability-zone --filters Name=instance-type,Values={cfg.instance_type}",
+    )
+
+
+def check_hardware(cfg: ClusterConfig, ec2: Any) -> list[Check]:
+    """Network cards, EFA interfaces, instance storage and vCPUs match the stack's table."""
+    try:
+        (info,) = ec2.describe_instance_types(InstanceTypes=[cfg.instance_type])["InstanceTypes"]
+    except ClientError as e:
+        return [Check("hardware table", False, f"{cfg.instance_type}: {e.response['Error']['Message']}", "check instance_type")]
+    hw = cfg.hardware
+    net = info.get("NetworkInfo", {})
+    disks = info.get("InstanceStorageInfo", {}).get("Disks", [{}])
+    actual = {
+        "network_cards": net.get("MaximumNetworkCards", 1),
+        "efa_interfaces": net.get("EfaInfo", {}).get("MaximumEfaInterfaces", 0),
+        "nvme_disks": sum(d.get("Count", 0) for d in disks),
+        "nvme_disk_gb": disks[0].get("SizeInGB", 0) if disks else 0,
+        "vcpus": info["VCpuInfo"]["DefaultVCpus"],
+    }
+    checks = []
+    for field, value in actual.items():
+        expected = getattr(hw, field)
+        if value == expected:
+            checks.append(Check(f"{field}", True, f"{value} (stack table: {expected})"))
+        else:
+            checks.append(
+                Check(
+                    f"{field}",
+                    False,
+                    f"AWS reports {value}, the stack table says {expected}",
+                    f"set instance_overrides.{field}={value} (-c 'instance_overrides={{\"{field}\": {value}}}')",
+                )
+            )
+    return checks
+
+
+def check_ami(cfg: ClusterConfig, ssm: Any, ec2: Any) -> Check:
+    """The DLAMI SSM parameter (or the fixed AMI id) exists."""
+    if cfg.ami_id:
+        images = ec2.describe_images(ImageIds=[cfg.ami_id])["Images"]
+        if images:
+            return Check("Neuron DLAMI", True, f"{cfg.ami_id}: {images[0].get('Name', '')}")
+        return Check("Neuron DLAMI", False, f"{cfg.ami_id} does not exist in {cfg.region}", "set ami_id to an AMI of this region")
+    assert cfg.ami_ssm_parameter
+    try:
+        value = ssm.get_parameter(Name=cfg.ami_ssm_parameter)["Parameter"]["Value"]
+    except ClientError as e:
+        if e.response["Error"]["Code"] != "ParameterNotFound":
+            raise
+        return Check(
+            "Neuron DLAMI",
+            False,
+            f"SSM parameter {cfg.ami_ssm_parameter} not found in {cfg.region}",
+            "set ami_ssm_parameter to an existing DLAMI parameter "
+            "(aws ssm get-parameters-by-path --path /aws/service/neuron/dlami --recursive) or set ami_id",
+        )
+    return Check("Neuron DLAMI", True, f"{cfg.ami_ssm_parameter} -> {value}")
+
+
+def check_quota(cfg: ClusterConfig, quotas: Any) -> Check:
+    """The On-Demand vCPU quota of the family covers the whole fleet."""
+    need = len(cfg.layout.nodes) * cfg.hardware.vcpus
+    name = _quota_name(cfg.hardware.vcpu_family)
+    pages = quotas.get_paginator("list_service_quotas").paginate(ServiceCode="ec2")
+    found = [q for page in pages for q in page["Quotas"] if q["QuotaName"] == name]
+    if not found:
+        return Check("vCPU quota", False, f"no EC2 quota named {name!r}", "request it in the Service Quotas console")
+    have = int(found[0]["Value"])
+    if have >= need:
+        return Check("vCPU quota", True, f"{name}: {have} vCPUs >= {need} for {len(cfg.layout.nodes)} nodes")
+    return Check(
+        "vCPU quota",
+        False,
+        f"{name}: {have} vCPUs < {need} for {len(cfg.layout.nodes)} x {cfg.instance_type}",
+        f"request {need} vCPUs (quota code {found[0]['QuotaCode']}) or lower decode_instances",
+    )
+
+
+def check_reservation(cfg: ClusterConfig, ec2: Any) -> Check:
+    """The capacity reservation, when one is configured, is active in the AZ with enough instances."""
+    assert cfg.capacity_reservation_id
+    try:
+        (cr,) = ec2.describe_capacity_reservations(CapacityReservationIds=[cfg.capacity_reservation_id])["CapacityReservations"]
+    except ClientError as e:
+        return Check("capacity reservation", False, e.response["Error"]["Message"], "check capacity_reservation_id")
+    need = len(cfg.layout.nodes)
+    problems = []
+    if cr["State"] != "active":
+        problems.append(f"state {cr['State']}")
+    if cr["AvailabilityZone"] != cfg.availability_zone:
+        problems.append(f"in {cr['AvailabilityZone']}, not {cfg.availability_zone}")
+    if cr["InstanceType"] != cfg.instance_type:
+        problems.append(f"for {cr['InstanceType']}, not {cfg.instance_type}")
+    if cr["AvailableInstanceCount"] < need:
+        problems.append(f"{cr['AvailableInstanceCount']} instances available, {need} needed")
+    if problems:
+        return Check(
+            "capacity reservation",
+            False,
+            f"{cfg.capacity_reservation_id}: " + "; ".join(problems),
+            "use a reservation that matches, or set availability_zone/instance_type to the reservation's",
+        )
+    return Check("capacity reservation", True, f"{cfg.capacity_reservation_id}: {cr['AvailableInstanceCount']} available")
+
+
+def run(cfg: ClusterConfig, session: Any) -> list[Check]:
+    """Every preflight check for this config."""
+    ec2 = session.client("ec2", region_name=cfg.region)
+    checks = [check_offered(cfg, ec2), *check_hardware(cfg, ec2)]
+    checks.append(check_ami(cfg, session.client("ssm", region_name=cfg.region), ec2))
+    checks.append(check_quota(cfg, session.client("service-quotas", region_name=cfg.region)))
+    if cfg.capacity_reservation_id:
+        checks.append(check_reservation(cfg, ec2))
+    return checks

@@ -1,0 +1,103 @@
+"""Readiness of every unit on every node, as each node reports it through SSM."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from clusterspec.config import ClusterConfig
+from clusterspec.render import BIN, health_checks, render_cluster
+from cluster_ops.remote import NodeInstance, find_nodes, run_command
+
+
+@dataclass(frozen=True)
+class UnitStatus:
+    """One unit on one node."""
+
+    node: str
+    unit: str
+    state: str
+    healthy: bool | None
+    needs_health: bool
+
+    @property
+    def ready(self) -> bool:
+        """Active, and answering its health route when it has one."""
+        return self.state == "active" and (self.healthy is True or not self.needs_health)
+
+
+@dataclass
+class ClusterStatus:
+    """What every node reported, against what the plan says it runs."""
+
+    units: list[UnitStatus] = field(default_factory=list)
+    missing_nodes: list[str] = field(default_factory=list)
+
+    @property
+    def ready(self) -> bool:
+        """Every node present and every unit ready."""
+        return not self.missing_nodes and bool(self.units) and all(u.ready for u in self.units)
+
+    @property
+    def failing(self) -> list[str]:
+        """`node: unit (state)` for every unit that is not ready, and every missing node."""
+        out = [f"{n}: no running instance" for n in self.missing_nodes]
+        out += [
+            f"{u.node}: {u.unit} ({u.state}{', unhealthy' if u.needs_health and u.healthy is not True else ''})"
+            for u in self.units
+            if not u.ready
+        ]
+        return out
+
+
+def expected_units(cfg: ClusterConfig) -> dict[str, dict[str, bool]]:
+    """Node -> unit -> has a health route, from the same rendering as the user data."""
+    return {r.node.name: {unit: url is not None for unit, url in health_checks(cfg, r)} for r in render_cluster(cfg)}
+
+
+def collect(cfg: ClusterConfig, ec2: Any, ssm: Any, *, sleep: Callable[[float], None] = time.sleep) -> ClusterStatus:
+    """Ask every node for its units' state and health."""
+    expected = expected_units(cfg)
+    nodes = find_nodes(ec2, cfg.cluster_name)
+    status = ClusterStatus(missing_nodes=[n for n in expected if n not in nodes])
+    for name, units in expected.items():
+        inst: NodeInstance | None = nodes.get(name)
+        if inst is None:
+            continue
+        result, out = run_command(ssm, inst.instance_id, [f"{BIN}/gptoss-status"], timeout_s=60, sleep=sleep)
+        reported: dict[str, dict[str, Any]] = {}
+        if result == "Success":
+            try:
+                reported = {u["unit"]: u for u in json.loads(out)["units"]}
+            except (ValueError, KeyError):
+                reported = {}
+        for unit, needs_health in units.items():
+            r = reported.get(unit)
+            state = r["state"] if r else ("unreachable" if result != "Success" else "missing")
+            status.units.append(UnitStatus(name, unit, state, r["healthy"] if r else None, needs_health))
+    return status
+
+
+def wait_ready(
+    cfg: ClusterConfig,
+    ec2: Any,
+    ssm: Any,
+    *,
+    timeout_s: float,
+    interval_s: float = 60,
+    on_poll: Callable[[ClusterStatus, float], None] = lambda s, t: None,
+    sleep: Callable[[float], None] = time.sleep,
+    clock: Callable[[], float] = time.monotonic,
+) -> ClusterStatus:
+    """Poll until every unit is ready or the timeout passes; return the last status."""
+    start = clock()
+    while True:
+        status = collect(cfg, ec2, ssm, sleep=sleep)
+        elapsed = clock() - start
+        on_poll(status, elapsed)
+        if status.ready or elapsed >= timeout_s:
+            return status
+        sleep(min(interval_s, max(0.0, timeout_s - elapsed)))

@@ -1,0 +1,282 @@
+"""Operator commands against moto (EC2, SSM parameters) and botocore's Stubber where moto has no API."""
+
+from __future__ import annotations
+
+import functools
+import http.server
+import importlib.util
+import json
+import os
+import subprocess
+import threading
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import boto3
+import pytest
+from botocore.stub import ANY, Stubber
+from moto import mock_aws
+
+from clusterspec.config import ClusterConfig, load_config
+from clusterspec.render import USERDATA_DIR, health_file, render_cluster
+from cluster_ops import bench, preflight
+from cluster_ops.status import collect, wait_ready
+from tests.conftest import ROOT
+
+REGION = "us-east-2"
+TRN2 = {"instance_type": "trn2.48xlarge", "serving": {"shape": {"quantization": "bf16"}}, "ami_ssm_parameter": "/test/dlami"}
+
+
+class Session:
+    """A boto3 session stand-in that hands out the given clients (moto-backed or stubbed)."""
+
+    def __init__(self, **clients: Any) -> None:
+        self.clients = clients
+
+    def client(self, name: str, region_name: str | None = None) -> Any:
+        return self.clients[name]
+
+
+@pytest.fixture
+def aws() -> Iterator[None]:
+    with mock_aws():
+        os.environ.setdefault("AWS_DEFAULT_REGION", REGION)
+        yield
+
+
+def quotas(value: float, name: str = "Running On-Demand Trn instances") -> Any:
+    client = boto3.client("service-quotas", region_name=REGION)
+    stub = Stubber(client)
+    stub.add_response(
+        "list_service_quotas",
+        {"Quotas": [{"QuotaName": name, "QuotaCode": "L-2C3B7624", "Value": value, "ServiceCode": "ec2"}]},
+        {"ServiceCode": "ec2"},
+    )
+    stub.activate()
+    return client
+
+
+def _session(quota: float = 384, **extra: Any) -> Session:
+    ec2 = extra.pop("ec2", boto3.client("ec2", region_name=REGION))
+    return Session(ec2=ec2, ssm=boto3.client("ssm", region_name=REGION), **{"service-quotas": quotas(quota)}, **extra)
+
+
+def by_name(checks: list[preflight.Check]) -> dict[str, preflight.Check]:
+    return {c.name: c for c in checks}
+
+
+# ---- preflight ---------------------------------------------------------------------------
+
+
+def test_preflight_passes_when_the_account_matches(aws: None) -> None:
+    boto3.client("ssm", region_name=REGION).put_parameter(Name="/test/dlami", Value="ami-12345678", Type="String")
+    checks = preflight.run(load_config(TRN2), _session())
+    assert all(c.ok for c in checks), [c for c in checks if not c.ok]
+    assert {"instance type offered", "network_cards", "efa_interfaces", "nvme_disks", "nvme_disk_gb", "vcpus", "Neuron DLAMI", "vCPU quota"} == set(
+        by_name(checks)
+    )
+
+
+def test_preflight_names_the_table_value_to_set_on_a_mismatch(aws: None) -> None:
+    boto3.client("ssm", region_name=REGION).put_parameter(Name="/test/dlami", Value="ami-12345678", Type="String")
+    cfg = load_config(TRN2 | {"instance_overrides": {"network_cards": 8}})
+    c = by_name(preflight.run(cfg, _session()))["network_cards"]
+    assert not c.ok
+    assert c.detail == "AWS reports 16, the stack table says 8"
+    assert c.fix.startswith("set instance_overrides.network_cards=16")
+
+
+def test_preflight_fails_for_an_unknown_type_a_missing_dlami_and_a_small_quota(aws: None) -> None:
+    checks = by_name(preflight.run(load_config({}), _session(quota=192)))
+    assert not checks["instance type offered"].ok and "trn3.48xlarge is not offered in us-east-2a" in checks["instance type offered"].detail
+    assert not checks["hardware table"].ok
+    dlami = checks["Neuron DLAMI"]
+    assert not dlami.ok and "/aws/service/neuron/dlami/multi-framework/ubuntu-24.04/latest/image_id not found" in dlami.detail
+    quota = checks["vCPU quota"]
+    assert not quota.ok and quota.detail == "Running On-Demand Trn instances: 192 vCPUs < 384 for 2 x trn3.48xlarge"
+
+
+def _reservation(**over: Any) -> Any:
+    ec2 = boto3.client("ec2", region_name=REGION)
+    stub = Stubber(ec2)
+    cr = {"CapacityReservationId": "cr-0123456789abcdef0", "State": "active", "AvailabilityZone": "us-east-2a",
+          "InstanceType": "trn2.48xlarge", "AvailableInstanceCount": 2} | over  # fmt: skip
+    stub.add_response("describe_capacity_reservations", {"CapacityReservations": [cr]}, {"CapacityReservationIds": ["cr-0123456789abcdef0"]})
+    stub.activate()
+    return ec2
+
+
+def test_capacity_reservation_must_match_zone_type_and_size() -> None:
+    cfg = load_config(TRN2 | {"capacity_reservation_id": "cr-0123456789abcdef0"})
+    assert preflight.check_reservation(cfg, _reservation()).ok
+    bad = preflight.check_reservation(cfg, _reservation(AvailabilityZone="us-east-2b", AvailableInstanceCount=1))
+    assert not bad.ok
+    assert bad.detail == "cr-0123456789abcdef0: in us-east-2b, not us-east-2a; 1 instances available, 2 needed"
+
+
+def _load_cli() -> Any:
+    spec = importlib.util.spec_from_file_location("cluster_cli", ROOT / "scripts" / "cluster.py")
+    assert spec and spec.loader
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_preflight_command_prints_a_table_and_exits_non_zero_on_failure(aws: None, monkeypatch: pytest.MonkeyPatch, capsys: Any) -> None:
+    cli = _load_cli()
+    monkeypatch.setattr(cli, "_session", lambda cfg: _session(quota=100))
+    code = cli.main(["preflight", "--width", "250", "-c", "instance_type=trn2.48xlarge", "-c", 'serving={"shape": {"quantization": "bf16"}}'])
+    out = capsys.readouterr().out
+    assert code == 1
+    assert "FAIL" in out and "vCPU quota" in out and "pass" in out
+
+
+# ---- status and wait-ready ---------------------------------------------------------------
+
+
+def launch(cfg: ClusterConfig, names: list[str] | None = None) -> dict[str, str]:
+    """Run moto instances tagged as the stack tags them; node name -> instance id."""
+    ec2 = boto3.client("ec2", region_name=REGION)
+    image = ec2.describe_images(Owners=["amazon"])["Images"][0]["ImageId"]
+    out = {}
+    for node in cfg.layout.nodes:
+        if names is not None and node.name not in names:
+            continue
+        tags = [{"Key": "gptoss:cluster", "Value": cfg.cluster_name}, {"Key": "gptoss:role", "Value": node.role},
+                {"Key": "gptoss:node", "Value": node.name}]  # fmt: skip
+        inst = ec2.run_instances(ImageId=image, MinCount=1, MaxCount=1, TagSpecifications=[{"ResourceType": "instance", "Tags": tags}])
+        out[node.name] = inst["Instances"][0]["InstanceId"]
+    return out
+
+
+@pytest.fixture
+def health_server(tmp_path: Path) -> Iterator[int]:
+    (tmp_path / "health").write_text("ok")
+    (tmp_path / "healthcheck").write_text("ok")
+    handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(tmp_path))
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), lambda *a: handler(*a))  # type: ignore[arg-type]
+    server.RequestHandlerClass.log_message = lambda *a: None  # type: ignore[method-assign]
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield int(server.server_address[1])
+    server.shutdown()
+
+
+def node_report(cfg: ClusterConfig, node: str, tmp_path: Path, port: int, down: set[str] = frozenset()) -> str:  # type: ignore[assignment]
+    """What gptoss-status prints on a node: the real script, a fake systemctl, local health routes."""
+    r = next(r for r in render_cluster(cfg) if r.node.name == node)
+    lines = []
+    for line in health_file(cfg, r).splitlines():
+        unit, url = line.split()
+        if url != "-":
+            url = f"http://127.0.0.1:{port if unit not in down else 1}/{url.rsplit('/', 1)[1]}"
+        lines.append(f"{unit} {url}")
+    hf = tmp_path / f"{node}.health"
+    hf.write_text("\n".join(lines) + "\n")
+    env_file = tmp_path / "cluster.env"
+    env_file.write_text(f"GPTOSS_NODE={node}\n")
+    systemctl = tmp_path / "systemctl"
+    systemctl.write_text('#!/usr/bin/env bash\nfor a; do unit=$a; done\ncase " $DOWN " in *" $unit "*) echo activating;; *) echo active;; esac\n')
+    systemctl.chmod(0o755)
+    res = subprocess.run(
+        [str(USERDATA_DIR / "bin" / "gptoss-status")],
+        env={**os.environ, "GPTOSS_HEALTH_FILE": str(hf), "GPTOSS_CLUSTER_ENV": str(env_file), "GPTOSS_SYSTEMCTL": str(systemctl),
+             "DOWN": " ".join(down)},  # fmt: skip
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    json.loads(res.stdout)  # the script prints valid JSON
+    return res.stdout
+
+
+def stub_ssm(outputs: list[tuple[str, str]]) -> tuple[Any, Stubber]:
+    """An SSM client answering one send_command/get_command_invocation pair per (instance, stdout)."""
+    ssm = boto3.client("ssm", region_name=REGION)
+    stub = Stubber(ssm)
+    for i, (iid, out) in enumerate(outputs):
+        stub.add_response("send_command", {"Command": {"CommandId": str(uuid.UUID(int=i))}},
+                          {"InstanceIds": [iid], "DocumentName": "AWS-RunShellScript", "Parameters": ANY, "TimeoutSeconds": ANY})  # fmt: skip
+        stub.add_response("get_command_invocation", {"Status": "Success", "StandardOutputContent": out},
+                          {"CommandId": str(uuid.UUID(int=i)), "InstanceId": iid})  # fmt: skip
+    stub.activate()
+    return ssm, stub
+
+
+def test_status_reports_every_unit_of_every_node(aws: None, tmp_path: Path, health_server: int) -> None:
+    cfg = load_config({})
+    ids = launch(cfg)
+    ssm, stub = stub_ssm([
+        (ids["prefill-0"], node_report(cfg, "prefill-0", tmp_path, health_server, down={"gptoss-prefill@3.service"})),
+        (ids["decode-0"], node_report(cfg, "decode-0", tmp_path, health_server)),
+    ])  # fmt: skip
+    status = collect(cfg, boto3.client("ec2", region_name=REGION), ssm, sleep=lambda s: None)
+    stub.assert_no_pending_responses()
+    assert len(status.units) == 9 + 3
+    assert not status.ready
+    assert status.failing == ["prefill-0: gptoss-prefill@3.service (activating, unhealthy)"]
+
+
+def test_wait_ready_returns_when_every_server_answers(aws: None, tmp_path: Path, health_server: int) -> None:
+    cfg = load_config({})
+    ids = launch(cfg)
+    p_down = node_report(cfg, "prefill-0", tmp_path, health_server, down={"gptoss-proxy.service"})
+    p_up = node_report(cfg, "prefill-0", tmp_path, health_server)
+    d_up = node_report(cfg, "decode-0", tmp_path, health_server)
+    ssm, stub = stub_ssm([(ids["prefill-0"], p_down), (ids["decode-0"], d_up), (ids["prefill-0"], p_up), (ids["decode-0"], d_up)])
+    polls: list[float] = []
+    now = [0.0]
+    status = wait_ready(cfg, boto3.client("ec2", region_name=REGION), ssm, timeout_s=600, interval_s=60,
+                        on_poll=lambda s, t: polls.append(t), sleep=lambda s: now.__setitem__(0, now[0] + s), clock=lambda: now[0])  # fmt: skip
+    stub.assert_no_pending_responses()
+    assert status.ready and polls == [0.0, 60.0]
+
+
+def test_wait_ready_times_out_naming_missing_nodes_and_failing_units(aws: None, tmp_path: Path, health_server: int) -> None:
+    cfg = load_config({})
+    ids = launch(cfg, names=["prefill-0"])
+    down = {"gptoss-prefill@0.service", "gptoss-proxy.service"}
+    report = node_report(cfg, "prefill-0", tmp_path, health_server, down=down)
+    ssm, _ = stub_ssm([(ids["prefill-0"], report)] * 3)
+    now = [0.0]
+    status = wait_ready(cfg, boto3.client("ec2", region_name=REGION), ssm, timeout_s=120, interval_s=60,
+                        sleep=lambda s: now.__setitem__(0, now[0] + s), clock=lambda: now[0])  # fmt: skip
+    assert not status.ready
+    assert status.failing == [
+        "decode-0: no running instance",
+        "prefill-0: gptoss-prefill@0.service (activating, unhealthy)",
+        "prefill-0: gptoss-proxy.service (activating, unhealthy)",
+    ]
+
+
+# ---- bench -------------------------------------------------------------------------------
+
+RESULT = {"median_tpot_ms": 9.8, "p99_tpot_ms": 12.1, "output_throughput": 12000.5, "total_token_throughput": 108000.0,
+          "mean_ttft_ms": 850.0, "p99_ttft_ms": 2100.0}  # fmt: skip
+
+
+def test_bench_starts_the_unit_waits_and_reads_the_metrics(aws: None) -> None:
+    cfg = load_config({})
+    ids = launch(cfg)
+    iid = ids["prefill-0"]
+    ssm, stub = stub_ssm([(iid, ""), (iid, "active\n\n"), (iid, "inactive\nsuccess\n"), (iid, json.dumps(RESULT))])
+    states: list[str] = []
+    metrics = bench.run(cfg, boto3.client("ec2", region_name=REGION), ssm, poll_s=1, sleep=lambda s: None,
+                        on_poll=lambda st, t: states.append(st))  # fmt: skip
+    stub.assert_no_pending_responses()
+    assert metrics == RESULT
+    assert states == ["active", "inactive"]
+
+
+def test_bench_reports_a_failed_run(aws: None) -> None:
+    cfg = load_config({})
+    iid = launch(cfg)["prefill-0"]
+    ssm, _ = stub_ssm([(iid, ""), (iid, "failed\nexit-code\n")])
+    with pytest.raises(bench.BenchError, match="gptoss-bench.service ended with exit-code"):
+        bench.run(cfg, boto3.client("ec2", region_name=REGION), ssm, poll_s=1, sleep=lambda s: None)
+
+
+def test_bench_runs_only_on_a_proxy_node(aws: None) -> None:
+    with pytest.raises(bench.BenchError, match=r"node='decode-0': the benchmark runs on a proxy node \(prefill-0\)"):
+        bench.run(load_config({}), boto3.client("ec2", region_name=REGION), boto3.client("ssm", region_name=REGION), node="decode-0")
