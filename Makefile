@@ -12,7 +12,7 @@ export AWS_REGION ?= us-east-2
 export PATH := $(CURDIR)/.venv/bin:$(PATH)
 CDK_ARGS ?=
 
-.PHONY: setup synth plan test bench-scale diagrams clean
+.PHONY: setup synth plan test bootstrap deploy destroy diff bench-scale diagrams clean
 
 setup: .make/python .make/node .make/system
 
@@ -47,6 +47,19 @@ synth: setup
 
 plan: setup
 	$(PY) scripts/cluster.py plan $(CDK_ARGS)
+
+# Against AWS (your credentials) or, with AWS_ENDPOINT_URL set, a local endpoint.
+bootstrap: setup
+	$(CDK) bootstrap --no-notices $(CDK_ARGS)
+
+deploy: setup
+	$(CDK) deploy --no-notices --require-approval never $(CDK_ARGS)
+
+diff: setup
+	$(CDK) diff --no-notices $(CDK_ARGS)
+
+destroy: setup
+	$(CDK) destroy --no-notices --force $(CDK_ARGS)
 
 test: setup
 	$(PY) -m pytest $(PYTEST_ARGS)

@@ -108,3 +108,9 @@ def test_app_module_never_imports_boto3() -> None:
     code = "import sys, runpy; sys.argv=['app.py']; import app; print('boto3' in sys.modules)"
     r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
     assert r.stdout.strip() == "False"
+
+
+@pytest.mark.parametrize("example", sorted((ROOT / "examples").glob("*.yaml")), ids=lambda p: p.name)
+def test_example_configs_are_valid(example: Path) -> None:
+    cfg = load_config({"config": str(example)})
+    assert cfg.layout.nodes
