@@ -65,14 +65,15 @@ def check_hardware(cfg: ClusterConfig, ec2: Any) -> list[Check]:
     checks = []
     for field, value in actual.items():
         expected = getattr(hw, field)
+        source = "assumed, unpublished" if field in hw.unpublished else "stack table"
         if value == expected:
-            checks.append(Check(f"{field}", True, f"{value} (stack table: {expected})"))
+            checks.append(Check(f"{field}", True, f"{value} ({source}: {expected})"))
         else:
             checks.append(
                 Check(
                     f"{field}",
                     False,
-                    f"AWS reports {value}, the stack table says {expected}",
+                    f"AWS reports {value}, the stack table says {expected}" + (" (an unpublished assumption)" if field in hw.unpublished else ""),
                     f"set instance_overrides.{field}={value} (-c 'instance_overrides={{\"{field}\": {value}}}')",
                 )
             )

@@ -41,34 +41,28 @@ class InstanceType(BaseModel):
 
 # trn2.48xlarge: 16 Trainium2 devices of 8 physical cores, 192 vCPU, 16 network cards
 # (EFAv3, 3,200 Gbps), 4 x 1,900 GB instance-store NVMe (EC2 instance-type docs).
-# trn3.48xlarge: 16 Trainium3 devices (Neuron driver platform table), 8 physical
-# NeuronCore-v4 each; its network cards, EFA count and instance storage are not published.
-# The defaults assume the trn2 layout; preflight compares them with DescribeInstanceTypes.
-KNOWN_INSTANCE_TYPES: dict[str, InstanceType] = {
-    t.name: t
-    for t in (
-        InstanceType(
-            name="trn3.48xlarge",
-            vcpus=192,
-            neuron_devices=16,
-            physical_cores_per_device=8,
-            network_cards=16,
-            efa_interfaces=16,
-            nvme_disks=4,
-            nvme_disk_gb=1900,
-            mxfp4=True,
-            unpublished=("network_cards", "efa_interfaces", "nvme_disks", "nvme_disk_gb"),
-        ),
-        InstanceType(
-            name="trn2.48xlarge",
-            vcpus=192,
-            neuron_devices=16,
-            physical_cores_per_device=8,
-            network_cards=16,
-            efa_interfaces=16,
-            nvme_disks=4,
-            nvme_disk_gb=1900,
-            mxfp4=False,
-        ),
-    )
-}
+TRN2_48XL = InstanceType(
+    name="trn2.48xlarge",
+    vcpus=192,
+    neuron_devices=16,
+    physical_cores_per_device=8,
+    network_cards=16,
+    efa_interfaces=16,
+    nvme_disks=4,
+    nvme_disk_gb=1900,
+    mxfp4=False,
+)
+
+# trn3.48xlarge: 16 Trainium3 devices (Neuron driver platform table) of 8 physical
+# NeuronCore-v4, 192 vCPU; its network cards, EFA count and instance storage are not
+# published, so they are assumed to be trn2.48xlarge's. Preflight compares them with
+# DescribeInstanceTypes and names the override to set.
+TRN3_48XL = TRN2_48XL.model_copy(
+    update={
+        "name": "trn3.48xlarge",
+        "mxfp4": True,
+        "unpublished": ("network_cards", "efa_interfaces", "nvme_disks", "nvme_disk_gb"),
+    }
+)
+
+KNOWN_INSTANCE_TYPES: dict[str, InstanceType] = {t.name: t for t in (TRN3_48XL, TRN2_48XL)}
