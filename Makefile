@@ -12,7 +12,7 @@ export AWS_REGION ?= us-east-2
 export PATH := $(CURDIR)/.venv/bin:$(PATH)
 CDK_ARGS ?=
 
-.PHONY: setup synth plan test bootstrap deploy destroy diff bench-scale diagrams clean
+.PHONY: setup synth plan test lint bootstrap deploy destroy diff bench-scale diagrams clean
 
 setup: .make/python .make/node .make/system
 
@@ -63,6 +63,10 @@ destroy: setup
 
 test: setup
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+lint: setup
+	$(PY) -m ruff check .
+	$(PY) -m mypy clusterspec cluster_constructs cluster_ops stacks app.py scripts
 
 bench-scale: setup
 	$(PY) scripts/bench_scale.py

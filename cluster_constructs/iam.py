@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from urllib.parse import urlparse
 
-from aws_cdk import Acknowledgment, Stack, Validations, aws_iam as iam
+from aws_cdk import Acknowledgment, Stack, Validations
+from aws_cdk import aws_iam as iam
 from constructs import Construct
 
 from clusterspec.config import ClusterConfig
@@ -51,9 +52,9 @@ class NodeRole(Construct):
                 "explicit (no '*' action) and a copy would drift from AWS updates.",
             )
         )
-        for uri in [*filter(None, reads), config.results_s3_uri]:
-            if uri:
-                bucket, prefix = _bucket_prefix(uri)
+        for acked in [*filter(None, reads), config.results_s3_uri]:
+            if acked:
+                bucket, prefix = _bucket_prefix(acked)
                 path = f"{bucket}/{prefix + '/' if prefix else ''}*"
                 Validations.of(self).acknowledge(
                     Acknowledgment(

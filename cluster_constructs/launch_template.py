@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from aws_cdk import Tags, aws_ec2 as ec2
+from aws_cdk import Tags
+from aws_cdk import aws_ec2 as ec2
 from constructs import Construct
 
 from clusterspec.config import ClusterConfig

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-from aws_cdk import Acknowledgment, Duration, Validations, aws_ec2 as ec2, aws_elasticloadbalancingv2 as elbv2, aws_elasticloadbalancingv2_targets as targets
+from aws_cdk import Acknowledgment, Duration, Validations
+from aws_cdk import aws_ec2 as ec2
+from aws_cdk import aws_elasticloadbalancingv2 as elbv2
+from aws_cdk import aws_elasticloadbalancingv2_targets as targets
 from constructs import Construct
 
 from clusterspec.config import ClusterConfig

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-from aws_cdk import RemovalPolicy, Stack, Tags, aws_ec2 as ec2, aws_iam as iam, aws_logs as logs
+from aws_cdk import RemovalPolicy, Stack, Tags
+from aws_cdk import aws_ec2 as ec2
+from aws_cdk import aws_iam as iam
+from aws_cdk import aws_logs as logs
 from constructs import Construct
 
 from clusterspec.config import ClusterConfig

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from aws_cdk import Fn, aws_ec2 as ec2
+from aws_cdk import Fn
+from aws_cdk import aws_ec2 as ec2
 from constructs import Construct
 
 from clusterspec.config import ClusterConfig

@@ -5,8 +5,8 @@ from __future__ import annotations
 from aws_cdk import CfnOutput, Fn
 from constructs import Construct
 
-from clusterspec.config import ClusterConfig
 from cluster_constructs.node import ClusterNode
+from clusterspec.config import ClusterConfig
 
 
 def port_forward_command(*, region: str, target: str, port: int, remote_host: str | None = None) -> str:

@@ -8,8 +8,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from clusterspec.config import ClusterConfig
 from cluster_ops.remote import find_nodes, run_command
+from clusterspec.config import ClusterConfig
 
 METRICS = (
     ("median_tpot_ms", "median TPOT (ms)"),
@@ -54,8 +54,7 @@ def run(
         sleep(poll_s)
         waited += poll_s
         _, out = run_command(ssm, iid, [f"systemctl show -p ActiveState,Result --value {UNIT}"], sleep=sleep)
-        lines = out.split()
-        state, result = (lines + ["unknown", "unknown"])[:2]
+        state, result = [*out.split(), "unknown", "unknown"][:2]
         on_poll(state, waited)
         if state in {"inactive", "failed"}:
             break

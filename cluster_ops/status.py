@@ -8,9 +8,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from cluster_ops.remote import NodeInstance, find_nodes, run_command
 from clusterspec.config import ClusterConfig
 from clusterspec.render import BIN, health_checks, render_cluster
-from cluster_ops.remote import NodeInstance, find_nodes, run_command
 
 
 @dataclass(frozen=True)

@@ -259,7 +259,7 @@ class ClusterConfig(_Frozen):
                 if not ok:
                     raise rule_error(
                         field,
-                        getattr(self.model, "source") if field == "model.source" else None,
+                        self.model.source if field == "model.source" else None,
                         "with network.egress='none' the nodes cannot reach Hugging Face or GitHub",
                         "stage the checkpoint and the examples in S3 (model.source='s3', model.s3_uri, "
                         "examples.s3_uri), or use network.egress='nat'",
@@ -278,13 +278,7 @@ class ClusterConfig(_Frozen):
 def _check_ports(cfg: ClusterConfig) -> None:
     """Reject any two listeners of one node whose port ranges overlap."""
     s = cfg.serving
-    try:
-        per_node = cfg.replicas_per_prefill_instance or (
-            cfg.hardware.logical_cores(s.prefill.lnc) // s.prefill.tensor_parallel
-        )
-    except ZeroDivisionError:
-        return
-    per_node = max(per_node, 1)
+    per_node = max(1, cfg.replicas_per_prefill_instance or cfg.hardware.logical_cores(s.prefill.lnc) // s.prefill.tensor_parallel)
     ranges: list[tuple[str, int, int]] = [
         ("serving.proxy.port", s.proxy.port, s.proxy.port),
         ("serving.decode.http_port", s.decode.http_port, s.decode.http_port),

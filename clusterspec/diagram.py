@@ -37,8 +37,8 @@ def draw(cfg: ClusterConfig, path: Path) -> Path:
         proxies: dict[int, object] = {}
         for node in layout.prefill_nodes:
             with Cluster(f"{node.name}  ({node.idle_cores} idle cores)"):
-                for d, reps in groupby(node.replicas, key=lambda r: r.decode_server):
-                    reps = list(reps)
+                for d, group in groupby(node.replicas, key=lambda r: r.decode_server):
+                    reps = list(group)
                     label = (
                         f"replicas {reps[0].index}-{reps[-1].index}\n"
                         f"HTTP {reps[0].http_port}-{reps[-1].http_port}\n"
@@ -60,8 +60,8 @@ def draw(cfg: ClusterConfig, path: Path) -> Path:
         if cfg.load_balanced:
             lb = NLB(f"internal NLB :{s.proxy.port}\nhealth {s.proxy.health_path}")
             client >> lb
-            for p in proxies.values():
-                lb >> Edge(color="gray40", **free) >> p
+            for proxy_node in proxies.values():
+                lb >> Edge(color="gray40", **free) >> proxy_node
         else:
             client >> Edge(**free) >> proxies[0]
         first = True

@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import shlex
 import sys
 from pathlib import Path
@@ -12,12 +11,12 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from rich.console import Console  # noqa: E402
-from rich.table import Table  # noqa: E402
+from rich.console import Console
+from rich.table import Table
 
-from clusterspec.config import ClusterConfig, load_config  # noqa: E402
-from clusterspec.errors import SpecError  # noqa: E402
-from clusterspec.render import NodeRender, plan_json, render_cluster  # noqa: E402
+from clusterspec.config import ClusterConfig, load_config
+from clusterspec.errors import SpecError
+from clusterspec.render import NodeRender, plan_json, render_cluster
 
 
 def _context(args: argparse.Namespace) -> dict[str, Any]:
@@ -158,7 +157,7 @@ def cmd_wait_ready(args: argparse.Namespace) -> int:
         console.print(f"[green]ready[/]: {len(status.units)} units on {len(cfg.layout.nodes)} nodes")
         return 0
     console.print(_status_table(status))
-    print("not ready after {:.0f}s:\n".format(args.timeout) + "\n".join(f"  - {f}" for f in status.failing), file=sys.stderr)
+    print(f"not ready after {args.timeout:.0f}s:\n" + "\n".join(f"  - {f}" for f in status.failing), file=sys.stderr)
     return 1
 
 

@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-from aws_cdk import Acknowledgment, CfnParameter, Environment, Stack, Tags, Validations, aws_ec2 as ec2
+from aws_cdk import Acknowledgment, CfnParameter, Environment, Stack, Tags, Validations
+from aws_cdk import aws_ec2 as ec2
 from constructs import Construct
 
-from clusterspec.config import ClusterConfig
-from clusterspec.render import render_cluster
 from cluster_constructs.iam import NodeRole
 from cluster_constructs.launch_template import EfaLaunchTemplate
 from cluster_constructs.load_balancer import ProxyLoadBalancer
@@ -14,6 +13,9 @@ from cluster_constructs.network import ClusterNetwork
 from cluster_constructs.node import ClusterNode
 from cluster_constructs.outputs import ClusterOutputs
 from cluster_constructs.security_group import ClusterSecurityGroup
+from clusterspec.config import ClusterConfig
+from clusterspec.render import render_cluster
+
 
 class GptOssClusterStack(Stack):
     """A Trn3 gpt-oss-120b serving cluster: network, EFA nodes, their bootstrap and outputs."""

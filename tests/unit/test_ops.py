@@ -19,10 +19,10 @@ import pytest
 from botocore.stub import ANY, Stubber
 from moto import mock_aws
 
-from clusterspec.config import ClusterConfig, load_config
-from clusterspec.render import USERDATA_DIR, health_file, render_cluster
 from cluster_ops import bench, preflight
 from cluster_ops.status import collect, wait_ready
+from clusterspec.config import ClusterConfig, load_config
+from clusterspec.render import USERDATA_DIR, health_file, render_cluster
 from tests.conftest import ROOT
 
 REGION = "us-east-2"
@@ -181,8 +181,13 @@ def node_report(cfg: ClusterConfig, node: str, tmp_path: Path, port: int, down: 
     systemctl.chmod(0o755)
     res = subprocess.run(
         [str(USERDATA_DIR / "bin" / "gptoss-status")],
-        env={**os.environ, "GPTOSS_HEALTH_FILE": str(hf), "GPTOSS_CLUSTER_ENV": str(env_file), "GPTOSS_SYSTEMCTL": str(systemctl),
-             "DOWN": " ".join(down)},  # fmt: skip
+        env={
+            **os.environ,
+            "GPTOSS_HEALTH_FILE": str(hf),
+            "GPTOSS_CLUSTER_ENV": str(env_file),
+            "GPTOSS_SYSTEMCTL": str(systemctl),
+            "DOWN": " ".join(down),
+        },
         capture_output=True,
         text=True,
         check=True,
@@ -273,7 +278,7 @@ def test_bench_reports_a_failed_run(aws: None) -> None:
     cfg = load_config({})
     iid = launch(cfg)["prefill-0"]
     ssm, _ = stub_ssm([(iid, ""), (iid, "failed\nexit-code\n")])
-    with pytest.raises(bench.BenchError, match="gptoss-bench.service ended with exit-code"):
+    with pytest.raises(bench.BenchError, match=r"gptoss-bench\.service ended with exit-code"):
         bench.run(cfg, boto3.client("ec2", region_name=REGION), ssm, poll_s=1, sleep=lambda s: None)
 
 
