@@ -55,6 +55,16 @@ BAD_INPUTS: list[tuple[str, dict[str, Any], list[str]]] = [
     ("moving examples branch", {"examples": {"ref": "main"}}, ["examples.ref='main'", "moving branch", "Fix: pin a tag or a commit"]),
     ("both AMI sources", {"ami_id": "ami-0123456789abcdef0"}, ["ami_id='ami-0123456789abcdef0'", "exactly one of ami_ssm_parameter and ami_id", "Fix:"]),
     ("unknown nested key", {"serving": {"decode": {"max_num_seq": 8}}}, ["serving.decode.max_num_seq=8", "is not a known setting", "Fix:"]),
+    (
+        "replica cores do not divide the instance",
+        {"serving": {"prefill": {"tensor_parallel": 3}}},
+        ["serving.prefill.tensor_parallel=3", "must divide the 64 logical cores of trn3.48xlarge at LNC=2", "Fix:"],
+    ),
+    (
+        "fleet beyond one stack",
+        {"decode_instances": "70"},
+        ["decode_instances=70: 97 instances in one stack need", "CloudFormation allows 1 MB", "Fix: keep one stack at or below 69 decode instances", "several stacks"],
+    ),
 ]
 
 

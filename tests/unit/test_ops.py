@@ -7,6 +7,7 @@ import http.server
 import importlib.util
 import json
 import os
+import re
 import subprocess
 import threading
 import uuid
@@ -285,3 +286,33 @@ def test_bench_reports_a_failed_run(aws: None) -> None:
 def test_bench_runs_only_on_a_proxy_node(aws: None) -> None:
     with pytest.raises(bench.BenchError, match=r"node='decode-0': the benchmark runs on a proxy node \(prefill-0\)"):
         bench.run(load_config({}), boto3.client("ec2", region_name=REGION), boto3.client("ssm", region_name=REGION), node="decode-0")
+
+
+def test_wait_ready_command_exits_1_naming_the_failing_units(
+    aws: None, tmp_path: Path, health_server: int, monkeypatch: pytest.MonkeyPatch, capsys: Any
+) -> None:
+    cfg = load_config({})
+    ids = launch(cfg)
+    report_p = node_report(cfg, "prefill-0", tmp_path, health_server)
+    report_d = node_report(cfg, "decode-0", tmp_path, health_server, down={"gptoss-decode.service"})
+    ssm, _ = stub_ssm([(ids["prefill-0"], report_p), (ids["decode-0"], report_d)])
+    cli = _load_cli()
+    monkeypatch.setattr(cli, "_session", lambda c: Session(ec2=boto3.client("ec2", region_name=REGION), ssm=ssm))
+    code = cli.main(["wait-ready", "--timeout", "0", "--interval", "1"])
+    err = capsys.readouterr().err
+    assert code == 1
+    assert "not ready after 0s:" in err and "decode-0: gptoss-decode.service (activating, unhealthy)" in err
+
+
+def test_bench_command_prints_the_key_metrics(aws: None, monkeypatch: pytest.MonkeyPatch, capsys: Any) -> None:
+    cfg = load_config({})
+    iid = launch(cfg)["prefill-0"]
+    ssm, _ = stub_ssm([(iid, ""), (iid, "inactive\nsuccess\n"), (iid, json.dumps(RESULT))])
+    cli = _load_cli()
+    monkeypatch.setattr(cli, "_session", lambda c: Session(ec2=boto3.client("ec2", region_name=REGION), ssm=ssm))
+    monkeypatch.setattr(cli, "Console", lambda *a, **k: __import__("rich.console").console.Console(width=200))
+    assert cli.main(["bench", "--interval", "0"]) == 0
+    out = capsys.readouterr().out
+    for label, value in (("median TPOT (ms)", "9.80"), ("p99 TPOT (ms)", "12.10"), ("output throughput (tok/s)", "12,000.50"),
+                         ("total token throughput (tok/s)", "108,000.00"), ("mean TTFT (ms)", "850.00"), ("p99 TTFT (ms)", "2,100.00")):  # fmt: skip
+        assert re.search(rf"{re.escape(label)}\s*│\s*{re.escape(value)}", out), (label, out)
