@@ -110,6 +110,7 @@ class Shape(_Frozen):
     max_num_batched_tokens: int = Field(
         8192, gt=0, description="One prefill segment holds the whole prompt; one bucket [8192] on both roles."
     )
+    output_len: int = Field(1024, gt=0, description="The tested shape's output tokens (8K in, 1K out).")
     block_size: int = Field(128, gt=0, description="The KV block size of the packed FP8 cache.")
     kv_cache_dtype: Literal["fp8"] = Field("fp8", description="The packed FP8 KV layout prefill writes and the megakernel reads.")
     fp8_packed_kv: bool = Field(True, description="The packed FP8 KV layout prefill writes and the megakernel reads.")
@@ -134,10 +135,6 @@ class Shape(_Frozen):
         """Prompt tokens of the tested shape."""
         return self.max_num_batched_tokens
 
-    @property
-    def output_len(self) -> int:
-        """Output tokens of the tested shape (1,024)."""
-        return 1024
 
     @model_validator(mode="after")
     def _shape_fits(self) -> Shape:
