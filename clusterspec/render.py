@@ -35,7 +35,7 @@ HOSTS_ENV = f"{ETC}/hosts.env"
 CLUSTER_ENV = f"{ETC}/cluster.env"
 USER_DATA_LIMIT = 16 * 1024
 START_LIMIT_BURST = 5
-RESTART_SEC = 60
+RESTART_SEC = 5  # the growing wait is gptoss-backoff's, before each automatic restart
 
 _ENV = jinja2.Environment(
     loader=jinja2.FileSystemLoader(USERDATA_DIR / "units"),
@@ -100,9 +100,9 @@ _SAFE = re.compile(r"^[A-Za-z0-9_@%+=:,./${}-]+$")
 
 
 def systemd_quote(arg: str) -> str:
-    """Quote one argument for an Exec line; ${VAR} stays expandable, % only as %i."""
-    if re.search(r"%(?!i)", arg):
-        raise ValueError(f"argument {arg!r} holds a systemd specifier other than %i")
+    """Quote one argument for an Exec line; ${VAR} stays expandable, % only as %i or %n."""
+    if re.search(r"%(?![in])", arg):
+        raise ValueError(f"argument {arg!r} holds a systemd specifier other than %i and %n")
     if _SAFE.match(arg):
         return arg
     if "'" in arg or "\\" in arg:
@@ -397,6 +397,7 @@ def render_node(cfg: ClusterConfig, layout: Layout, node: Node, *, bin_dir: str 
         ]
         files[f"{UNIT_DIR}/gptoss-prefill@.service"] = (
             _ENV.get_template("gptoss-prefill@.service.j2").render(
+                bin=bin_dir,
                 env_files=[f"{ETC}/prefill.env", f"{ETC}/prefill@%i.env"],
                 gate=_exec(gate),
                 exec_start=_exec(template_argv),

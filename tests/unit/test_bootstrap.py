@@ -549,3 +549,31 @@ def test_examples_are_fetched_at_the_pinned_ref(artifacts_env: dict[str, str], t
     assert (dest / load_config({}).serving.proxy.script).is_file()
     assert not (dest / "LATER").exists()
     assert (dest / ".gptoss-ref").read_text().strip() == "test-ref"
+
+
+@pytest.mark.parametrize(("restarts", "expected"), [("0", ""), ("", ""), ("1", "60"), ("2", "120"), ("3", "240"), ("5", "900"), ("12", "900")])
+def test_restart_backoff_doubles_up_to_its_cap(restarts: str, expected: str, tmp_path: Path) -> None:
+    systemctl = tmp_path / "systemctl"
+    systemctl.write_text(f'#!/usr/bin/env bash\n[ "$*" = "show -p NRestarts --value gptoss-decode.service" ] && echo "{restarts}"\n')
+    systemctl.chmod(0o755)
+    slept = tmp_path / "slept"
+    sleeper = tmp_path / "sleep"
+    sleeper.write_text(f'#!/usr/bin/env bash\necho "$1" >"{slept}"\n')
+    sleeper.chmod(0o755)
+    res = subprocess.run(
+        [str(shipped("gptoss-backoff")), "gptoss-decode.service"],
+        env={**os.environ, "GPTOSS_SYSTEMCTL": str(systemctl), "GPTOSS_SLEEP": str(sleeper)},
+        capture_output=True,
+        text=True,
+    )
+    assert res.returncode == 0, res.stderr
+    assert (slept.read_text().strip() if slept.exists() else "") == expected
+    if expected:
+        assert f"restart {restarts}: waiting {expected}s" in res.stdout
+
+
+def test_servers_back_off_before_each_automatic_restart() -> None:
+    files = {k: v[0] for r in render_cluster(load_config({})) for k, v in r.files.items()}
+    for name in ("gptoss-decode.service", "gptoss-prefill@.service"):
+        pre = re.findall(r"^ExecStartPre=(.*)$", files[f"/etc/systemd/system/{name}"], re.M)
+        assert pre[0] == "/opt/gptoss/bin/gptoss-backoff %n", name
