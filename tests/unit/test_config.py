@@ -63,7 +63,7 @@ BAD_INPUTS: list[tuple[str, dict[str, Any], list[str]]] = [
     (
         "fleet beyond one stack",
         {"decode_instances": "70"},
-        ["decode_instances=70: 97 instances in one stack need", "CloudFormation allows 1 MB", "Fix: keep one stack at or below 69 decode instances", "several stacks"],
+        ["decode_instances=70: 97 instances in one stack need", "CloudFormation allows 1 MB", "Fix: keep one stack at or below", "several stacks"],
     ),
 ]
 
@@ -124,3 +124,15 @@ def test_app_module_never_imports_boto3() -> None:
 def test_example_configs_are_valid(example: Path) -> None:
     cfg = load_config({"config": str(example)})
     assert cfg.layout.nodes
+
+
+def test_the_largest_fleet_the_refusal_names_fits_and_one_more_does_not() -> None:
+    import re
+
+    with pytest.raises(SpecError) as err:
+        load_config({"decode_instances": "100"})
+    largest = int(re.search(r"at or below (\d+) decode instances", str(err.value)).group(1))  # type: ignore[union-attr]
+    assert 60 <= largest < 100
+    assert load_config({"decode_instances": str(largest)}).decode_instances == largest
+    with pytest.raises(SpecError):
+        load_config({"decode_instances": str(largest + 1)})
