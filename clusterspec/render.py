@@ -352,118 +352,124 @@ def _limits(cfg: ClusterConfig) -> dict[str, int]:
     }
 
 
+def _unit(name: str, **values: object) -> tuple[str, int]:
+    return _ENV.get_template(f"{name}.j2").render(**values), 0o644
+
+
+def _render_decode(cfg: ClusterConfig, out: NodeRender, bin_dir: str) -> None:
+    s = cfg.serving
+    env = decode_env(cfg)
+    out.files[f"{ETC}/decode.env"] = (env_file(env), 0o644)
+    argv = [f"{bin_dir}/gptoss-exec", "decode", *vllm_argv(cfg, "decode", port=str(s.decode.http_port))]
+    out.files[f"{UNIT_DIR}/gptoss-decode.service"] = _unit(
+        "gptoss-decode.service",
+        bin=bin_dir,
+        port=s.decode.http_port,
+        env_files=[f"{ETC}/decode.env"],
+        exec_start=_exec(argv),
+        **_limits(cfg),
+    )
+    out.services.append(Service("gptoss-decode.service", env, argv[2:]))
+    out.enable.append("gptoss-decode.service")
+
+
+def _render_prefill(cfg: ClusterConfig, node: Node, out: NodeRender, bin_dir: str) -> None:
+    """One template unit; each replica differs only by its env file (cores, ports, config)."""
+    s = cfg.serving
+    penv = prefill_env(cfg)
+    out.files[f"{ETC}/prefill.env"] = (env_file(penv), 0o644)
+    template_argv = [
+        f"{bin_dir}/gptoss-exec",
+        "prefill_%i",
+        *vllm_argv(cfg, "prefill", port="${GPTOSS_HTTP_PORT}", additional_config="${GPTOSS_ADDITIONAL_CONFIG}"),
+    ]
+    first = node.replicas[0]
+    gate = [
+        f"{bin_dir}/gptoss-prefill-gate",
+        "%i",
+        str(s.engine_ready_timeout_s),
+        health_url("127.0.0.1", first.http_port, s.server_health_path),
+    ]
+    out.files[f"{UNIT_DIR}/gptoss-prefill@.service"] = _unit(
+        "gptoss-prefill@.service",
+        bin=bin_dir,
+        env_files=[f"{ETC}/prefill.env", f"{ETC}/prefill@%i.env"],
+        gate=_exec(gate),
+        exec_start=_exec(template_argv),
+        **_limits(cfg),
+    )
+    for r in node.replicas:
+        renv = replica_env(cfg, r)
+        out.files[f"{ETC}/prefill@{r.index}.env"] = (env_file(renv), 0o644)
+        full = penv | renv
+        out.services.append(Service(r.unit, full, [expand(a, full, str(r.index)) for a in template_argv[2:]]))
+    out.files[f"{UNIT_DIR}/gptoss-prefill.target"] = _unit(
+        "gptoss-prefill.target", replicas=[r.unit for r in node.replicas]
+    )
+    out.enable.append("gptoss-prefill.target")
+
+
+def _render_proxy(cfg: ClusterConfig, node: Node, proxy: ProxyPlacement, out: NodeRender, bin_dir: str) -> None:
+    """The proxy of one decode server, started once its replicas and decode server answer."""
+    s = cfg.serving
+    decode = f"decode-{proxy.decode_server}"
+    hosts_env = {host_var(p): f"<{p}>" for p in sorted({r.node for r in proxy.replicas} | {decode})}
+    urls = [health_url(f"${{{host_var(r.node)}}}", r.http_port, s.server_health_path) for r in proxy.replicas]
+    urls.append(health_url(f"${{{host_var(decode)}}}", s.decode.http_port, s.server_health_path))
+    # The proxy waits for every server, which may first wait for staging and compiles.
+    wait_s = cfg.stage_timeout_s + 2 * s.engine_ready_timeout_s
+    argv = [f"{bin_dir}/gptoss-exec", "proxy", *proxy_argv(cfg, proxy)]
+    out.files[f"{UNIT_DIR}/gptoss-proxy.service"] = _unit(
+        "gptoss-proxy.service",
+        port=s.proxy.port,
+        decode_server=proxy.decode_server,
+        after=["gptoss-prefill.target"] if node.role == "prefill" else ["gptoss-decode.service"],
+        env_files=[HOSTS_ENV],
+        wait=_exec([f"{bin_dir}/gptoss-wait-healthy", str(wait_s), *urls]),
+        exec_start=_exec(argv),
+        start_timeout_s=wait_s + 600,
+    )
+    out.services.append(Service("gptoss-proxy.service", hosts_env, [expand(a, hosts_env) for a in argv[2:]]))
+    out.enable.append("gptoss-proxy.service")
+    out.peers = sorted({p[1:-1] for p in hosts_env.values()} - {node.name})
+
+
+def _render_bench(cfg: ClusterConfig, out: NodeRender, bin_dir: str) -> None:
+    """The reference's two benchmark legs as one oneshot unit that never starts by itself."""
+    s = cfg.serving
+    b = s.bench
+    bench_env = {"NETRC": b.netrc}
+    out.files[f"{ETC}/bench.env"] = (env_file(bench_env), 0o644)
+    legs = [("warmup", b.warmup_prompts, b.warmup_result_file), ("measured", b.measured_prompts, b.result_file)]
+    lines = [[f"{bin_dir}/gptoss-exec", "bench", *bench_argv(cfg, n, f)] for _, n, f in legs]
+    out.files[f"{UNIT_DIR}/gptoss-bench.service"] = _unit(
+        "gptoss-bench.service",
+        bin=bin_dir,
+        env_files=[f"{ETC}/bench.env"],
+        wait=_exec([f"{bin_dir}/gptoss-wait-healthy", "60", health_url("127.0.0.1", s.proxy.port, s.proxy.health_path)]),
+        exec_start=[_exec(line) for line in lines],
+    )
+    for (step, _, _), line in zip(legs, lines, strict=True):
+        out.services.append(Service("gptoss-bench.service", bench_env, line[2:], step=step))
+
+
 def render_node(cfg: ClusterConfig, layout: Layout, node: Node, *, bin_dir: str = BIN) -> NodeRender:
     """Render the services and files of one node."""
-    s = cfg.serving
     out = NodeRender(node=node, instance_type=cfg.instance_type, services=[])
-    files = out.files
-    cenv = cluster_env(cfg, node)
-    files[CLUSTER_ENV] = (env_file(cenv), 0o644)
+    out.files[CLUSTER_ENV] = (env_file(cluster_env(cfg, node)), 0o644)
     for name in ("gptoss-nvme.service", "gptoss-stage.service"):
-        files[f"{UNIT_DIR}/{name}"] = (
-            _ENV.get_template(f"{name}.j2").render(bin=bin_dir, nvme_mount=cfg.nvme_mount, stage_timeout_s=cfg.stage_timeout_s),
-            0o644,
-        )
-    out.enable += ["gptoss-nvme.service", "gptoss-stage.service"]
-    limits = _limits(cfg)
-    hosts_env: dict[str, str] = {}
-
+        out.files[f"{UNIT_DIR}/{name}"] = _unit(name, bin=bin_dir, nvme_mount=cfg.nvme_mount, stage_timeout_s=cfg.stage_timeout_s)
+        out.enable.append(name)
     if node.role == "decode":
-        env = decode_env(cfg)
-        files[f"{ETC}/decode.env"] = (env_file(env), 0o644)
-        argv = [f"{bin_dir}/gptoss-exec", "decode", *vllm_argv(cfg, "decode", port=str(s.decode.http_port))]
-        files[f"{UNIT_DIR}/gptoss-decode.service"] = (
-            _ENV.get_template("gptoss-decode.service.j2").render(
-                bin=bin_dir, port=s.decode.http_port, env_files=[f"{ETC}/decode.env"], exec_start=_exec(argv), **limits
-            ),
-            0o644,
-        )
-        out.services.append(Service("gptoss-decode.service", env, argv[2:]))
-        out.enable.append("gptoss-decode.service")
+        _render_decode(cfg, out, bin_dir)
     else:
-        penv = prefill_env(cfg)
-        files[f"{ETC}/prefill.env"] = (env_file(penv), 0o644)
-        template_argv = [
-            f"{bin_dir}/gptoss-exec",
-            "prefill_%i",
-            *vllm_argv(cfg, "prefill", port="${GPTOSS_HTTP_PORT}", additional_config="${GPTOSS_ADDITIONAL_CONFIG}"),
-        ]
-        first = node.replicas[0]
-        gate = [
-            f"{bin_dir}/gptoss-prefill-gate",
-            "%i",
-            str(s.engine_ready_timeout_s),
-            health_url("127.0.0.1", first.http_port, s.server_health_path),
-        ]
-        files[f"{UNIT_DIR}/gptoss-prefill@.service"] = (
-            _ENV.get_template("gptoss-prefill@.service.j2").render(
-                bin=bin_dir,
-                env_files=[f"{ETC}/prefill.env", f"{ETC}/prefill@%i.env"],
-                gate=_exec(gate),
-                exec_start=_exec(template_argv),
-                **limits,
-            ),
-            0o644,
-        )
-        for r in node.replicas:
-            renv = replica_env(cfg, r)
-            files[f"{ETC}/prefill@{r.index}.env"] = (env_file(renv), 0o644)
-            full = penv | renv
-            argv = [expand(a, full, str(r.index)) for a in template_argv[2:]]
-            out.services.append(Service(r.unit, full, argv))
-        files[f"{UNIT_DIR}/gptoss-prefill.target"] = (
-            _ENV.get_template("gptoss-prefill.target.j2").render(replicas=[r.unit for r in node.replicas]),
-            0o644,
-        )
-        out.enable.append("gptoss-prefill.target")
-
+        _render_prefill(cfg, node, out, bin_dir)
     for proxy in layout.proxies_on(node.name):
-        peers = sorted({r.node for r in proxy.replicas} | {f"decode-{proxy.decode_server}"})
-        for peer in peers:
-            hosts_env[host_var(peer)] = f"<{peer}>"
-        urls = [health_url(f"${{{host_var(r.node)}}}", r.http_port, s.server_health_path) for r in proxy.replicas]
-        urls.append(health_url(f"${{{host_var(f'decode-{proxy.decode_server}')}}}", s.decode.http_port, s.server_health_path))
-        # The proxy waits for every server, which may first wait for staging and compiles.
-        wait_s = cfg.stage_timeout_s + 2 * s.engine_ready_timeout_s
-        wait = [f"{bin_dir}/gptoss-wait-healthy", str(wait_s), *urls]
-        argv = [f"{bin_dir}/gptoss-exec", "proxy", *proxy_argv(cfg, proxy)]
-        local = ["gptoss-prefill.target"] if node.role == "prefill" else ["gptoss-decode.service"]
-        files[f"{UNIT_DIR}/gptoss-proxy.service"] = (
-            _ENV.get_template("gptoss-proxy.service.j2").render(
-                port=s.proxy.port,
-                decode_server=proxy.decode_server,
-                after=local,
-                env_files=[HOSTS_ENV],
-                wait=_exec(wait),
-                exec_start=_exec(argv),
-                start_timeout_s=wait_s + 600,
-            ),
-            0o644,
-        )
-        out.services.append(Service("gptoss-proxy.service", dict(hosts_env), [expand(a, hosts_env) for a in argv[2:]]))
-        out.enable.append("gptoss-proxy.service")
-
-        b = s.bench
-        bench_env = {"NETRC": b.netrc}
-        files[f"{ETC}/bench.env"] = (env_file(bench_env), 0o644)
-        legs = [("warmup", b.warmup_prompts, "bench_warmup.json"), ("measured", b.measured_prompts, b.result_file)]
-        lines = [[f"{bin_dir}/gptoss-exec", "bench", *bench_argv(cfg, n, f)] for _, n, f in legs]
-        files[f"{UNIT_DIR}/gptoss-bench.service"] = (
-            _ENV.get_template("gptoss-bench.service.j2").render(
-                bin=bin_dir,
-                env_files=[f"{ETC}/bench.env"],
-                wait=_exec([f"{bin_dir}/gptoss-wait-healthy", "60", health_url("127.0.0.1", s.proxy.port, s.proxy.health_path)]),
-                exec_start=[_exec(line) for line in lines],
-            ),
-            0o644,
-        )
-        for (step, _, _), line in zip(legs, lines, strict=True):
-            out.services.append(Service("gptoss-bench.service", bench_env, line[2:], step=step))
-
-    files[f"{ETC}/health"] = (health_file(cfg, out), 0o644)
-    _add_scripts(files, bin_dir)
-    out.peers = sorted(p for p in {k[1:-1] for k in hosts_env.values()} if p != node.name)
-    files[f"{ETC}/units"] = ("\n".join(out.enable) + "\n", 0o644)
+        _render_proxy(cfg, node, proxy, out, bin_dir)
+        _render_bench(cfg, out, bin_dir)
+    out.files[f"{ETC}/health"] = (health_file(cfg, out), 0o644)
+    _add_scripts(out.files, bin_dir)
+    out.files[f"{ETC}/units"] = ("\n".join(out.enable) + "\n", 0o644)
     return out
 
 

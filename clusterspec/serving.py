@@ -265,6 +265,7 @@ class Bench(_Frozen):
     measured_prompts: int = Field(12800, gt=0, description="The result leg.")
     netrc: str = Field("/dev/null", description="vllm bench serve reads ~/.netrc before each request; keep it local.")
     result_file: str = Field("bench_clean.json", description="The measured leg's result, in the results directory.")
+    warmup_result_file: str = Field("bench_warmup.json", description="The warm-up leg's result, kept apart: not a measurement.")
 
 
 class Serving(_Frozen):
