@@ -78,11 +78,19 @@ def test_every_unit_passes_systemd_analyze_verify(layout: str, tmp_path: Path) -
         assert (res.returncode, res.stdout + res.stderr) == (0, ""), f"{node.name}: {res.stdout}{res.stderr}"
 
 
+_SHIPPED: list[Path] = []
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _shipped_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    _SHIPPED.append(tmp_path_factory.mktemp("shipped"))
+    yield
+    _SHIPPED.pop()
+
+
 def shipped(name: str) -> Path:
     """Write the script as the node receives it (comments stripped) and return its path."""
-    d = Path(os.environ.get("PYTEST_SHIPPED_DIR", "/tmp")) / f"gptoss-shipped-{os.getpid()}"
-    d.mkdir(exist_ok=True)
-    p = d / name
+    p = _SHIPPED[-1] / name
     p.write_text(node_script(name))
     p.chmod(0o755)
     return p
@@ -205,8 +213,6 @@ def test_plan_and_user_data_agree(layout: str) -> None:
 
 def test_stack_embeds_exactly_the_rendered_user_data(default_synth: object) -> None:
     """The user data in the synthesized template is the rendering, peers' IPs filled by CloudFormation."""
-    import base64  # noqa: F401  (the template holds Fn::Base64 of Fn::Join)
-
     t = default_synth.template  # type: ignore[attr-defined]
     by_node = {r.node.logical_id: r for r in renders("6p1d")}
     for lid, res in t["Resources"].items():
