@@ -482,6 +482,9 @@ def test_units_order_and_timeouts(tmp_path: Path) -> None:
         assert "KillSignal=SIGINT" in text and "Restart=on-failure" in text
         assert int(re.search(r"TimeoutStartSec=(\d+)", text).group(1)) >= ready  # type: ignore[union-attr]
         assert re.search(r"RestartSec=\d+", text)
+    for path, text in files.items():
+        if path.endswith(".service"):
+            assert "\nUser=root\n" in text, f"{path}: without User= systemd sets no HOME (the caches are under ~/.cache)"
     proxy = files["/etc/systemd/system/gptoss-proxy.service"]
     assert "After=gptoss-stage.service gptoss-prefill.target" in proxy
     assert "ExecStartPre=/opt/gptoss/bin/gptoss-wait-healthy" in proxy
@@ -489,7 +492,8 @@ def test_units_order_and_timeouts(tmp_path: Path) -> None:
     assert "Before=gptoss-stage.service" in files["/etc/systemd/system/gptoss-nvme.service"]
 
 
-def test_hugging_face_download_excludes_unused_folders_and_keeps_the_token_off_disk(artifacts_env: dict[str, str]) -> None:
+@pytest.mark.parametrize("cli", ["hf", "huggingface-cli"])
+def test_hugging_face_download_excludes_unused_folders_and_keeps_the_token_off_disk(artifacts_env: dict[str, str], cli: str) -> None:
     root = Path(artifacts_env["ROOT"])
     venv = root / "venv-vllm"
     (venv / "bin").mkdir(parents=True)
@@ -497,7 +501,7 @@ def test_hugging_face_download_excludes_unused_folders_and_keeps_the_token_off_d
     src = Path(artifacts_env["S3"]) / "models/gpt-oss-120b"
     _fake(
         venv / "bin",
-        "hf",
+        cli,
         f'echo "hf $* token=${{HF_TOKEN:-}} xet=${{HF_XET_HIGH_PERFORMANCE:-}}" >>"{root}/state/calls.log"\n'
         'dst=""; while [ $# -gt 0 ]; do [ "$1" = --local-dir ] && dst=$2; shift; done\n'
         f'cp -r "{src}/." "$dst/"\n',
