@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 DONE = {"Success", "Failed", "Cancelled", "TimedOut", "Cancelling"}
+SSM_MAX_TARGETS = 50  # instance ids one SendCommand accepts
 
 
 @dataclass(frozen=True)
@@ -39,6 +40,46 @@ def find_nodes(ec2: Any, cluster: str) -> dict[str, NodeInstance]:
     return out
 
 
+def run_on_all(
+    ssm: Any,
+    instance_ids: list[str],
+    commands: list[str],
+    *,
+    timeout_s: float = 120,
+    poll_s: float = 2,
+    on_done: Callable[[str, str], None] = lambda iid, status: None,
+    sleep: Callable[[float], None] = time.sleep,
+) -> dict[str, tuple[str, str]]:
+    """Run shell commands on many instances at once (one SendCommand per 50); id -> (status, stdout)."""
+    pending: dict[str, str] = {}
+    for i in range(0, len(instance_ids), SSM_MAX_TARGETS):
+        batch = instance_ids[i : i + SSM_MAX_TARGETS]
+        cmd = ssm.send_command(
+            InstanceIds=batch,
+            DocumentName="AWS-RunShellScript",
+            Parameters={"commands": commands},
+            TimeoutSeconds=max(30, int(timeout_s)),
+        )["Command"]["CommandId"]
+        pending |= {iid: cmd for iid in batch}
+    results: dict[str, tuple[str, str]] = {}
+    waited = 0.0
+    while pending:
+        for iid, cmd in list(pending.items()):
+            try:
+                inv = ssm.get_command_invocation(CommandId=cmd, InstanceId=iid)
+            except ssm.exceptions.InvocationDoesNotExist:
+                inv = {"Status": "Pending", "StandardOutputContent": ""}
+            if inv["Status"] in DONE or waited >= timeout_s:
+                status = inv["Status"] if inv["Status"] in DONE else "TimedOut"
+                results[iid] = (status, inv.get("StandardOutputContent", ""))
+                del pending[iid]
+                on_done(iid, status)
+        if pending:
+            sleep(poll_s)
+            waited += poll_s
+    return results
+
+
 def run_command(
     ssm: Any,
     instance_id: str,
@@ -49,21 +90,4 @@ def run_command(
     sleep: Callable[[float], None] = time.sleep,
 ) -> tuple[str, str]:
     """Run shell commands on one instance; return (status, stdout)."""
-    cmd = ssm.send_command(
-        InstanceIds=[instance_id],
-        DocumentName="AWS-RunShellScript",
-        Parameters={"commands": commands},
-        TimeoutSeconds=max(30, int(timeout_s)),
-    )["Command"]["CommandId"]
-    waited = 0.0
-    while True:
-        try:
-            inv = ssm.get_command_invocation(CommandId=cmd, InstanceId=instance_id)
-        except ssm.exceptions.InvocationDoesNotExist:
-            inv = {"Status": "Pending", "StandardOutputContent": ""}
-        if inv["Status"] in DONE:
-            return inv["Status"], inv.get("StandardOutputContent", "")
-        if waited >= timeout_s:
-            return "TimedOut", inv.get("StandardOutputContent", "")
-        sleep(poll_s)
-        waited += poll_s
+    return run_on_all(ssm, [instance_id], commands, timeout_s=timeout_s, poll_s=poll_s, sleep=sleep)[instance_id]

@@ -8,7 +8,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from cluster_ops.remote import NodeInstance, find_nodes, run_command
+from cluster_ops.remote import find_nodes, run_on_all
 from clusterspec.config import ClusterConfig
 from clusterspec.render import BIN, health_checks, render_cluster
 
@@ -58,23 +58,32 @@ def expected_units(cfg: ClusterConfig) -> dict[str, dict[str, bool]]:
     return {r.node.name: {unit: url is not None for unit, url in health_checks(cfg, r)} for r in render_cluster(cfg)}
 
 
-def collect(cfg: ClusterConfig, ec2: Any, ssm: Any, *, sleep: Callable[[float], None] = time.sleep) -> ClusterStatus:
-    """Ask every node for its units' state and health."""
+def collect(
+    cfg: ClusterConfig,
+    ec2: Any,
+    ssm: Any,
+    *,
+    on_node: Callable[[str, str], None] = lambda node, status: None,
+    sleep: Callable[[float], None] = time.sleep,
+) -> ClusterStatus:
+    """Ask every node at once (SSM Run Command) for its units' state and health."""
     expected = expected_units(cfg)
     nodes = find_nodes(ec2, cfg.cluster_name)
     status = ClusterStatus(missing_nodes=[n for n in expected if n not in nodes])
-    for name, units in expected.items():
-        inst: NodeInstance | None = nodes.get(name)
-        if inst is None:
-            continue
-        result, out = run_command(ssm, inst.instance_id, [f"{BIN}/gptoss-status"], timeout_s=60, sleep=sleep)
+    present = [n for n in expected if n in nodes]
+    by_id = {nodes[n].instance_id: n for n in present}
+    results = run_on_all(
+        ssm, list(by_id), [f"{BIN}/gptoss-status"], timeout_s=60, sleep=sleep, on_done=lambda iid, st: on_node(by_id[iid], st)
+    )
+    for name in present:
+        result, out = results[nodes[name].instance_id]
         reported: dict[str, dict[str, Any]] = {}
         if result == "Success":
             try:
                 reported = {u["unit"]: u for u in json.loads(out)["units"]}
             except (ValueError, KeyError):
                 reported = {}
-        for unit, needs_health in units.items():
+        for unit, needs_health in expected[name].items():
             r = reported.get(unit)
             state = r["state"] if r else ("unreachable" if result != "Success" else "missing")
             status.units.append(UnitStatus(name, unit, state, r["healthy"] if r else None, needs_health))

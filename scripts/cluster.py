@@ -123,12 +123,19 @@ def _status_table(status: Any) -> Table:
 
 def cmd_status(args: argparse.Namespace) -> int:
     """Report every unit's state and health on every node; 0 when all are ready."""
+    from rich.progress import BarColumn, Progress, TextColumn
+
     from cluster_ops.status import collect
 
     cfg = load(args)
     session = _session(cfg)
-    status = collect(cfg, session.client("ec2"), session.client("ssm"))
-    Console().print(_status_table(status))
+    console = Console()
+    with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total} nodes"),
+                  console=console, transient=True) as progress:  # fmt: skip
+        task = progress.add_task("asking every node (SSM Run Command)", total=len(cfg.layout.nodes))
+        status = collect(cfg, session.client("ec2"), session.client("ssm"),
+                         on_node=lambda node, st: progress.update(task, advance=1, description=f"{node}: {st}"))  # fmt: skip
+    console.print(_status_table(status))
     return 0 if status.ready else 1
 
 

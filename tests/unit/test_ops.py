@@ -210,14 +210,33 @@ def stub_ssm(outputs: list[tuple[str, str]]) -> tuple[Any, Stubber]:
     return ssm, stub
 
 
+def stub_fleet(polls: list[list[tuple[str, str]]]) -> tuple[Any, Stubber]:
+    """An SSM client answering, per poll, one send_command to all instances and one invocation each."""
+    ssm = boto3.client("ssm", region_name=REGION)
+    stub = Stubber(ssm)
+    for n, poll in enumerate(polls):
+        cmd = str(uuid.UUID(int=1000 + n))
+        stub.add_response("send_command", {"Command": {"CommandId": cmd}},
+                          {"InstanceIds": [iid for iid, _ in poll], "DocumentName": "AWS-RunShellScript",
+                           "Parameters": {"commands": ["/opt/gptoss/bin/gptoss-status"]}, "TimeoutSeconds": ANY})  # fmt: skip
+        for iid, out in poll:
+            stub.add_response("get_command_invocation", {"Status": "Success", "StandardOutputContent": out},
+                              {"CommandId": cmd, "InstanceId": iid})  # fmt: skip
+    stub.activate()
+    return ssm, stub
+
+
 def test_status_reports_every_unit_of_every_node(aws: None, tmp_path: Path, health_server: int) -> None:
     cfg = load_config({})
     ids = launch(cfg)
-    ssm, stub = stub_ssm([
+    ssm, stub = stub_fleet([[
         (ids["prefill-0"], node_report(cfg, "prefill-0", tmp_path, health_server, down={"gptoss-prefill@3.service"})),
         (ids["decode-0"], node_report(cfg, "decode-0", tmp_path, health_server)),
-    ])  # fmt: skip
-    status = collect(cfg, boto3.client("ec2", region_name=REGION), ssm, sleep=lambda s: None)
+    ]])  # fmt: skip
+    answered: list[str] = []
+    status = collect(cfg, boto3.client("ec2", region_name=REGION), ssm, sleep=lambda s: None,
+                     on_node=lambda node, st: answered.append(f"{node}:{st}"))  # fmt: skip
+    assert answered == ["prefill-0:Success", "decode-0:Success"]
     stub.assert_no_pending_responses()
     assert len(status.units) == 9 + 3
     assert not status.ready
@@ -230,7 +249,7 @@ def test_wait_ready_returns_when_every_server_answers(aws: None, tmp_path: Path,
     p_down = node_report(cfg, "prefill-0", tmp_path, health_server, down={"gptoss-proxy.service"})
     p_up = node_report(cfg, "prefill-0", tmp_path, health_server)
     d_up = node_report(cfg, "decode-0", tmp_path, health_server)
-    ssm, stub = stub_ssm([(ids["prefill-0"], p_down), (ids["decode-0"], d_up), (ids["prefill-0"], p_up), (ids["decode-0"], d_up)])
+    ssm, stub = stub_fleet([[(ids["prefill-0"], p_down), (ids["decode-0"], d_up)], [(ids["prefill-0"], p_up), (ids["decode-0"], d_up)]])
     polls: list[float] = []
     now = [0.0]
     status = wait_ready(cfg, boto3.client("ec2", region_name=REGION), ssm, timeout_s=600, interval_s=60,
@@ -244,7 +263,7 @@ def test_wait_ready_times_out_naming_missing_nodes_and_failing_units(aws: None, 
     ids = launch(cfg, names=["prefill-0"])
     down = {"gptoss-prefill@0.service", "gptoss-proxy.service"}
     report = node_report(cfg, "prefill-0", tmp_path, health_server, down=down)
-    ssm, _ = stub_ssm([(ids["prefill-0"], report)] * 3)
+    ssm, _ = stub_fleet([[(ids["prefill-0"], report)]] * 3)
     now = [0.0]
     status = wait_ready(cfg, boto3.client("ec2", region_name=REGION), ssm, timeout_s=120, interval_s=60,
                         sleep=lambda s: now.__setitem__(0, now[0] + s), clock=lambda: now[0])  # fmt: skip
@@ -295,7 +314,7 @@ def test_wait_ready_command_exits_1_naming_the_failing_units(
     ids = launch(cfg)
     report_p = node_report(cfg, "prefill-0", tmp_path, health_server)
     report_d = node_report(cfg, "decode-0", tmp_path, health_server, down={"gptoss-decode.service"})
-    ssm, _ = stub_ssm([(ids["prefill-0"], report_p), (ids["decode-0"], report_d)])
+    ssm, _ = stub_fleet([[(ids["prefill-0"], report_p), (ids["decode-0"], report_d)]])
     cli = _load_cli()
     monkeypatch.setattr(cli, "_session", lambda c: Session(ec2=boto3.client("ec2", region_name=REGION), ssm=ssm))
     code = cli.main(["wait-ready", "--timeout", "0", "--interval", "1"])
@@ -316,3 +335,57 @@ def test_bench_command_prints_the_key_metrics(aws: None, monkeypatch: pytest.Mon
     for label, value in (("median TPOT (ms)", "9.80"), ("p99 TPOT (ms)", "12.10"), ("output throughput (tok/s)", "12,000.50"),
                          ("total token throughput (tok/s)", "108,000.00"), ("mean TTFT (ms)", "850.00"), ("p99 TTFT (ms)", "2,100.00")):  # fmt: skip
         assert re.search(rf"{re.escape(label)}\s*│\s*{re.escape(value)}", out), (label, out)
+
+
+def test_run_on_all_batches_fifty_instances_per_command() -> None:
+    from cluster_ops.remote import run_on_all
+
+    ids = [f"i-{n:017x}" for n in range(51)]
+    ssm = boto3.client("ssm", region_name=REGION)
+    stub = Stubber(ssm)
+    for batch, n in ((ids[:50], 1), (ids[50:], 2)):
+        stub.add_response("send_command", {"Command": {"CommandId": str(uuid.UUID(int=n))}},
+                          {"InstanceIds": batch, "DocumentName": "AWS-RunShellScript", "Parameters": ANY, "TimeoutSeconds": ANY})  # fmt: skip
+    for i, iid in enumerate(ids):
+        stub.add_response("get_command_invocation", {"Status": "Success", "StandardOutputContent": iid},
+                          {"CommandId": str(uuid.UUID(int=1 if i < 50 else 2)), "InstanceId": iid})  # fmt: skip
+    stub.activate()
+    results = run_on_all(ssm, ids, ["true"], sleep=lambda s: None)
+    stub.assert_no_pending_responses()
+    assert results == {iid: ("Success", iid) for iid in ids}
+
+
+def test_a_node_whose_command_fails_is_reported_unreachable(aws: None) -> None:
+    cfg = load_config({})
+    ids = launch(cfg)
+    ssm = boto3.client("ssm", region_name=REGION)
+    stub = Stubber(ssm)
+    cmd = str(uuid.UUID(int=7))
+    stub.add_response("send_command", {"Command": {"CommandId": cmd}},
+                      {"InstanceIds": [ids["prefill-0"], ids["decode-0"]], "DocumentName": "AWS-RunShellScript",
+                       "Parameters": ANY, "TimeoutSeconds": ANY})  # fmt: skip
+    stub.add_response("get_command_invocation", {"Status": "Failed", "StandardOutputContent": ""},
+                      {"CommandId": cmd, "InstanceId": ids["prefill-0"]})  # fmt: skip
+    stub.add_response("get_command_invocation", {"Status": "Success", "StandardOutputContent": '{"node": "decode-0", "units": []}'},
+                      {"CommandId": cmd, "InstanceId": ids["decode-0"]})  # fmt: skip
+    stub.activate()
+    status = collect(cfg, boto3.client("ec2", region_name=REGION), ssm, sleep=lambda s: None)
+    states = {(u.node, u.unit): u.state for u in status.units}
+    assert states[("prefill-0", "gptoss-proxy.service")] == "unreachable"
+    assert states[("decode-0", "gptoss-decode.service")] == "missing"
+    assert not status.ready
+
+
+def test_status_command_prints_every_unit_and_exits_0_when_ready(
+    aws: None, tmp_path: Path, health_server: int, monkeypatch: pytest.MonkeyPatch, capsys: Any
+) -> None:
+    cfg = load_config({})
+    ids = launch(cfg)
+    ssm, _ = stub_fleet([[(ids["prefill-0"], node_report(cfg, "prefill-0", tmp_path, health_server)),
+                          (ids["decode-0"], node_report(cfg, "decode-0", tmp_path, health_server))]])  # fmt: skip
+    cli = _load_cli()
+    monkeypatch.setattr(cli, "_session", lambda c: Session(ec2=boto3.client("ec2", region_name=REGION), ssm=ssm))
+    monkeypatch.setattr(cli, "Console", lambda *a, **k: __import__("rich.console").console.Console(width=200))
+    assert cli.main(["status"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("active") == 12 and "gptoss-prefill@5.service" in out and "gptoss-decode.service" in out
