@@ -573,7 +573,7 @@ def bundle(files: Mapping[str, tuple[str, int]]) -> bytes:
 
 
 def unbundle(blob: bytes) -> dict[str, tuple[str, int]]:
-    """Read a bundle back (tests, `plan --verify`)."""
+    """Read a bundle back (tests, the snapshot)."""
     out = {}
     with tarfile.open(fileobj=io.BytesIO(lzma.decompress(blob))) as tar:
         for m in tar.getmembers():
@@ -583,44 +583,40 @@ def unbundle(blob: bytes) -> dict[str, tuple[str, int]]:
     return out
 
 
-class _Literal(str):
-    pass
-
-
-def _literal(dumper: yaml.SafeDumper, data: _Literal) -> yaml.ScalarNode:
-    return dumper.represent_scalar("tag:yaml.org,2002:str", data, style="|")
-
-
-yaml.SafeDumper.add_representer(_Literal, _literal)
+_EXTRACT = f"mkdir -p {PurePosixPath(BUNDLE).parent} {ETC} && echo \"$0\" | base64 -d > {BUNDLE} && tar -xJf {BUNDLE} -C /"
+_HOSTS = f"printf '%s\\n' \"$@\" > {HOSTS_ENV}"
 
 
 def user_data(render: NodeRender, hosts: Mapping[str, str]) -> str:
-    """cloud-init user data: the node's bundle, and the peers' IPs (CDK tokens at synth)."""
+    """cloud-init user data: the node's bundle and its peers' IPs (CDK tokens at synth).
+
+    Everything is applied in `bootcmd`, which cloud-init runs at every boot with the current
+    user data: a spec change deployed with `cdk deploy` (CloudFormation stops the instance,
+    changes its user data and starts it) takes effect, where write_files and runcmd would run
+    only once per instance. Data goes to `sh -c` as arguments, never inside the script text.
+    """
     missing = [p for p in render.peers if p not in hosts]
     if missing:
         raise ValueError(f"{render.node.name}: no address given for peers {missing}")
-    hosts_text = "".join(f"{host_var(p)}={hosts[p]}\n" for p in render.peers) or "# no peers\n"
     doc = {
-        "write_files": [
-            {
-                "path": BUNDLE,
-                "encoding": "b64",
-                "permissions": "0600",
-                "content": base64.b64encode(bundle(render.files)).decode(),
-            },
-            {"path": HOSTS_ENV, "permissions": "0644", "content": _Literal(hosts_text)},
+        "bootcmd": [
+            ["sh", "-c", _EXTRACT, base64.b64encode(bundle(render.files)).decode()],
+            ["sh", "-c", _HOSTS, "sh", *[f"{host_var(p)}={hosts[p]}" for p in render.peers]],
+            [f"{BIN}/gptoss-bootstrap"],
         ],
-        "runcmd": [["tar", "-xJf", BUNDLE, "-C", "/"], [f"{BIN}/gptoss-bootstrap"]],
+        # Units enabled during a boot are not part of that boot's start-up: start them once.
+        "runcmd": [[f"{BIN}/gptoss-bootstrap", "--start"]],
     }
     return "#cloud-config\n" + yaml.safe_dump(doc, sort_keys=False, width=1 << 20)
 
 
-def parse_user_data(text: str) -> tuple[dict[str, tuple[str, int]], dict[str, str], list[list[str]]]:
-    """Parse user data back into (bundle files, hosts.env, runcmd)."""
+def parse_user_data(text: str) -> tuple[dict[str, tuple[str, int]], dict[str, str], dict[str, list[list[str]]]]:
+    """Parse user data back into (bundle files, hosts.env, {bootcmd, runcmd})."""
     doc = yaml.safe_load(text)
-    by_path = {f["path"]: f for f in doc["write_files"]}
-    files = unbundle(base64.b64decode(by_path[BUNDLE]["content"]))
-    return files, parse_env_file(by_path[HOSTS_ENV]["content"]), doc["runcmd"]
+    extract, hosts, *_ = doc["bootcmd"]
+    assert extract[:3] == ["sh", "-c", _EXTRACT] and hosts[:4] == ["sh", "-c", _HOSTS, "sh"], doc["bootcmd"]
+    files = unbundle(base64.b64decode(extract[3]))
+    return files, parse_env_file("\n".join(hosts[4:])), {"bootcmd": doc["bootcmd"], "runcmd": doc["runcmd"]}
 
 
 def plan_json(renders: list[NodeRender]) -> str:

@@ -313,9 +313,11 @@ def normalized(template: dict[str, Any]) -> dict[str, Any]:
             joined = r["Properties"]["UserData"]["Fn::Base64"]
             parts = joined["Fn::Join"][1] if isinstance(joined, dict) else [joined]
             text = "".join(p if isinstance(p, str) else "<" + ".".join(p["Fn::GetAtt"]) + ">" for p in parts)
-            files, hosts, runcmd = parse_user_data(text)
+            files, hosts, cmds = parse_user_data(text)
             r["Properties"]["UserData"] = {
-                "runcmd": runcmd,
+                "runcmd": cmds["runcmd"],
+                "bootcmd": [c[:3] + (["<bundle>"] if c[2].startswith("mkdir") else c[3:]) for c in cmds["bootcmd"][:2]]
+                + cmds["bootcmd"][2:],
                 "hosts.env": hosts,
                 "bundle": {path: {"mode": oct(mode), "text": body.splitlines()} for path, (body, mode) in files.items()},
             }

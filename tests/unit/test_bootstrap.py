@@ -190,8 +190,9 @@ def _exec_argv(unit_text: str, key: str) -> list[list[str]]:
 def test_plan_and_user_data_agree(layout: str) -> None:
     """Each plan service is what its unit runs once systemd expands the node's env files."""
     for r in renders(layout):
-        files, hosts, runcmd = parse_user_data(user_data(r, {p: f"<{p}>" for p in r.peers}))
-        assert runcmd == [["tar", "-xJf", "/var/lib/gptoss/bundle.tar.xz", "-C", "/"], [f"{BIN}/gptoss-bootstrap"]]
+        files, hosts, cmds = parse_user_data(user_data(r, {p: f"<{p}>" for p in r.peers}))
+        assert cmds["bootcmd"][2] == [f"{BIN}/gptoss-bootstrap"]
+        assert cmds["runcmd"] == [[f"{BIN}/gptoss-bootstrap", "--start"]]
         enabled = files["/etc/gptoss/units"][0].split()
         for s in r.services:
             template = re.sub(r"@\d+\.service$", "@.service", s.unit)
@@ -587,3 +588,22 @@ def test_servers_back_off_before_each_automatic_restart() -> None:
     for name in ("gptoss-decode.service", "gptoss-prefill@.service"):
         pre = re.findall(r"^ExecStartPre=(.*)$", files[f"/etc/systemd/system/{name}"], re.M)
         assert pre[0] == "/opt/gptoss/bin/gptoss-backoff %n", name
+
+
+def test_bootcmd_really_unpacks_the_bundle_and_writes_the_peers(tmp_path: Path) -> None:
+    """Run the user data's bootcmd with sh, base64 and tar, rooted in a temporary folder."""
+    import yaml
+
+    r = next(r for r in renders("6p1d") if r.node.name == "prefill-0")
+    doc = yaml.safe_load(user_data(r, {"decode-0": "10.42.3.7"}))
+    root = tmp_path / "root"
+    for cmd in doc["bootcmd"][:2]:
+        rooted = [a.replace("/var/lib/gptoss", f"{root}/var/lib/gptoss").replace("/etc/gptoss", f"{root}/etc/gptoss")
+                  .replace("-C /", f"-C {root}") if i == 2 else a for i, a in enumerate(cmd)]  # fmt: skip
+        subprocess.run(rooted, check=True)
+    assert (root / "var/lib/gptoss/bundle.tar.xz").is_file()
+    extracted = {"/" + str(p.relative_to(root)): p.read_text() for p in root.rglob("*") if p.is_file() and p.suffix != ".xz"}
+    hosts = extracted.pop("/etc/gptoss/hosts.env")
+    assert hosts == "GPTOSS_HOST_DECODE_0=10.42.3.7\n"
+    assert extracted == {path: text for path, (text, _) in r.files.items()}
+    assert os.access(root / "opt/gptoss/bin/gptoss-exec", os.X_OK)
