@@ -342,7 +342,7 @@ def artifacts_env(tmp_path: Path) -> dict[str, str]:
     _fake(
         fakes,
         "aws",
-        f'echo "aws $*" >>"{state}/calls.log"\n'
+        f'echo "aws $*" >>"{state}/calls.log"; echo "region=${{AWS_REGION:-}}/${{AWS_DEFAULT_REGION:-}}" >>"{state}/env.log"\n'
         'if [ "$1 $2" = "s3 sync" ]; then dst=${*: -1}; src=${*: -2:1}; src=${src#s3://}; mkdir -p "$dst"; '
         'cp -r "' + str(s3) + '/$src/." "$dst/"; fi\n',
     )
@@ -350,6 +350,7 @@ def artifacts_env(tmp_path: Path) -> dict[str, str]:
     cluster_env.write_text(
         "\n".join(
             [
+                "AWS_REGION=us-east-2",
                 f"GPTOSS_MODEL_DIR={tmp_path}/nvme/models/gpt-oss-120b",
                 "GPTOSS_MODEL_SOURCE=s3",
                 "GPTOSS_MODEL_S3_URI=s3://models/gpt-oss-120b",
@@ -398,6 +399,7 @@ def test_model_staging_is_atomic_and_a_second_boot_downloads_nothing(artifacts_e
     assert (Path(artifacts_env["HOME"]) / ".cache/neuron_libtorch").resolve() == root / "nvme/cache/neuron_libtorch"
     first = (root / "state/calls.log").read_text().count("s3 sync")
     assert first == 2
+    assert set((root / "state/env.log").read_text().split()) == {"region=us-east-2/us-east-2"}
     res = _run_artifacts(artifacts_env)
     assert res.returncode == 0
     assert (root / "state/calls.log").read_text().count("s3 sync") == first
