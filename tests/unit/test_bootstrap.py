@@ -406,6 +406,18 @@ def test_model_staging_is_atomic_and_a_second_boot_downloads_nothing(artifacts_e
     assert "checkpoint already complete" in res.stdout
 
 
+def test_existing_cache_directories_move_onto_nvme(artifacts_env: dict[str, str]) -> None:
+    home, root = Path(artifacts_env["HOME"]), Path(artifacts_env["ROOT"])
+    (home / ".cache/vllm").mkdir(parents=True)
+    (home / ".cache/vllm/old-graph.neff").write_text("compiled")
+    res = _run_artifacts(artifacts_env)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert (home / ".cache/vllm").is_symlink()
+    assert (root / "nvme/cache/vllm/old-graph.neff").read_text() == "compiled"
+    assert not (root / "nvme/cache/vllm/vllm").exists()
+    assert _run_artifacts(artifacts_env).returncode == 0  # a second boot keeps the links
+
+
 def test_an_incomplete_checkpoint_is_never_moved_into_place(artifacts_env: dict[str, str]) -> None:
     root = Path(artifacts_env["ROOT"])
     (Path(artifacts_env["S3"]) / "models/gpt-oss-120b/model-00002-of-00003.safetensors").unlink()
