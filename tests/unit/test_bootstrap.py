@@ -245,7 +245,13 @@ def nvme_env(tmp_path: Path) -> dict[str, str]:
     state.mkdir()
     fakes.mkdir()
     log = state / "calls.log"
-    _fake(fakes, "lsblk", f'cat "{state}/lsblk.out"\n')
+    # `lsblk -dpno NAME,MODEL`: the disks; `lsblk -nrpo NAME,TYPE DISK`: the disk and any array on it.
+    _fake(
+        fakes,
+        "lsblk",
+        f'if [ "$1" = -nrpo ]; then echo "$3 disk"; [ -f "{state}/kernel-md" ] && cat "{state}/kernel-md"; exit 0; fi\n'
+        f'cat "{state}/lsblk.out"\n',
+    )
     _fake(fakes, "mountpoint", f'[ -f "{state}/mounted" ]\n')
     _fake(fakes, "mount", f'echo "mount $*" >>"{log}"; touch "{state}/mounted"\n')
     _fake(fakes, "mdadm", f'echo "mdadm $*" >>"{log}"\nif [ "$1" = --create ]; then touch "$2"; fi\n')
@@ -302,6 +308,17 @@ def test_nvme_after_reboot_remounts_without_reformatting(nvme_env: dict[str, str
     (state / "calls.log").write_text("")
     _, calls = _run_nvme(nvme_env)
     assert calls == [f"mount -o noatime {nvme_env['GPTOSS_NVME_ARRAY']} {Path(nvme_env['GPTOSS_CLUSTER_ENV']).parent}/nvme"]
+
+
+def test_nvme_after_reboot_uses_the_array_the_kernel_assembled(nvme_env: dict[str, str]) -> None:
+    state = Path(nvme_env["STATE"])
+    (state / "lsblk.out").write_text(LSBLK_4)
+    md127 = state / "md127"
+    md127.touch()
+    (state / "kernel-md").write_text(f"{md127} raid0\n")
+    (state / "xfs").touch()  # the XFS made before the reboot
+    _, calls = _run_nvme(nvme_env)
+    assert calls == [f"mount -o noatime {md127} {Path(nvme_env['GPTOSS_CLUSTER_ENV']).parent}/nvme"]
 
 
 def test_nvme_single_disk_is_not_striped(nvme_env: dict[str, str]) -> None:
