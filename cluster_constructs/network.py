@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from aws_cdk import RemovalPolicy, Stack, Tags
+from aws_cdk import Acknowledgment, RemovalPolicy, Stack, Tags, Validations
 from aws_cdk import aws_ec2 as ec2
 from aws_cdk import aws_iam as iam
 from aws_cdk import aws_logs as logs
@@ -24,13 +24,11 @@ class ClusterNetwork(Construct):
 
     vpc_id: str
     subnet_id: str
-    vpc_cidr: str
 
     def __init__(self, scope: Construct, construct_id: str, *, config: ClusterConfig) -> None:
         super().__init__(scope, construct_id)
         net = config.network
         region = Stack.of(self).region
-        self.vpc_cidr = net.vpc_cidr
         self.route_table_id: str | None = net.route_table_id
         self.interface_endpoints: list[ec2.CfnVPCEndpoint] = []
         if net.existing:
@@ -48,7 +46,11 @@ class ClusterNetwork(Construct):
                 route_table_ids=[self.route_table_id],
             )
         self.vpc = ec2.Vpc.from_vpc_attributes(
-            self, "Imported", vpc_id=self.vpc_id, availability_zones=[config.availability_zone], vpc_cidr_block=net.vpc_cidr
+            self,
+            "Imported",
+            vpc_id=self.vpc_id,
+            availability_zones=[config.availability_zone],
+            vpc_cidr_block=None if net.existing else net.vpc_cidr,
         )
 
     def _new_vpc(self, config: ClusterConfig) -> None:
@@ -67,6 +69,12 @@ class ClusterNetwork(Construct):
         table = ec2.CfnRouteTable(self, "NodeRoutes", vpc_id=vpc.ref)
         ec2.CfnSubnetRouteTableAssociation(self, "NodeRoutesAssoc", subnet_id=subnet.ref, route_table_id=table.ref)
         self.vpc_id, self.subnet_id, self.route_table_id = vpc.ref, subnet.ref, table.ref
+        Validations.of(self).acknowledge(
+            Acknowledgment(
+                id="CloudFormation-Validate::W3010",
+                reason="EFA nodes must share one subnet in one named AZ; the AZ is the availability_zone parameter.",
+            )
+        )
         if net.egress == "nat":
             igw = ec2.CfnInternetGateway(self, "Igw")
             attach = ec2.CfnVPCGatewayAttachment(self, "IgwAttach", vpc_id=vpc.ref, internet_gateway_id=igw.ref)

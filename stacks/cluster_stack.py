@@ -96,12 +96,6 @@ class GptOssClusterStack(Stack):
                     "set termination_protection=true for a long-lived production cluster.",
                 )
             )
-        Validations.of(self).acknowledge(
-            Acknowledgment(
-                id="CloudFormation-Validate::W3010",
-                reason="EFA nodes must share one subnet in one named AZ; the AZ is the availability_zone parameter.",
-            )
-        )
         if config.instance_type.startswith("trn3"):
             Validations.of(self).acknowledge(
                 Acknowledgment(
