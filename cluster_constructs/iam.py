@@ -16,6 +16,12 @@ def _bucket_prefix(uri: str) -> tuple[str, str]:
     return u.netloc, u.path.strip("/")
 
 
+def _objects(uri: str) -> str:
+    """`bucket/prefix/*`: every object under an s3:// location."""
+    bucket, prefix = _bucket_prefix(uri)
+    return f"{bucket}/{prefix + '/' if prefix else ''}*"
+
+
 class NodeRole(Construct):
     """Instance role and profile. No `*` action; object access scoped to the given prefixes."""
 
@@ -33,12 +39,8 @@ class NodeRole(Construct):
         for uri in filter(None, reads):
             self._read_prefix(partition, uri)
         if config.results_s3_uri:
-            bucket, prefix = _bucket_prefix(config.results_s3_uri)
             self.role.add_to_policy(
-                iam.PolicyStatement(
-                    actions=["s3:PutObject"],
-                    resources=[f"arn:{partition}:s3:::{bucket}/{prefix + '/' if prefix else ''}*"],
-                )
+                iam.PolicyStatement(actions=["s3:PutObject"], resources=[f"arn:{partition}:s3:::{_objects(config.results_s3_uri)}"])
             )
         if config.model.hf_token_secret_arn:
             self.role.add_to_policy(
@@ -52,25 +54,18 @@ class NodeRole(Construct):
                 "explicit (no '*' action) and a copy would drift from AWS updates.",
             )
         )
-        for acked in [*filter(None, reads), config.results_s3_uri]:
-            if acked:
-                bucket, prefix = _bucket_prefix(acked)
-                path = f"{bucket}/{prefix + '/' if prefix else ''}*"
-                Validations.of(self).acknowledge(
-                    Acknowledgment(
-                        id=f"AwsSolutions::AwsSolutions-IAM5[Resource::arn:<AWS::Partition>:s3:::{path}]",
-                        reason=f"Object access is limited to the configured prefix s3://{path}; no action is a wildcard.",
-                    )
+        for location in filter(None, [*reads, config.results_s3_uri]):
+            path = _objects(location)
+            Validations.of(self).acknowledge(
+                Acknowledgment(
+                    id=f"AwsSolutions::AwsSolutions-IAM5[Resource::arn:<AWS::Partition>:s3:::{path}]",
+                    reason=f"Object access is limited to the configured prefix s3://{path}; no action is a wildcard.",
                 )
+            )
 
     def _read_prefix(self, partition: str, uri: str) -> None:
         bucket, prefix = _bucket_prefix(uri)
-        self.role.add_to_policy(
-            iam.PolicyStatement(
-                actions=["s3:GetObject"],
-                resources=[f"arn:{partition}:s3:::{bucket}/{prefix + '/' if prefix else ''}*"],
-            )
-        )
+        self.role.add_to_policy(iam.PolicyStatement(actions=["s3:GetObject"], resources=[f"arn:{partition}:s3:::{_objects(uri)}"]))
         listing = iam.PolicyStatement(actions=["s3:ListBucket"], resources=[f"arn:{partition}:s3:::{bucket}"])
         if prefix:
             listing.add_condition("StringLike", {"s3:prefix": [prefix, f"{prefix}/*"]})
