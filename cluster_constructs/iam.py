@@ -38,10 +38,10 @@ class NodeRole(Construct):
         reads = [config.model.s3_uri if config.model.source == "s3" else None, config.examples.s3_uri, config.compile_cache_s3_uri]
         for uri in filter(None, reads):
             self._read_prefix(partition, uri)
-        if config.results_s3_uri:
-            self.role.add_to_policy(
-                iam.PolicyStatement(actions=["s3:PutObject"], resources=[f"arn:{partition}:s3:::{_objects(config.results_s3_uri)}"])
-            )
+        # Writes: benchmark results, and the compile cache that `cluster.py save-cache` uploads.
+        writes = [config.results_s3_uri, config.compile_cache_s3_uri]
+        for uri in filter(None, writes):
+            self.role.add_to_policy(iam.PolicyStatement(actions=["s3:PutObject"], resources=[f"arn:{partition}:s3:::{_objects(uri)}"]))
         if config.model.hf_token_secret_arn:
             self.role.add_to_policy(
                 iam.PolicyStatement(actions=["secretsmanager:GetSecretValue"], resources=[config.model.hf_token_secret_arn])
@@ -54,7 +54,7 @@ class NodeRole(Construct):
                 "explicit (no '*' action) and a copy would drift from AWS updates.",
             )
         )
-        for location in filter(None, [*reads, config.results_s3_uri]):
+        for location in sorted(set(filter(None, [*reads, *writes]))):
             path = _objects(location)
             Validations.of(self).acknowledge(
                 Acknowledgment(

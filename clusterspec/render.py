@@ -468,7 +468,7 @@ def render_node(cfg: ClusterConfig, layout: Layout, node: Node, *, bin_dir: str 
         _render_proxy(cfg, node, proxy, out, bin_dir)
         _render_bench(cfg, out, bin_dir)
     out.files[f"{ETC}/health"] = (health_file(cfg, out), 0o644)
-    _add_scripts(out.files, bin_dir)
+    _add_scripts(out.files, bin_dir, save_cache=cfg.compile_cache_s3_uri is not None)
     out.files[f"{ETC}/units"] = ("\n".join(out.enable) + "\n", 0o644)
     return out
 
@@ -529,10 +529,10 @@ def health_file(cfg: ClusterConfig, render: NodeRender) -> str:
     return "".join(f"{unit} {url or '-'}\n" for unit, url in health_checks(cfg, render))
 
 
-def _add_scripts(files: dict[str, tuple[str, int]], bin_dir: str) -> None:
+def _add_scripts(files: dict[str, tuple[str, int]], bin_dir: str, *, save_cache: bool) -> None:
     """Add the scripts this node's units (and those scripts) name, plus first-boot and status."""
     scripts = _scripts()
-    wanted = {"gptoss-bootstrap", "gptoss-status"}
+    wanted = {"gptoss-bootstrap", "gptoss-status"} | ({"gptoss-save-cache"} if save_cache else set())
     texts = [text for text, _ in files.values()]
     while True:
         found = {name for name in scripts for text in texts if name in text} | wanted

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Operator commands for the Trn3 gpt-oss-120b cluster: plan, preflight, status, wait-ready, bench."""
+"""Operator commands for the Trn3 gpt-oss-120b cluster: plan, preflight, status, wait-ready, bench, save-cache."""
 
 from __future__ import annotations
 
@@ -195,6 +195,21 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_save_cache(args: argparse.Namespace) -> int:
+    """Copy the compile caches of one prefill and one decode node to compile_cache_s3_uri."""
+    from cluster_ops import cache
+
+    cfg = load(args)
+    session = _session(cfg)
+    try:
+        done = cache.save(cfg, session.client("ec2"), session.client("ssm"))
+    except cache.CacheError as e:
+        print(f"save-cache failed: {e}", file=sys.stderr)
+        return 1
+    print(f"saved to {cfg.compile_cache_s3_uri} from {', '.join(sorted(done))}; new nodes restore it before compiling")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The command-line interface."""
     p = argparse.ArgumentParser(prog="cluster.py", description=__doc__)
@@ -235,6 +250,10 @@ def build_parser() -> argparse.ArgumentParser:
     be.add_argument("--node", help="proxy node to run it on (default: the first)")
     be.add_argument("--interval", type=float, default=60, help="seconds between polls")
     be.set_defaults(func=cmd_bench)
+
+    sc = sub.add_parser("save-cache", help="upload the compile caches to compile_cache_s3_uri (after the first compile)")
+    common(sc)
+    sc.set_defaults(func=cmd_save_cache)
     return p
 
 

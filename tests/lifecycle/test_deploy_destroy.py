@@ -35,6 +35,7 @@ model:
   s3_uri: s3://gptoss-local-models/gpt-oss-120b
 examples:
   s3_uri: s3://gptoss-local-models/vllm-neuron
+compile_cache_s3_uri: s3://gptoss-local-models/neuron-cache
 """
 
 
@@ -277,7 +278,18 @@ def test_default_two_node_stack_deploys_and_is_destroyed(local_aws: LocalAws) ->
         if st["Action"] == "s3:GetObject"
         for r in (st["Resource"] if isinstance(st["Resource"], list) else [st["Resource"]])
     }
-    assert reads == {"arn:aws:s3:::gptoss-local-models/gpt-oss-120b/*", "arn:aws:s3:::gptoss-local-models/vllm-neuron/*"}
+    assert reads == {
+        "arn:aws:s3:::gptoss-local-models/gpt-oss-120b/*",
+        "arn:aws:s3:::gptoss-local-models/vllm-neuron/*",
+        "arn:aws:s3:::gptoss-local-models/neuron-cache/*",
+    }
+    writes = {
+        r
+        for st in seen["role_statements"]
+        if st["Action"] == "s3:PutObject"
+        for r in (st["Resource"] if isinstance(st["Resource"], list) else [st["Resource"]])
+    }
+    assert writes == {"arn:aws:s3:::gptoss-local-models/neuron-cache/*"}
     assert not [st for st in seen["role_statements"] if "*" in str(st["Action"]).replace("s3:GetObject", "")]
     assert seen["profile_roles"] == [seen["role_name"]]
     assert seen["endpoints"] == {

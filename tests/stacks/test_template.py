@@ -237,6 +237,15 @@ class TestIam:
         lst = next(s for s in stmts if s["Action"] == "s3:ListBucket")
         assert lst["Condition"] == {"StringLike": {"s3:prefix": ["gpt-oss-120b", "gpt-oss-120b/*"]}}
 
+    def test_compile_cache_prefix_is_readable_and_writable_only_there(self, synth_variant: Any) -> None:
+        t = synth_variant(compile_cache_s3_uri="s3://cache-bucket/neuron/2.33")
+        arn = {"Fn::Join": ["", ["arn:", {"Ref": "AWS::Partition"}, ":s3:::cache-bucket/neuron/2.33/*"]]}
+        by_action = {}
+        for st in self._statements(t):
+            for action in st["Action"] if isinstance(st["Action"], list) else [st["Action"]]:
+                by_action.setdefault(action, []).append(st["Resource"])
+        assert by_action["s3:GetObject"] == [arn] and by_action["s3:PutObject"] == [arn]
+
     def test_instance_profile_is_in_every_launch_template(self, default_synth: Synth) -> None:
         prof_id, _ = one(default_synth.template, "AWS::IAM::InstanceProfile")
         for lt in launch_templates(default_synth.template).values():

@@ -389,3 +389,40 @@ def test_status_command_prints_every_unit_and_exits_0_when_ready(
     assert cli.main(["status"]) == 0
     out = capsys.readouterr().out
     assert out.count("active") == 12 and "gptoss-prefill@5.service" in out and "gptoss-decode.service" in out
+
+
+def test_save_cache_syncs_from_one_node_of_each_role(aws: None) -> None:
+    from cluster_ops import cache
+
+    cfg = load_config({"decode_instances": "2", "compile_cache_s3_uri": "s3://bucket/neuron-cache"})
+    ids = launch(cfg)
+    ssm = boto3.client("ssm", region_name=REGION)
+    stub = Stubber(ssm)
+    cmd = str(uuid.UUID(int=42))
+    stub.add_response("send_command", {"Command": {"CommandId": cmd}},
+                      {"InstanceIds": [ids["prefill-0"], ids["decode-0"]], "DocumentName": "AWS-RunShellScript",
+                       "Parameters": {"commands": ["/opt/gptoss/bin/gptoss-save-cache"]}, "TimeoutSeconds": ANY})  # fmt: skip
+    for node in ("prefill-0", "decode-0"):
+        stub.add_response("get_command_invocation", {"Status": "Success", "StandardOutputContent": ""},
+                          {"CommandId": cmd, "InstanceId": ids[node]})  # fmt: skip
+    stub.activate()
+    assert cache.save(cfg, boto3.client("ec2", region_name=REGION), ssm, sleep=lambda s: None) == {
+        "prefill-0": "Success",
+        "decode-0": "Success",
+    }
+    stub.assert_no_pending_responses()
+
+
+def test_save_cache_needs_a_cache_location(aws: None) -> None:
+    from cluster_ops import cache
+
+    with pytest.raises(cache.CacheError, match="compile_cache_s3_uri is not set"):
+        cache.save(load_config({}), boto3.client("ec2", region_name=REGION), boto3.client("ssm", region_name=REGION))
+
+
+def test_the_cache_script_ships_only_with_a_cache_location() -> None:
+    def scripts(ctx: dict[str, str]) -> set[str]:
+        return {p.rsplit("/", 1)[1] for r in render_cluster(load_config(ctx)) for p in r.files if "/bin/" in p}
+
+    assert "gptoss-save-cache" not in scripts({})
+    assert "gptoss-save-cache" in scripts({"compile_cache_s3_uri": "s3://bucket/neuron-cache"})
