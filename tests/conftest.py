@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import functools
+import http.server
 import json
 import os
 import subprocess
 import sys
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -105,3 +108,26 @@ def synth_variant() -> Callable[..., dict[str, Any]]:
         return cache[key]
 
     return get
+
+
+class _QuietServer(http.server.ThreadingHTTPServer):
+    def handle_error(self, request: object, client_address: object) -> None:
+        """Drop the traceback of a client that hung up (curl's --max-time)."""
+
+
+@pytest.fixture
+def health_server(tmp_path: Path) -> Iterator[str]:
+    """A loopback HTTP server answering 200 on /health and /healthcheck; yields its base URL."""
+    root = tmp_path / "health-root"
+    root.mkdir()
+    (root / "health").write_text("ok")
+    (root / "healthcheck").write_text("ok")
+
+    class Handler(http.server.SimpleHTTPRequestHandler):
+        def log_message(self, format: str, *args: Any) -> None:
+            """Keep test output clean."""
+
+    server = _QuietServer(("127.0.0.1", 0), functools.partial(Handler, directory=str(root)))
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()

@@ -3,14 +3,12 @@
 from __future__ import annotations
 
 import functools
-import http.server
 import os
 import re
 import shlex
 import shutil
 import subprocess
 import sys
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -445,23 +443,6 @@ def test_an_incomplete_checkpoint_is_never_moved_into_place(artifacts_env: dict[
 
 
 # ---- the health wait ---------------------------------------------------------------------
-
-
-@pytest.fixture
-def health_server(tmp_path: Path) -> Iterator[str]:
-    (tmp_path / "health").write_text("ok")
-    handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(tmp_path))
-
-    class Quiet(http.server.ThreadingHTTPServer):
-        def handle_error(self, request: object, client_address: object) -> None:
-            pass
-
-    server = Quiet(("127.0.0.1", 0), lambda *a: handler(*a))  # type: ignore[arg-type]
-    server.RequestHandlerClass.log_message = lambda *a: None  # type: ignore[method-assign]
-    t = threading.Thread(target=server.serve_forever, daemon=True)
-    t.start()
-    yield f"http://127.0.0.1:{server.server_address[1]}"
-    server.shutdown()
 
 
 def _free_port() -> int:

@@ -2,14 +2,11 @@
 
 from __future__ import annotations
 
-import functools
-import http.server
 import importlib.util
 import json
 import os
 import re
 import subprocess
-import threading
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -152,26 +149,15 @@ def launch(cfg: ClusterConfig, names: list[str] | None = None) -> dict[str, str]
     return out
 
 
-@pytest.fixture
-def health_server(tmp_path: Path) -> Iterator[int]:
-    (tmp_path / "health").write_text("ok")
-    (tmp_path / "healthcheck").write_text("ok")
-    handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(tmp_path))
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), lambda *a: handler(*a))  # type: ignore[arg-type]
-    server.RequestHandlerClass.log_message = lambda *a: None  # type: ignore[method-assign]
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    yield int(server.server_address[1])
-    server.shutdown()
-
-
-def node_report(cfg: ClusterConfig, node: str, tmp_path: Path, port: int, down: set[str] = frozenset()) -> str:  # type: ignore[assignment]
+def node_report(cfg: ClusterConfig, node: str, tmp_path: Path, server: str, down: frozenset[str] | set[str] = frozenset()) -> str:
     """What gptoss-status prints on a node: the real script, a fake systemctl, local health routes."""
     r = next(r for r in render_cluster(cfg) if r.node.name == node)
     lines = []
     for line in health_file(cfg, r).splitlines():
         unit, url = line.split()
         if url != "-":
-            url = f"http://127.0.0.1:{port if unit not in down else 1}/{url.rsplit('/', 1)[1]}"
+            # A unit that is down gets a port nothing listens on.
+            url = f"{server if unit not in down else 'http://127.0.0.1:1'}/{url.rsplit('/', 1)[1]}"
         lines.append(f"{unit} {url}")
     hf = tmp_path / f"{node}.health"
     hf.write_text("\n".join(lines) + "\n")
@@ -226,7 +212,7 @@ def stub_fleet(polls: list[list[tuple[str, str]]]) -> tuple[Any, Stubber]:
     return ssm, stub
 
 
-def test_status_reports_every_unit_of_every_node(aws: None, tmp_path: Path, health_server: int) -> None:
+def test_status_reports_every_unit_of_every_node(aws: None, tmp_path: Path, health_server: str) -> None:
     cfg = load_config({})
     ids = launch(cfg)
     ssm, stub = stub_fleet([[
@@ -243,7 +229,7 @@ def test_status_reports_every_unit_of_every_node(aws: None, tmp_path: Path, heal
     assert status.failing == ["prefill-0: gptoss-prefill@3.service (activating, unhealthy)"]
 
 
-def test_wait_ready_returns_when_every_server_answers(aws: None, tmp_path: Path, health_server: int) -> None:
+def test_wait_ready_returns_when_every_server_answers(aws: None, tmp_path: Path, health_server: str) -> None:
     cfg = load_config({})
     ids = launch(cfg)
     p_down = node_report(cfg, "prefill-0", tmp_path, health_server, down={"gptoss-proxy.service"})
@@ -258,7 +244,7 @@ def test_wait_ready_returns_when_every_server_answers(aws: None, tmp_path: Path,
     assert status.ready and polls == [0.0, 60.0]
 
 
-def test_wait_ready_times_out_naming_missing_nodes_and_failing_units(aws: None, tmp_path: Path, health_server: int) -> None:
+def test_wait_ready_times_out_naming_missing_nodes_and_failing_units(aws: None, tmp_path: Path, health_server: str) -> None:
     cfg = load_config({})
     ids = launch(cfg, names=["prefill-0"])
     down = {"gptoss-prefill@0.service", "gptoss-proxy.service"}
@@ -308,7 +294,7 @@ def test_bench_runs_only_on_a_proxy_node(aws: None) -> None:
 
 
 def test_wait_ready_command_exits_1_naming_the_failing_units(
-    aws: None, tmp_path: Path, health_server: int, monkeypatch: pytest.MonkeyPatch, capsys: Any
+    aws: None, tmp_path: Path, health_server: str, monkeypatch: pytest.MonkeyPatch, capsys: Any
 ) -> None:
     cfg = load_config({})
     ids = launch(cfg)
@@ -377,7 +363,7 @@ def test_a_node_whose_command_fails_is_reported_unreachable(aws: None) -> None:
 
 
 def test_status_command_prints_every_unit_and_exits_0_when_ready(
-    aws: None, tmp_path: Path, health_server: int, monkeypatch: pytest.MonkeyPatch, capsys: Any
+    aws: None, tmp_path: Path, health_server: str, monkeypatch: pytest.MonkeyPatch, capsys: Any
 ) -> None:
     cfg = load_config({})
     ids = launch(cfg)
