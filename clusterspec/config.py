@@ -351,10 +351,3 @@ def load_config(context: dict[str, Any]) -> ClusterConfig:
 
     limits.check(cfg)
     return cfg
-
-
-def context_keys() -> list[str]:
-    """Top-level settings accepted with -c."""
-    return sorted(_CONTEXT_KEYS)
-
-

@@ -102,10 +102,6 @@ class Layout(_Frozen):
         """Several proxies: by default they stand behind one internal load balancer."""
         return len(self.proxies) > 1
 
-    def node(self, name: str) -> Node:
-        """Look a node up by name."""
-        return next(n for n in self.nodes if n.name == name)
-
     def proxies_on(self, name: str) -> tuple[ProxyPlacement, ...]:
         """Proxies that run on node `name`."""
         return tuple(p for p in self.proxies if p.node == name)

@@ -104,7 +104,7 @@ def synth_variant() -> Callable[..., dict[str, Any]]:
         if key not in cache:
             app = cdk.App()
             stack = GptOssClusterStack(app, STACK, config=load_config(context))
-            cache[key] = Template.from_stack(stack).to_json()
+            cache[key] = dict(Template.from_stack(stack).to_json())
         return cache[key]
 
     return get

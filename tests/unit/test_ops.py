@@ -196,17 +196,22 @@ def stub_ssm(outputs: list[tuple[str, str]]) -> tuple[Any, Stubber]:
     return ssm, stub
 
 
-def stub_fleet(polls: list[list[tuple[str, str]]]) -> tuple[Any, Stubber]:
-    """An SSM client answering, per poll, one send_command to all instances and one invocation each."""
+def stub_fleet(
+    polls: list[list[tuple[str, str] | tuple[str, str, str]]], command: str = "/opt/gptoss/bin/gptoss-status"
+) -> tuple[Any, Stubber]:
+    """An SSM client answering, per poll, one send_command to all instances and one invocation each.
+
+    A poll entry is (instance id, stdout) or (instance id, stdout, status); status defaults to Success.
+    """
     ssm = boto3.client("ssm", region_name=REGION)
     stub = Stubber(ssm)
     for n, poll in enumerate(polls):
         cmd = str(uuid.UUID(int=1000 + n))
         stub.add_response("send_command", {"Command": {"CommandId": cmd}},
-                          {"InstanceIds": [iid for iid, _ in poll], "DocumentName": "AWS-RunShellScript",
-                           "Parameters": {"commands": ["/opt/gptoss/bin/gptoss-status"]}, "TimeoutSeconds": ANY})  # fmt: skip
-        for iid, out in poll:
-            stub.add_response("get_command_invocation", {"Status": "Success", "StandardOutputContent": out},
+                          {"InstanceIds": [entry[0] for entry in poll], "DocumentName": "AWS-RunShellScript",
+                           "Parameters": {"commands": [command]}, "TimeoutSeconds": ANY})  # fmt: skip
+        for iid, out, *status in poll:
+            stub.add_response("get_command_invocation", {"Status": status[0] if status else "Success", "StandardOutputContent": out},
                               {"CommandId": cmd, "InstanceId": iid})  # fmt: skip
     stub.activate()
     return ssm, stub
@@ -344,17 +349,7 @@ def test_run_on_all_batches_fifty_instances_per_command() -> None:
 def test_a_node_whose_command_fails_is_reported_unreachable(aws: None) -> None:
     cfg = load_config({})
     ids = launch(cfg)
-    ssm = boto3.client("ssm", region_name=REGION)
-    stub = Stubber(ssm)
-    cmd = str(uuid.UUID(int=7))
-    stub.add_response("send_command", {"Command": {"CommandId": cmd}},
-                      {"InstanceIds": [ids["prefill-0"], ids["decode-0"]], "DocumentName": "AWS-RunShellScript",
-                       "Parameters": ANY, "TimeoutSeconds": ANY})  # fmt: skip
-    stub.add_response("get_command_invocation", {"Status": "Failed", "StandardOutputContent": ""},
-                      {"CommandId": cmd, "InstanceId": ids["prefill-0"]})  # fmt: skip
-    stub.add_response("get_command_invocation", {"Status": "Success", "StandardOutputContent": '{"node": "decode-0", "units": []}'},
-                      {"CommandId": cmd, "InstanceId": ids["decode-0"]})  # fmt: skip
-    stub.activate()
+    ssm, _ = stub_fleet([[(ids["prefill-0"], "", "Failed"), (ids["decode-0"], '{"node": "decode-0", "units": []}')]])
     status = collect(cfg, boto3.client("ec2", region_name=REGION), ssm, sleep=lambda s: None)
     states = {(u.node, u.unit): u.state for u in status.units}
     assert states[("prefill-0", "gptoss-proxy.service")] == "unreachable"
@@ -382,16 +377,7 @@ def test_save_cache_syncs_from_one_node_of_each_role(aws: None) -> None:
 
     cfg = load_config({"decode_instances": "2", "compile_cache_s3_uri": "s3://bucket/neuron-cache"})
     ids = launch(cfg)
-    ssm = boto3.client("ssm", region_name=REGION)
-    stub = Stubber(ssm)
-    cmd = str(uuid.UUID(int=42))
-    stub.add_response("send_command", {"Command": {"CommandId": cmd}},
-                      {"InstanceIds": [ids["prefill-0"], ids["decode-0"]], "DocumentName": "AWS-RunShellScript",
-                       "Parameters": {"commands": ["/opt/gptoss/bin/gptoss-save-cache"]}, "TimeoutSeconds": ANY})  # fmt: skip
-    for node in ("prefill-0", "decode-0"):
-        stub.add_response("get_command_invocation", {"Status": "Success", "StandardOutputContent": ""},
-                          {"CommandId": cmd, "InstanceId": ids[node]})  # fmt: skip
-    stub.activate()
+    ssm, stub = stub_fleet([[(ids["prefill-0"], ""), (ids["decode-0"], "")]], command="/opt/gptoss/bin/gptoss-save-cache")
     assert cache.save(cfg, boto3.client("ec2", region_name=REGION), ssm, sleep=lambda s: None) == {
         "prefill-0": "Success",
         "decode-0": "Success",
