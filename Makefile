@@ -12,9 +12,9 @@ export AWS_REGION ?= us-east-2
 export PATH := $(CURDIR)/.venv/bin:$(PATH)
 CDK_ARGS ?=
 
-.PHONY: setup synth plan test lint bootstrap deploy destroy diff bench-scale diagrams clean
+.PHONY: setup synth plan test test-vm lint bootstrap deploy destroy diff bench-scale diagrams clean
 
-setup: .make/python .make/node .make/system
+setup: .make/python .make/node .make/system .make/hf-clients
 
 .make/python: pyproject.toml
 	@mkdir -p .make
@@ -28,12 +28,29 @@ setup: .make/python .make/node .make/system
 	npm ci --no-audit --no-fund --loglevel=error
 	@touch $@
 
+# The staging tests run the node's download against each huggingface_hub major release the
+# DLAMI's venv may hold (tests never reach PyPI: they are installed here).
+HF_CLIENTS := 0.36.2 1.33.0 2.4.0
+.make/hf-clients: .make/python Makefile
+	@for v in $(HF_CLIENTS); do test -d .hf-clients/$$v || $(PY) -m pip install --quiet --target .hf-clients/$$v huggingface_hub==$$v; done
+	@touch $@
+
 # systemd-analyze checks the rendered units, curl runs the wait helper in tests, Graphviz
 # draws `plan --diagram`, git and xz are what the nodes use too.
 SYSTEM_TOOLS := systemd-analyze:systemd curl:curl dot:graphviz git:git xz:xz-utils
 .make/system:
 	@mkdir -p .make
 	@missing=$$(for t in $(SYSTEM_TOOLS); do command -v $${t%%:*} >/dev/null || echo $${t#*:}; done); \
+	if [ -n "$$missing" ]; then \
+	  echo "installing $$missing"; apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing >/dev/null; \
+	fi
+	@touch $@
+
+# The VM scenarios (tests/vm): QEMU, an image builder and a NoCloud seed writer from Debian.
+VM_TOOLS := qemu-system-x86_64:qemu-system-x86 qemu-img:qemu-utils mmdebstrap:mmdebstrap cloud-localds:cloud-image-utils ssh:openssh-client
+.make/vm-system:
+	@mkdir -p .make
+	@missing=$$(for t in $(VM_TOOLS); do command -v $${t%%:*} >/dev/null || echo $${t#*:}; done); \
 	if [ -n "$$missing" ]; then \
 	  echo "installing $$missing"; apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing >/dev/null; \
 	fi
@@ -63,6 +80,10 @@ destroy: setup
 
 test: setup
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+# Boots the default layout's nodes in QEMU guests from the project's own user data (tests/vm).
+test-vm: setup .make/vm-system
+	$(PY) -m pytest -m vm tests/vm $(PYTEST_ARGS)
 
 lint: setup
 	$(PY) -m ruff check .

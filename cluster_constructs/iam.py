@@ -63,6 +63,10 @@ class NodeRole(Construct):
                 )
             )
 
+    def allow_read(self, object_arn: str) -> None:
+        """Read one object (the node scripts' asset): its exact ARN, no wildcard."""
+        self.role.add_to_policy(iam.PolicyStatement(actions=["s3:GetObject"], resources=[object_arn]))
+
     def _read_prefix(self, partition: str, uri: str) -> None:
         bucket, prefix = _bucket_prefix(uri)
         self.role.add_to_policy(iam.PolicyStatement(actions=["s3:GetObject"], resources=[f"arn:{partition}:s3:::{_objects(uri)}"]))

@@ -25,6 +25,8 @@ class ClusterNode(Construct):
         template: ec2.CfnLaunchTemplate,
         image_id: str,
         peer_ips: Mapping[str, str],
+        scripts_uri: str,
+        scripts_sha256: str,
     ) -> None:
         super().__init__(scope, construct_id)
         node = render.node
@@ -39,7 +41,7 @@ class ClusterNode(Construct):
             image_id=image_id,
             monitoring=config.detailed_monitoring,
             disable_api_termination=config.termination_protection,
-            user_data=Fn.base64(user_data(render, peer_ips)),
+            user_data=Fn.base64(user_data(render, peer_ips, scripts_uri=scripts_uri, scripts_sha256=scripts_sha256)),
             tags=[
                 {"key": "Name", "value": f"{config.cluster_name}-{node.name}"},
                 {"key": "gptoss:cluster", "value": config.cluster_name},

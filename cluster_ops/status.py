@@ -15,18 +15,35 @@ from clusterspec.render import BIN, health_checks, render_cluster
 
 @dataclass(frozen=True)
 class UnitStatus:
-    """One unit on one node."""
+    """One unit on one node: systemd's view, its health route, and what it waits for."""
 
     node: str
     unit: str
     state: str
     healthy: bool | None
     needs_health: bool
+    sub: str = ""
+    restarts: int = 0
+    phase: str = ""
+    last_log: str = ""
 
     @property
     def ready(self) -> bool:
         """Active, and answering its health route when it has one."""
         return self.state == "active" and (self.healthy is True or not self.needs_health)
+
+    @property
+    def problem(self) -> str:
+        """Why the unit is not ready, in a few words ('' when it is)."""
+        if self.ready:
+            return ""
+        if self.state == "active":
+            return self.phase or "running, not answering its health route"
+        if self.state == "activating" and self.sub == "auto-restart":
+            return f"retrying (restart {self.restarts})"
+        if self.state in {"inactive", "failed"}:
+            return f"NOT RUNNING ({self.state}{'/' + self.sub if self.sub else ''}): it should run"
+        return self.state
 
 
 @dataclass
@@ -43,19 +60,15 @@ class ClusterStatus:
 
     @property
     def failing(self) -> list[str]:
-        """`node: unit (state)` for every unit that is not ready, and every missing node."""
+        """`node: unit: why` for every unit that is not ready (with its last log line), and every missing node."""
         out = [f"{n}: no running instance" for n in self.missing_nodes]
-        out += [
-            f"{u.node}: {u.unit} ({u.state}{', unhealthy' if u.needs_health and u.healthy is not True else ''})"
-            for u in self.units
-            if not u.ready
-        ]
+        out += [f"{u.node}: {u.unit}: {u.problem}" + (f" - last log: {u.last_log}" if u.last_log else "") for u in self.units if not u.ready]
         return out
 
 
 def expected_units(cfg: ClusterConfig) -> dict[str, dict[str, bool]]:
     """Node -> unit -> has a health route, from the same rendering as the user data."""
-    return {r.node.name: {unit: url is not None for unit, url in health_checks(cfg, r)} for r in render_cluster(cfg)}
+    return {r.node.name: {unit: url is not None for unit, url, _ in health_checks(cfg, r)} for r in render_cluster(cfg)}
 
 
 def collect(
@@ -85,8 +98,16 @@ def collect(
                 reported = {}
         for unit, needs_health in expected[name].items():
             r = reported.get(unit)
-            state = r["state"] if r else ("unreachable" if result != "Success" else "missing")
-            status.units.append(UnitStatus(name, unit, state, r["healthy"] if r else None, needs_health))
+            if r is None:
+                state = "unreachable" if result != "Success" else "missing"
+                status.units.append(UnitStatus(name, unit, state, None, needs_health))
+                continue
+            status.units.append(
+                UnitStatus(
+                    name, unit, r["state"], r["healthy"], needs_health, sub=r.get("sub", ""), restarts=int(r.get("restarts", 0)),
+                    phase=r.get("phase", ""), last_log=r.get("last_log", ""),
+                )
+            )  # fmt: skip
     return status
 
 

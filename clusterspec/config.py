@@ -281,6 +281,7 @@ def _check_ports(cfg: ClusterConfig) -> None:
     per_node = max(1, cfg.replicas_per_prefill_instance or cfg.hardware.logical_cores(s.prefill.lnc) // s.prefill.tensor_parallel)
     ranges: list[tuple[str, int, int]] = [
         ("serving.proxy.port", s.proxy.port, s.proxy.port),
+        ("serving.proxy.group_health_port", s.proxy.group_health_port, s.proxy.group_health_port),
         ("serving.decode.http_port", s.decode.http_port, s.decode.http_port),
         ("serving.decode.side_channel_port", *s.decode.side_channel_ports),
         ("serving.prefill.http_port_base", s.prefill.http_port(0), s.prefill.http_port(per_node - 1)),

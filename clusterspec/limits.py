@@ -21,6 +21,8 @@ LOAD_BALANCER_BYTES = 6_000
 BASE_RESOURCES = 40
 BASE_OUTPUTS = 2
 IP_PLACEHOLDER = "10.255.255.254"
+# As long as the URI CloudFormation fills in: the bootstrap bucket's name and the asset's key.
+SCRIPTS_URI_PLACEHOLDER = "s3://cdk-hnb659fds-assets-123456789012-ap-southeast-4/" + "0" * 64 + ".xz"
 
 
 @dataclass(frozen=True)
@@ -37,7 +39,10 @@ class StackSize:
 def estimate(cfg: ClusterConfig) -> StackSize:
     """Size the stack from the exact user data of every node plus measured per-node overhead."""
     renders = render_cluster(cfg)
-    sizes = [len(user_data(r, {p: IP_PLACEHOLDER for p in r.peers}).encode()) for r in renders]
+    sizes = [
+        len(user_data(r, {p: IP_PLACEHOLDER for p in r.peers}, scripts_uri=SCRIPTS_URI_PLACEHOLDER, scripts_sha256="0" * 64).encode())
+        for r in renders
+    ]
     layout = cfg.layout
     nodes = len(renders)
     sg_rules = layout.max_replicas_per_node + 5

@@ -6,6 +6,7 @@ embeds the user data, and the tests parse the user data back and compare it with
 
 from __future__ import annotations
 
+import ast
 import base64
 import functools
 import io
@@ -17,6 +18,7 @@ import tarfile
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
+from typing import Any
 
 import jinja2
 import yaml
@@ -31,11 +33,24 @@ ETC = "/etc/gptoss"
 UNIT_DIR = "/etc/systemd/system"
 EXAMPLES_DIR = "/opt/gptoss/vllm-neuron"
 BUNDLE = "/var/lib/gptoss/bundle.tar.xz"
-HOSTS_ENV = f"{ETC}/hosts.env"
+# Values the stack knows only at deploy time (peers' IPs, where the scripts are), written by
+# the user data's bootcmd; gptoss-identity adds this node's own IP.
+DEPLOY_ENV = f"{ETC}/deploy.env"
 CLUSTER_ENV = f"{ETC}/cluster.env"
+MANIFEST = f"{ETC}/manifest"
+UNITS_FILE = f"{ETC}/units"
+NODE_TARGET = "gptoss-node.target"
 USER_DATA_LIMIT = 16 * 1024
-START_LIMIT_BURST = 5
 RESTART_SEC = 5  # the growing wait is gptoss-backoff's, before each automatic restart
+BACKOFF_MAX_S = 900  # gptoss-backoff's longest wait: an ExecStartPre must be allowed that long
+IMDS_TIMEOUT_S = 600  # how long gptoss-identity asks the instance metadata before it fails
+FETCH_TIMEOUT_S = 600  # how long gptoss-fetch-scripts asks S3 before it fails
+# Scripts every node carries in its user data: the boot itself, fetching the others, and the
+# status report (which must work when the fetch does not). The other scripts are the same on
+# every node: the stack ships them once, as a file asset in S3 (see scripts_asset), which keeps
+# each node's user data far below EC2's 16 KB.
+NODE_SCRIPTS = frozenset({"gptoss-bootstrap", "gptoss-fetch-scripts", "gptoss-status"})
+SCRIPTS_ASSET = "gptoss-scripts.tar.xz"
 
 _ENV = jinja2.Environment(
     loader=jinja2.FileSystemLoader(USERDATA_DIR / "units"),
@@ -50,24 +65,27 @@ _ENV = jinja2.Environment(
 
 
 def host_var(node: str) -> str:
-    """Environment variable that holds a node's private IP in hosts.env."""
+    """Environment variable that holds a node's private IP in deploy.env."""
     return "GPTOSS_HOST_" + re.sub(r"[^A-Z0-9]", "_", node.upper())
 
 
 @dataclass(frozen=True)
 class Service:
-    """One command a unit runs: what `plan` prints for it."""
+    """One command a unit runs: what `plan` prints for it (the server, after its waits)."""
 
     unit: str
     environment: dict[str, str]
     argv: list[str]
     step: str | None = None
+    waits: tuple[str, ...] = ()
 
     def as_json(self) -> dict[str, object]:
         """The `plan --json` form of this service."""
         out: dict[str, object] = {"unit": self.unit, "environment": self.environment, "argv": self.argv}
         if self.step:
             out["step"] = self.step
+        if self.waits:
+            out["waits"] = list(self.waits)
         return out
 
 
@@ -79,8 +97,10 @@ class NodeRender:
     instance_type: str
     services: list[Service]
     files: dict[str, tuple[str, int]] = field(default_factory=dict)
-    enable: list[str] = field(default_factory=list)
+    units: list[str] = field(default_factory=list)
+    wants: list[str] = field(default_factory=list)
     peers: list[str] = field(default_factory=list)
+    scripts: set[str] = field(default_factory=set)
 
     def as_json(self) -> dict[str, object]:
         """The `plan --json` form of this node."""
@@ -340,14 +360,16 @@ def _exec(argv: list[str]) -> str:
     return " ".join(systemd_quote(a) for a in argv)
 
 
+def served(argv: list[str]) -> list[str]:
+    """The command a unit's ExecStart finally runs: what follows its waits' last `--`."""
+    return argv[len(argv) - argv[::-1].index("--") :] if "--" in argv else argv[2:]
+
+
 def _limits(cfg: ClusterConfig) -> dict[str, int]:
-    ready = cfg.serving.engine_ready_timeout_s
     return {
-        # The Exec wait of a replica lasts up to one engine-ready timeout, then the server
-        # itself may take another; systemd must not kill either.
-        "start_timeout_s": 2 * ready + 600,
-        "start_limit_interval_s": 4 * (2 * ready + 600),
-        "start_limit_burst": START_LIMIT_BURST,
+        # Start jobs end when the main process runs (Type=exec); only the back-off before a
+        # restart takes time in ExecStartPre. The long waits run inside the process.
+        "backoff_timeout_s": BACKOFF_MAX_S + 60,
         "restart_sec": RESTART_SEC,
     }
 
@@ -360,7 +382,8 @@ def _render_decode(cfg: ClusterConfig, out: NodeRender, bin_dir: str) -> None:
     s = cfg.serving
     env = decode_env(cfg)
     out.files[f"{ETC}/decode.env"] = (env_file(env), 0o644)
-    argv = [f"{bin_dir}/gptoss-exec", "decode", *vllm_argv(cfg, "decode", port=str(s.decode.http_port))]
+    argv = [f"{bin_dir}/gptoss-exec", "decode", f"{bin_dir}/gptoss-prepare-schedule", "--",
+            *vllm_argv(cfg, "decode", port=str(s.decode.http_port))]  # fmt: skip
     out.files[f"{UNIT_DIR}/gptoss-decode.service"] = _unit(
         "gptoss-decode.service",
         bin=bin_dir,
@@ -369,8 +392,9 @@ def _render_decode(cfg: ClusterConfig, out: NodeRender, bin_dir: str) -> None:
         exec_start=_exec(argv),
         **_limits(cfg),
     )
-    out.services.append(Service("gptoss-decode.service", env, argv[2:]))
-    out.enable.append("gptoss-decode.service")
+    out.services.append(Service("gptoss-decode.service", env, served(argv), waits=("staging", "megakernel schedule")))
+    out.units.append("gptoss-decode.service")
+    out.wants.append("gptoss-decode.service")
 
 
 def _render_prefill(cfg: ClusterConfig, node: Node, out: NodeRender, bin_dir: str) -> None:
@@ -378,23 +402,25 @@ def _render_prefill(cfg: ClusterConfig, node: Node, out: NodeRender, bin_dir: st
     s = cfg.serving
     penv = prefill_env(cfg)
     out.files[f"{ETC}/prefill.env"] = (env_file(penv), 0o644)
-    template_argv = [
-        f"{bin_dir}/gptoss-exec",
-        "prefill_%i",
-        *vllm_argv(cfg, "prefill", port="${GPTOSS_HTTP_PORT}", additional_config="${GPTOSS_ADDITIONAL_CONFIG}"),
-    ]
     first = node.replicas[0]
     gate = [
         f"{bin_dir}/gptoss-prefill-gate",
         "%i",
         str(s.engine_ready_timeout_s),
-        health_url("127.0.0.1", first.http_port, s.server_health_path),
+        first.unit,
+        *(health_url("127.0.0.1", r.http_port, s.server_health_path) for r in node.replicas),
+        "--",
+    ]
+    template_argv = [
+        f"{bin_dir}/gptoss-exec",
+        "prefill_%i",
+        *gate,
+        *vllm_argv(cfg, "prefill", port="${GPTOSS_HTTP_PORT}", additional_config="${GPTOSS_ADDITIONAL_CONFIG}"),
     ]
     out.files[f"{UNIT_DIR}/gptoss-prefill@.service"] = _unit(
         "gptoss-prefill@.service",
         bin=bin_dir,
         env_files=[f"{ETC}/prefill.env", f"{ETC}/prefill@%i.env"],
-        gate=_exec(gate),
         exec_start=_exec(template_argv),
         **_limits(cfg),
     )
@@ -402,11 +428,22 @@ def _render_prefill(cfg: ClusterConfig, node: Node, out: NodeRender, bin_dir: st
         renv = replica_env(cfg, r)
         out.files[f"{ETC}/prefill@{r.index}.env"] = (env_file(renv), 0o644)
         full = penv | renv
-        out.services.append(Service(r.unit, full, [expand(a, full, str(r.index)) for a in template_argv[2:]]))
+        waits = ("staging",) if r.index == 0 else ("staging", "the node's first replica answers")
+        out.services.append(Service(r.unit, full, [expand(a, full, str(r.index)) for a in served(template_argv)], waits=waits))
+        out.units.append(r.unit)
     out.files[f"{UNIT_DIR}/gptoss-prefill.target"] = _unit(
         "gptoss-prefill.target", replicas=[r.unit for r in node.replicas]
     )
-    out.enable.append("gptoss-prefill.target")
+    out.units.append("gptoss-prefill.target")
+    out.wants.append("gptoss-prefill.target")
+
+
+def _group_urls(cfg: ClusterConfig, proxy: ProxyPlacement) -> list[str]:
+    """Health routes of every server a proxy routes to (hosts from deploy.env)."""
+    s = cfg.serving
+    urls = [health_url(f"${{{host_var(r.node)}}}", r.http_port, s.server_health_path) for r in proxy.replicas]
+    urls.append(health_url(f"${{{host_var(f'decode-{proxy.decode_server}')}}}", s.decode.http_port, s.server_health_path))
+    return urls
 
 
 def _render_proxy(cfg: ClusterConfig, node: Node, proxy: ProxyPlacement, out: NodeRender, bin_dir: str) -> None:
@@ -414,23 +451,34 @@ def _render_proxy(cfg: ClusterConfig, node: Node, proxy: ProxyPlacement, out: No
     s = cfg.serving
     decode = f"decode-{proxy.decode_server}"
     hosts_env = {host_var(p): f"<{p}>" for p in sorted({r.node for r in proxy.replicas} | {decode})}
-    urls = [health_url(f"${{{host_var(r.node)}}}", r.http_port, s.server_health_path) for r in proxy.replicas]
-    urls.append(health_url(f"${{{host_var(decode)}}}", s.decode.http_port, s.server_health_path))
+    urls = _group_urls(cfg, proxy)
     # The proxy waits for every server, which may first wait for staging and compiles.
     wait_s = cfg.stage_timeout_s + 2 * s.engine_ready_timeout_s
-    argv = [f"{bin_dir}/gptoss-exec", "proxy", *proxy_argv(cfg, proxy)]
+    argv = [f"{bin_dir}/gptoss-exec", "proxy", f"{bin_dir}/gptoss-wait-healthy", str(wait_s), *urls, "--", *proxy_argv(cfg, proxy)]
     out.files[f"{UNIT_DIR}/gptoss-proxy.service"] = _unit(
         "gptoss-proxy.service",
+        bin=bin_dir,
         port=s.proxy.port,
         decode_server=proxy.decode_server,
-        after=["gptoss-prefill.target"] if node.role == "prefill" else ["gptoss-decode.service"],
-        env_files=[HOSTS_ENV],
-        wait=_exec([f"{bin_dir}/gptoss-wait-healthy", str(wait_s), *urls]),
+        env_files=[DEPLOY_ENV],
         exec_start=_exec(argv),
-        start_timeout_s=wait_s + 600,
+        **_limits(cfg),
     )
-    out.services.append(Service("gptoss-proxy.service", hosts_env, [expand(a, hosts_env) for a in argv[2:]]))
-    out.enable.append("gptoss-proxy.service")
+    out.services.append(
+        Service("gptoss-proxy.service", hosts_env, [expand(a, hosts_env) for a in served(argv)], waits=("staging", "every server of its group answers"))
+    )
+    group = [f"{bin_dir}/gptoss-group-health", str(s.proxy.group_health_port),
+             health_url("127.0.0.1", s.proxy.port, s.proxy.health_path), *urls]  # fmt: skip
+    out.files[f"{UNIT_DIR}/gptoss-group-health.service"] = _unit(
+        "gptoss-group-health.service",
+        port=s.proxy.group_health_port,
+        decode_server=proxy.decode_server,
+        env_files=[DEPLOY_ENV],
+        exec_start=_exec(group),
+        **_limits(cfg),
+    )
+    out.units += ["gptoss-proxy.service", "gptoss-group-health.service"]
+    out.wants += ["gptoss-proxy.service", "gptoss-group-health.service"]
     out.peers = sorted({p[1:-1] for p in hosts_env.values()} - {node.name})
 
 
@@ -457,9 +505,18 @@ def render_node(cfg: ClusterConfig, layout: Layout, node: Node, *, bin_dir: str 
     """Render the services and files of one node."""
     out = NodeRender(node=node, instance_type=cfg.instance_type, services=[])
     out.files[CLUSTER_ENV] = (env_file(cluster_env(cfg, node)), 0o644)
-    for name in ("gptoss-nvme.service", "gptoss-stage.service"):
-        out.files[f"{UNIT_DIR}/{name}"] = _unit(name, bin=bin_dir, nvme_mount=cfg.nvme_mount, stage_timeout_s=cfg.stage_timeout_s)
-        out.enable.append(name)
+    base = {
+        "bin": bin_dir,
+        "nvme_mount": cfg.nvme_mount,
+        "stage_timeout_s": cfg.stage_timeout_s,
+        "imds_timeout_s": IMDS_TIMEOUT_S,
+        "fetch_timeout_s": FETCH_TIMEOUT_S,
+        "deploy_env": DEPLOY_ENV,
+    }
+    for name in ("gptoss-scripts.service", "gptoss-nvme.service", "gptoss-identity.service", "gptoss-stage.service"):
+        out.files[f"{UNIT_DIR}/{name}"] = _unit(name, **base, **_limits(cfg))
+        out.units.append(name)
+        out.wants.append(name)
     if node.role == "decode":
         _render_decode(cfg, out, bin_dir)
     else:
@@ -467,9 +524,15 @@ def render_node(cfg: ClusterConfig, layout: Layout, node: Node, *, bin_dir: str 
     for proxy in layout.proxies_on(node.name):
         _render_proxy(cfg, node, proxy, out, bin_dir)
         _render_bench(cfg, out, bin_dir)
+    out.files[f"{UNIT_DIR}/{NODE_TARGET}"] = _unit(NODE_TARGET, node=node.name, wants=out.wants)
     out.files[f"{ETC}/health"] = (health_file(cfg, out), 0o644)
-    _add_scripts(out.files, bin_dir, save_cache=cfg.compile_cache_s3_uri is not None)
-    out.files[f"{ETC}/units"] = ("\n".join(out.enable) + "\n", 0o644)
+    out.scripts = _needed_scripts(out.files, save_cache=cfg.compile_cache_s3_uri is not None)
+    scripts = _scripts()
+    for name in sorted(out.scripts & NODE_SCRIPTS):
+        out.files[f"{bin_dir}/{name}"] = (scripts[name], 0o755)
+    out.files[UNITS_FILE] = ("\n".join(out.units) + "\n", 0o644)
+    shipped = {*out.files, MANIFEST, *(f"{bin_dir}/{n}" for n in out.scripts)}
+    out.files[MANIFEST] = ("\n".join(sorted(shipped)) + "\n", 0o644)
     return out
 
 
@@ -499,9 +562,34 @@ def strip_comments(name: str, text: str) -> str:
     return "\n".join(out) + "\n"
 
 
+def strip_python(name: str, text: str) -> str:
+    """A Python script as shipped: docstrings and comments dropped, the code re-printed by `ast`.
+
+    The same reason as strip_comments; the repository keeps the documented source.
+    """
+    tree = ast.parse(text)
+    for node in ast.walk(tree):
+        body = getattr(node, "body", None)
+        if (
+            isinstance(node, ast.Module | ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef)
+            and body
+            and isinstance(body[0], ast.Expr)
+            and isinstance(body[0].value, ast.Constant)
+            and isinstance(body[0].value.value, str)
+        ):
+            node.body = body[1:] or [ast.Pass()]  # type: ignore[attr-defined]
+    shebang = text.splitlines()[0]
+    return f"{shebang}\n# {name}: userdata/bin/{name} of the cluster project, docstrings stripped\n{ast.unparse(tree)}\n"
+
+
+def ship(name: str, text: str) -> str:
+    """A script as a node receives it (bash or Python, by its shebang)."""
+    return strip_python(name, text) if text.startswith("#!/usr/bin/env python3") else strip_comments(name, text)
+
+
 @functools.cache
 def _scripts() -> dict[str, str]:
-    return {p.name: strip_comments(p.name, p.read_text()) for p in sorted((USERDATA_DIR / "bin").iterdir())}
+    return {p.name: ship(p.name, p.read_text()) for p in sorted((USERDATA_DIR / "bin").iterdir()) if p.is_file()}
 
 
 def node_script(name: str) -> str:
@@ -509,39 +597,51 @@ def node_script(name: str) -> str:
     return _scripts()[name]
 
 
-def health_checks(cfg: ClusterConfig, render: NodeRender) -> list[tuple[str, str | None]]:
-    """(unit, local health URL or None) for every unit that must be up on a ready node."""
+def health_checks(cfg: ClusterConfig, render: NodeRender) -> list[tuple[str, str | None, str | None]]:
+    """(unit, local health URL or None, phase name or None) for every unit a ready node runs."""
     s = cfg.serving
-    checks: list[tuple[str, str | None]] = [("gptoss-nvme.service", None), ("gptoss-stage.service", None)]
+    checks: list[tuple[str, str | None, str | None]] = [
+        ("gptoss-scripts.service", None, None),
+        ("gptoss-nvme.service", None, None),
+        ("gptoss-identity.service", None, None),
+        ("gptoss-stage.service", None, None),
+    ]
     for svc in render.services:
         if svc.unit == "gptoss-decode.service":
-            checks.append((svc.unit, health_url("127.0.0.1", s.decode.http_port, s.server_health_path)))
+            checks.append((svc.unit, health_url("127.0.0.1", s.decode.http_port, s.server_health_path), "decode"))
         elif svc.unit.startswith("gptoss-prefill@"):
             port = int(svc.environment["GPTOSS_HTTP_PORT"])
-            checks.append((svc.unit, health_url("127.0.0.1", port, s.server_health_path)))
+            index = svc.unit.split("@")[1].split(".")[0]
+            checks.append((svc.unit, health_url("127.0.0.1", port, s.server_health_path), f"prefill_{index}"))
         elif svc.unit == "gptoss-proxy.service":
-            checks.append((svc.unit, health_url("127.0.0.1", s.proxy.port, s.proxy.health_path)))
+            checks.append((svc.unit, health_url("127.0.0.1", s.proxy.port, s.proxy.health_path), "proxy"))
+            checks.append(("gptoss-group-health.service", health_url("127.0.0.1", s.proxy.group_health_port, "/ready"), None))
     return checks
 
 
 def health_file(cfg: ClusterConfig, render: NodeRender) -> str:
-    """`unit url` lines read by gptoss-status (`-` where only the unit state counts)."""
-    return "".join(f"{unit} {url or '-'}\n" for unit, url in health_checks(cfg, render))
+    """`unit url phase` lines read by gptoss-status (`-` where there is none)."""
+    return "".join(f"{unit} {url or '-'} {phase or '-'}\n" for unit, url, phase in health_checks(cfg, render))
 
 
-def _add_scripts(files: dict[str, tuple[str, int]], bin_dir: str, *, save_cache: bool) -> None:
-    """Add the scripts this node's units (and those scripts) name, plus first-boot and status."""
+def _needed_scripts(files: dict[str, tuple[str, int]], *, save_cache: bool) -> set[str]:
+    """The scripts this node's units (and those scripts) name, plus its boot, fetch and status."""
     scripts = _scripts()
-    wanted = {"gptoss-bootstrap", "gptoss-status"} | ({"gptoss-save-cache"} if save_cache else set())
+    wanted = set(NODE_SCRIPTS) | ({"gptoss-save-cache"} if save_cache else set())
     texts = [text for text, _ in files.values()]
     while True:
         found = {name for name in scripts for text in texts if name in text} | wanted
         if found == wanted:
-            break
+            return wanted
         wanted = found
         texts = [scripts[n] for n in wanted]
-    for name in sorted(wanted):
-        files[f"{bin_dir}/{name}"] = (scripts[name], 0o755)
+
+
+def scripts_asset(renders: list[NodeRender], *, bin_dir: str = BIN) -> bytes:
+    """The scripts every node fetches: one reproducible tarball for the whole stack."""
+    scripts = _scripts()
+    names = set().union(*(r.scripts for r in renders)) - NODE_SCRIPTS
+    return bundle({f"{bin_dir}/{n}": (scripts[n], 0o755) for n in sorted(names)})
 
 
 def render_cluster(cfg: ClusterConfig) -> list[NodeRender]:
@@ -568,7 +668,7 @@ def bundle(files: Mapping[str, tuple[str, int]]) -> bytes:
             info.size, info.mode, info.mtime = len(data), mode, 0
             tar.addfile(info, io.BytesIO(data))
     # A 1 MiB dictionary holds the whole tarball; preset 9's 64 MiB would only cost time.
-    filters = [{"id": lzma.FILTER_LZMA2, "preset": 9, "dict_size": 1 << 20}]
+    filters = [{"id": lzma.FILTER_LZMA2, "preset": 9 | lzma.PRESET_EXTREME, "dict_size": 1 << 20}]
     return lzma.compress(raw.getvalue(), format=lzma.FORMAT_XZ, filters=filters)
 
 
@@ -584,39 +684,44 @@ def unbundle(blob: bytes) -> dict[str, tuple[str, int]]:
 
 
 _EXTRACT = f"mkdir -p {PurePosixPath(BUNDLE).parent} {ETC} && echo \"$0\" | base64 -d > {BUNDLE} && tar -xJf {BUNDLE} -C /"
-_HOSTS = f"printf '%s\\n' \"$@\" > {HOSTS_ENV}"
+_DEPLOY = f"printf '%s\\n' \"$@\" > {DEPLOY_ENV}"
 
 
-def user_data(render: NodeRender, hosts: Mapping[str, str]) -> str:
-    """cloud-init user data: the node's bundle and its peers' IPs (CDK tokens at synth).
+def user_data(render: NodeRender, hosts: Mapping[str, str], *, scripts_uri: str, scripts_sha256: str) -> str:
+    """cloud-init user data: the node's bundle, its peers' IPs and where its scripts are.
+
+    `hosts` (peer name -> IP) and `scripts_uri` are CDK tokens at synth; CloudFormation fills
+    them in. The scripts' sha256 is computed here, so the node checks what it fetches.
 
     Everything is applied in `bootcmd`, which cloud-init runs at every boot with the current
     user data: a spec change deployed with `cdk deploy` (CloudFormation stops the instance,
     changes its user data and starts it) takes effect, where write_files and runcmd would run
-    only once per instance. Data goes to `sh -c` as arguments, never inside the script text.
+    only once per instance. gptoss-bootstrap then starts the node's target at every boot
+    (there is no first-boot special case). Data goes to `sh -c` as arguments, never inside
+    the script text.
     """
     missing = [p for p in render.peers if p not in hosts]
     if missing:
         raise ValueError(f"{render.node.name}: no address given for peers {missing}")
+    values = [f"{host_var(p)}={hosts[p]}" for p in render.peers]
+    values += [f"GPTOSS_SCRIPTS_URI={scripts_uri}", f"GPTOSS_SCRIPTS_SHA256={scripts_sha256}"]
     doc = {
         "bootcmd": [
             ["sh", "-c", _EXTRACT, base64.b64encode(bundle(render.files)).decode()],
-            ["sh", "-c", _HOSTS, "sh", *[f"{host_var(p)}={hosts[p]}" for p in render.peers]],
+            ["sh", "-c", _DEPLOY, "sh", *values],
             [f"{BIN}/gptoss-bootstrap"],
         ],
-        # Units enabled during a boot are not part of that boot's start-up: start them once.
-        "runcmd": [[f"{BIN}/gptoss-bootstrap", "--start"]],
     }
     return "#cloud-config\n" + yaml.safe_dump(doc, sort_keys=False, width=1 << 20)
 
 
-def parse_user_data(text: str) -> tuple[dict[str, tuple[str, int]], dict[str, str], dict[str, list[list[str]]]]:
-    """Parse user data back into (bundle files, hosts.env, {bootcmd, runcmd})."""
+def parse_user_data(text: str) -> tuple[dict[str, tuple[str, int]], dict[str, str], dict[str, Any]]:
+    """Parse user data back into (bundle files, deploy.env, the cloud-config document)."""
     doc = yaml.safe_load(text)
     extract, hosts, *_ = doc["bootcmd"]
-    assert extract[:3] == ["sh", "-c", _EXTRACT] and hosts[:4] == ["sh", "-c", _HOSTS, "sh"], doc["bootcmd"]
+    assert extract[:3] == ["sh", "-c", _EXTRACT] and hosts[:4] == ["sh", "-c", _DEPLOY, "sh"], doc["bootcmd"]
     files = unbundle(base64.b64decode(extract[3]))
-    return files, parse_env_file("\n".join(hosts[4:])), {"bootcmd": doc["bootcmd"], "runcmd": doc["runcmd"]}
+    return files, parse_env_file("\n".join(hosts[4:])), doc
 
 
 def plan_json(renders: list[NodeRender]) -> str:

@@ -252,6 +252,13 @@ class Proxy(_Frozen):
     port: int = Field(8000, ge=1024, le=65535, description="The client endpoint.")
     bind_host: str = Field("0.0.0.0", description="The proxy defaults to 127.0.0.1; other nodes and the NLB must reach it.")
     health_path: str = Field("/healthcheck", description="The proxy has no /health route.")
+    group_health_port: int = Field(
+        8001,
+        ge=1024,
+        le=65535,
+        description="The project's health route for the load balancer: ready only when the proxy and every server "
+        "of its group answer (the proxy's own /healthcheck answers as long as its process runs).",
+    )
     script: str = Field(
         "examples/vllm_neuron/vllm/disaggregated_inference/toy_proxy_server.py",
         description="Path of the proxy inside the vLLM Neuron repository.",

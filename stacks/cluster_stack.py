@@ -12,6 +12,7 @@ from cluster_constructs.load_balancer import ProxyLoadBalancer
 from cluster_constructs.network import ClusterNetwork
 from cluster_constructs.node import ClusterNode
 from cluster_constructs.outputs import ClusterOutputs
+from cluster_constructs.scripts import NodeScripts
 from cluster_constructs.security_group import ClusterSecurityGroup
 from clusterspec.config import ClusterConfig
 from clusterspec.render import render_cluster
@@ -61,6 +62,8 @@ class GptOssClusterStack(Stack):
 
         # A node's user data names the private IPs of its peers, so peers are created first.
         renders = render_cluster(config)
+        scripts = NodeScripts(self, "NodeScripts", renders=renders)
+        role.allow_read(scripts.object_arn)
         nodes: dict[str, ClusterNode] = {}
         for render in sorted(renders, key=lambda r: bool(r.peers)):
             nodes[render.node.name] = ClusterNode(
@@ -71,6 +74,8 @@ class GptOssClusterStack(Stack):
                 template=templates[render.node.role],
                 image_id=image_id,
                 peer_ips={p: nodes[p].private_ip for p in render.peers},
+                scripts_uri=scripts.uri,
+                scripts_sha256=scripts.sha256,
             )
         ordered = [nodes[r.node.name] for r in renders]
         proxy_nodes = [nodes[p.node] for p in layout.proxies]

@@ -117,11 +117,11 @@ class _QuietServer(http.server.ThreadingHTTPServer):
 
 @pytest.fixture
 def health_server(tmp_path: Path) -> Iterator[str]:
-    """A loopback HTTP server answering 200 on /health and /healthcheck; yields its base URL."""
+    """A loopback HTTP server answering 200 on /health, /healthcheck and /ready; yields its base URL."""
     root = tmp_path / "health-root"
     root.mkdir()
-    (root / "health").write_text("ok")
-    (root / "healthcheck").write_text("ok")
+    for route in ("health", "healthcheck", "ready"):
+        (root / route).write_text("ok")
 
     class Handler(http.server.SimpleHTTPRequestHandler):
         def log_message(self, format: str, *args: Any) -> None:
@@ -131,3 +131,41 @@ def health_server(tmp_path: Path) -> Iterator[str]:
     threading.Thread(target=server.serve_forever, daemon=True).start()
     yield f"http://127.0.0.1:{server.server_address[1]}"
     server.shutdown()
+
+
+# ---- the node's files, as tests run them -------------------------------------------------
+
+SCRIPTS_URI = "s3://cdk-hnb659fds-assets-123456789012-us-east-2/scripts.xz"
+SCRIPTS_SHA = "0" * 64
+
+
+def node_user_data(render: Any, hosts: dict[str, str]) -> str:
+    """A node's user data with the deploy-time values a test chooses (CloudFormation's at deploy)."""
+    from clusterspec.render import user_data
+
+    return user_data(render, hosts, scripts_uri=SCRIPTS_URI, scripts_sha256=SCRIPTS_SHA)
+
+
+@pytest.fixture(scope="module")
+def shipped(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
+    """Write a script as a node receives it (comments or docstrings stripped); returns its path."""
+    from clusterspec.render import node_script
+
+    folder = tmp_path_factory.mktemp("shipped")
+
+    def write(name: str) -> Path:
+        p = folder / name
+        p.write_text(node_script(name))
+        p.chmod(0o755)
+        return p
+
+    return write
+
+
+def fake_command(folder: Path, name: str, body: str) -> Path:
+    """An executable bash stand-in for a command the scripts call (lsblk, aws, systemctl, ...)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    p = folder / name
+    p.write_text("#!/usr/bin/env bash\nset -euo pipefail\n" + body)
+    p.chmod(0o755)
+    return p

@@ -7,6 +7,8 @@ model and examples from S3, the DLAMI from a named SSM parameter.
 
 from __future__ import annotations
 
+import base64
+import hashlib
 import socket
 import subprocess
 import time
@@ -19,6 +21,7 @@ from typing import Any
 import boto3
 import pytest
 
+from clusterspec.render import parse_user_data
 from tests.conftest import CDK, ROOT, STACK, cli_env
 
 pytestmark = pytest.mark.lifecycle
@@ -207,7 +210,18 @@ def deploy_check_destroy(aws: LocalAws, *context: str) -> dict[str, Any]:
         for e in ec2.describe_vpc_endpoints()["VpcEndpoints"]
         if e["VpcEndpointId"] in created["endpoints"]
     }
+    # What each node will fetch at boot: the object its user data names, in the bootstrap bucket,
+    # with the sha256 its user data names.
+    s3 = aws.client("s3")
+    for inst in instances:
+        raw = ec2.describe_instance_attribute(InstanceId=inst["InstanceId"], Attribute="userData")["UserData"]["Value"]
+        _, deploy, _ = parse_user_data(base64.b64decode(raw).decode())
+        bucket, key = deploy["GPTOSS_SCRIPTS_URI"].removeprefix("s3://").split("/", 1)
+        body = s3.get_object(Bucket=bucket, Key=key)["Body"].read()
+        assert hashlib.sha256(body).hexdigest() == deploy["GPTOSS_SCRIPTS_SHA256"]
+        asset_arn = f"arn:aws:s3:::{bucket}/{key}"
     seen = {
+        "asset_arn": asset_arn,
         "vpc": vpc,
         "subnet": subnet,
         "group": group,
@@ -279,6 +293,7 @@ def test_default_two_node_stack_deploys_and_is_destroyed(local_aws: LocalAws) ->
         for r in (st["Resource"] if isinstance(st["Resource"], list) else [st["Resource"]])
     }
     assert reads == {
+        seen["asset_arn"],
         "arn:aws:s3:::gptoss-local-models/gpt-oss-120b/*",
         "arn:aws:s3:::gptoss-local-models/vllm-neuron/*",
         "arn:aws:s3:::gptoss-local-models/neuron-cache/*",

@@ -227,10 +227,20 @@ class TestIam:
             actions = s["Action"] if isinstance(s["Action"], list) else [s["Action"]]
             assert not any(a == "*" or a.endswith(":*") for a in actions), s
 
+    def test_nodes_read_the_scripts_asset_and_nothing_else_by_default(self, default_synth: Synth) -> None:
+        (get,) = [s for s in self._statements(default_synth.template) if "s3:" in json.dumps(s["Action"])]
+        assert get["Action"] == "s3:GetObject"
+        bucket = {"Fn::Sub": "cdk-hnb659fds-assets-${AWS::AccountId}-us-east-2"}
+        parts = get["Resource"]["Fn::Join"][1]
+        assert parts[:4] == ["arn:", {"Ref": "AWS::Partition"}, ":s3:::", bucket]
+        assert len(parts) == 5 and parts[4].startswith("/") and parts[4].endswith(".xz") and "*" not in parts[4]
+        manifest = json.loads((default_synth.outdir / "GptOss8k1kStack.assets.json").read_text())
+        keys = {dest["objectKey"]: f["source"]["path"] for f in manifest["files"].values() for dest in f["destinations"].values()}
+        assert keys[parts[4][1:]].startswith("asset.") and keys[parts[4][1:]].endswith(".xz")
+
     def test_model_prefix_read_only_when_configured(self, default_synth: Synth, synth_variant: Any) -> None:
-        assert not [s for s in self._statements(default_synth.template) if "s3:GetObject" in json.dumps(s)]
         t = synth_variant(model={"source": "s3", "s3_uri": "s3://models-bucket/gpt-oss-120b"})
-        stmts = [s for s in self._statements(t) if "s3:" in json.dumps(s["Action"])]
+        stmts = [s for s in self._statements(t) if "s3:" in json.dumps(s["Action"]) and "models-bucket" in json.dumps(s)]
         get = next(s for s in stmts if s["Action"] == "s3:GetObject")
         assert get["Resource"] == {"Fn::Join": ["", ["arn:", {"Ref": "AWS::Partition"}, ":s3:::models-bucket/gpt-oss-120b/*"]]}
         lst = next(s for s in stmts if s["Action"] == "s3:ListBucket")
@@ -239,8 +249,10 @@ class TestIam:
     def test_compile_cache_prefix_is_readable_and_writable_only_there(self, synth_variant: Any) -> None:
         t = synth_variant(compile_cache_s3_uri="s3://cache-bucket/neuron/2.33")
         arn = {"Fn::Join": ["", ["arn:", {"Ref": "AWS::Partition"}, ":s3:::cache-bucket/neuron/2.33/*"]]}
-        by_action = {}
+        by_action: dict[str, list[Any]] = {}
         for st in self._statements(t):
+            if "cache-bucket" not in json.dumps(st):
+                continue
             for action in st["Action"] if isinstance(st["Action"], list) else [st["Action"]]:
                 by_action.setdefault(action, []).append(st["Resource"])
         assert by_action["s3:GetObject"] == [arn] and by_action["s3:PutObject"] == [arn]
@@ -320,13 +332,12 @@ def normalized(template: dict[str, Any]) -> dict[str, Any]:
 
             joined = r["Properties"]["UserData"]["Fn::Base64"]
             parts = joined["Fn::Join"][1] if isinstance(joined, dict) else [joined]
-            text = "".join(p if isinstance(p, str) else "<" + ".".join(p["Fn::GetAtt"]) + ">" for p in parts)
-            files, hosts, cmds = parse_user_data(text)
+            text = "".join(p if isinstance(p, str) else "<" + ".".join(p.get("Fn::GetAtt", ["bucket"])) + ">" for p in parts)
+            files, deploy, doc = parse_user_data(text)
             r["Properties"]["UserData"] = {
-                "runcmd": cmds["runcmd"],
-                "bootcmd": [c[:3] + (["<bundle>"] if c[2].startswith("mkdir") else c[3:]) for c in cmds["bootcmd"][:2]]
-                + cmds["bootcmd"][2:],
-                "hosts.env": hosts,
+                "bootcmd": [c[:3] + (["<bundle>"] if c[2].startswith("mkdir") else c[3:]) for c in doc["bootcmd"][:2]]
+                + doc["bootcmd"][2:],
+                "deploy.env": deploy,
                 "bundle": {path: {"mode": oct(mode), "text": body.splitlines()} for path, (body, mode) in files.items()},
             }
     return t

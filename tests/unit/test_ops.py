@@ -154,18 +154,25 @@ def node_report(cfg: ClusterConfig, node: str, tmp_path: Path, server: str, down
     r = next(r for r in render_cluster(cfg) if r.node.name == node)
     lines = []
     for line in health_file(cfg, r).splitlines():
-        unit, url = line.split()
+        unit, url, phase = line.split()
         if url != "-":
             # A unit that is down gets a port nothing listens on.
             url = f"{server if unit not in down else 'http://127.0.0.1:1'}/{url.rsplit('/', 1)[1]}"
-        lines.append(f"{unit} {url}")
+        lines.append(f"{unit} {url} {phase}")
     hf = tmp_path / f"{node}.health"
     hf.write_text("\n".join(lines) + "\n")
     env_file = tmp_path / "cluster.env"
     env_file.write_text(f"GPTOSS_NODE={node}\n")
     systemctl = tmp_path / "systemctl"
-    systemctl.write_text('#!/usr/bin/env bash\nfor a; do unit=$a; done\ncase " $DOWN " in *" $unit "*) echo activating;; *) echo active;; esac\n')
+    systemctl.write_text(
+        '#!/usr/bin/env bash\nfor a; do unit=$a; done\n'
+        'case " $DOWN " in *" $unit "*) echo ActiveState=activating; echo SubState=auto-restart; echo NRestarts=2;; '
+        '*) echo ActiveState=active; echo SubState=running; echo NRestarts=0;; esac\n'
+    )
     systemctl.chmod(0o755)
+    journalctl = tmp_path / "journalctl"
+    journalctl.write_text('#!/usr/bin/env bash\necho "last line of $2"\n')
+    journalctl.chmod(0o755)
     res = subprocess.run(
         [str(USERDATA_DIR / "bin" / "gptoss-status")],
         env={
@@ -173,6 +180,8 @@ def node_report(cfg: ClusterConfig, node: str, tmp_path: Path, server: str, down
             "GPTOSS_HEALTH_FILE": str(hf),
             "GPTOSS_CLUSTER_ENV": str(env_file),
             "GPTOSS_SYSTEMCTL": str(systemctl),
+            "GPTOSS_JOURNALCTL": str(journalctl),
+            "GPTOSS_RUN_DIR": str(tmp_path / "run"),
             "DOWN": " ".join(down),
         },
         capture_output=True,
@@ -229,9 +238,9 @@ def test_status_reports_every_unit_of_every_node(aws: None, tmp_path: Path, heal
                      on_node=lambda node, st: answered.append(f"{node}:{st}"))  # fmt: skip
     assert answered == ["prefill-0:Success", "decode-0:Success"]
     stub.assert_no_pending_responses()
-    assert len(status.units) == 9 + 3
+    assert len(status.units) == 12 + 5
     assert not status.ready
-    assert status.failing == ["prefill-0: gptoss-prefill@3.service (activating, unhealthy)"]
+    assert status.failing == ["prefill-0: gptoss-prefill@3.service: retrying (restart 2) - last log: last line of gptoss-prefill@3.service"]
 
 
 def test_wait_ready_returns_when_every_server_answers(aws: None, tmp_path: Path, health_server: str) -> None:
@@ -261,8 +270,8 @@ def test_wait_ready_times_out_naming_missing_nodes_and_failing_units(aws: None, 
     assert not status.ready
     assert status.failing == [
         "decode-0: no running instance",
-        "prefill-0: gptoss-prefill@0.service (activating, unhealthy)",
-        "prefill-0: gptoss-proxy.service (activating, unhealthy)",
+        "prefill-0: gptoss-prefill@0.service: retrying (restart 2) - last log: last line of gptoss-prefill@0.service",
+        "prefill-0: gptoss-proxy.service: retrying (restart 2) - last log: last line of gptoss-proxy.service",
     ]
 
 
@@ -311,7 +320,7 @@ def test_wait_ready_command_exits_1_naming_the_failing_units(
     code = cli.main(["wait-ready", "--timeout", "0", "--interval", "1"])
     err = capsys.readouterr().err
     assert code == 1
-    assert "not ready after 0s:" in err and "decode-0: gptoss-decode.service (activating, unhealthy)" in err
+    assert "not ready after 0s:" in err and "decode-0: gptoss-decode.service: retrying (restart 2)" in err
 
 
 def test_bench_command_prints_the_key_metrics(aws: None, monkeypatch: pytest.MonkeyPatch, capsys: Any) -> None:
@@ -369,7 +378,7 @@ def test_status_command_prints_every_unit_and_exits_0_when_ready(
     monkeypatch.setattr(cli, "Console", lambda *a, **k: __import__("rich.console").console.Console(width=200))
     assert cli.main(["status"]) == 0
     out = capsys.readouterr().out
-    assert out.count("active") == 12 and "gptoss-prefill@5.service" in out and "gptoss-decode.service" in out
+    assert out.count("active") == 17 and "gptoss-prefill@5.service" in out and "gptoss-decode.service" in out
 
 
 def test_save_cache_syncs_from_one_node_of_each_role(aws: None) -> None:
@@ -394,7 +403,7 @@ def test_save_cache_needs_a_cache_location(aws: None) -> None:
 
 def test_the_cache_script_ships_only_with_a_cache_location() -> None:
     def scripts(ctx: dict[str, str]) -> set[str]:
-        return {p.rsplit("/", 1)[1] for r in render_cluster(load_config(ctx)) for p in r.files if "/bin/" in p}
+        return set().union(*(r.scripts for r in render_cluster(load_config(ctx))))
 
     assert "gptoss-save-cache" not in scripts({})
     assert "gptoss-save-cache" in scripts({"compile_cache_s3_uri": "s3://bucket/neuron-cache"})

@@ -30,7 +30,7 @@ def test_json_schema_of_the_default_two_node_plan() -> None:
     ]
     for node in doc["nodes"]:
         for s in node["services"]:
-            assert set(s) <= {"unit", "environment", "argv", "step"}
+            assert set(s) <= {"unit", "environment", "argv", "step", "waits"}
             assert isinstance(s["environment"], dict) and all(isinstance(a, str) for a in s["argv"])
     units = [s["unit"] for s in doc["nodes"][0]["services"]]
     assert units[:6] == [f"gptoss-prefill@{i}.service" for i in range(6)]
