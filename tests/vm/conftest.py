@@ -1,0 +1,84 @@
+"""Fixtures of the VM scenarios: the cached guest image, the accelerator, the booted cluster.
+
+Every test here carries the `vm` mark: `make test` leaves them out, `make test-vm` runs them.
+A machine that cannot run them (not root, no QEMU, neither KVM nor TCG works) skips them
+with the reason, which pytest's summary (-ra) prints.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.vm import image as vm_image
+from tests.vm.cluster import VmCluster
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    here = Path(__file__).parent
+    for item in items:
+        if here in Path(str(item.fspath)).parents:
+            item.add_marker(pytest.mark.vm)
+
+
+def _boots(img: vm_image.Image, accel: str) -> bool:
+    """Can QEMU run the guest kernel to its end with this accelerator? (It panics: no init, no root.)"""
+    args = ["-accel", "kvm", "-cpu", "host"] if accel == "kvm" else ["-accel", "tcg", "-cpu", "max"]
+    try:
+        r = subprocess.run(
+            ["qemu-system-x86_64", *args, "-m", "512", "-kernel", str(img.kernel), "-initrd", str(img.initrd),
+             "-append", "console=ttyS0 panic=-1 rdinit=/nonexistent", "-display", "none", "-monitor", "none",
+             "-serial", "stdio", "-no-reboot"],
+            capture_output=True, text=True, timeout=90,
+        )  # fmt: skip
+    except subprocess.TimeoutExpired:
+        return False
+    return "Kernel panic - not syncing" in r.stdout
+
+
+@pytest.fixture(scope="session")
+def guest_image() -> vm_image.Image:
+    if os.geteuid() != 0:
+        pytest.skip("VM scenarios need root (mmdebstrap --mode=root builds the guest image)")
+    missing = vm_image.missing_tools()
+    if missing:
+        pytest.skip(f"VM scenarios need these Debian packages: {', '.join(missing)} (`make test-vm` installs them)")
+    return vm_image.build()
+
+
+@pytest.fixture(scope="session")
+def accel(guest_image: vm_image.Image) -> str:
+    """KVM when it runs the guest kernel, else TCG software emulation (slower, always there)."""
+    if os.access("/dev/kvm", os.R_OK | os.W_OK) and _boots(guest_image, "kvm"):
+        return "kvm"
+    if _boots(guest_image, "tcg"):
+        return "tcg"
+    pytest.skip("QEMU can start the guest kernel with neither KVM nor TCG on this machine")
+
+
+@pytest.fixture(scope="module")
+def cluster(guest_image: vm_image.Image, accel: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[VmCluster]:
+    c = VmCluster(tmp_path_factory.mktemp("vm-cluster"), guest_image, accel)
+    try:
+        yield c
+    finally:
+        c.stop()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
+    """On a failure, attach each guest's console tail and its project units' journal."""
+    outcome = yield
+    report = outcome.get_result()
+    cluster = item.funcargs.get("cluster") if hasattr(item, "funcargs") else None
+    if report.when == "call" and report.failed and isinstance(cluster, VmCluster):
+        for vm in cluster.running():
+            journal = ""
+            if vm.proc is not None and vm.proc.poll() is None:
+                journal = vm.ssh("journalctl -b -o short-monotonic --no-pager -u 'gptoss-*' | tail -n 80", check=False, timeout=30).stdout
+            report.sections.append((f"{vm.name} console", vm.console()[-3000:]))
+            report.sections.append((f"{vm.name} journal (gptoss-*)", journal))

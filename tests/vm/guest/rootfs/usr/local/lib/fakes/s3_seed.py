@@ -1,0 +1,43 @@
+"""Fill the guest's moto S3 with what the harness passed (fw_cfg section "s3").
+
+"objects": {"s3://bucket/key": "fw_cfg file name"}: the bytes of that fw_cfg file.
+"hub_prefixes": {"s3://bucket/prefix": "org/name"}: the fake Hub's repository, file by file.
+"""
+
+import json
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import boto3
+
+sys.path.insert(0, "/usr/local/lib/fakes")
+import fakectl
+
+for _ in range(300):
+    try:
+        urllib.request.urlopen("http://127.0.0.1:5000/moto-api/", timeout=2)
+        break
+    except OSError:
+        time.sleep(0.5)
+s3 = boto3.client("s3", endpoint_url="http://127.0.0.1:5000", region_name="us-east-2",
+                  aws_access_key_id="testing", aws_secret_access_key="testing")
+settings = fakectl.settings("s3")
+
+
+def put(uri: str, body: bytes) -> None:
+    bucket, _, key = uri.removeprefix("s3://").partition("/")
+    if bucket not in {b["Name"] for b in s3.list_buckets()["Buckets"]}:
+        s3.create_bucket(Bucket=bucket, CreateBucketConfiguration={"LocationConstraint": "us-east-2"})
+    s3.put_object(Bucket=bucket, Key=key, Body=body)
+
+
+for uri, name in settings.get("objects", {}).items():
+    put(uri, Path(f"/sys/firmware/qemu_fw_cfg/by_name/opt/gptoss/{name}/raw").read_bytes())
+for prefix, repo in settings.get("hub_prefixes", {}).items():
+    root = Path("/srv/hub") / repo
+    for p in sorted(root.rglob("*")):
+        if p.is_file():
+            put(f"{prefix.rstrip('/')}/{p.relative_to(root)}", p.read_bytes())
+print(json.dumps({"seeded": sorted(settings.get("objects", {})) + sorted(settings.get("hub_prefixes", {}))}))

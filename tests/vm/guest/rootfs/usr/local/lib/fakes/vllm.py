@@ -1,0 +1,125 @@
+"""The fake `vllm` CLI of the test guest: a server's behaviour without Trainium.
+
+`vllm serve MODEL ... --port P`: refuses to start without a checkpoint at MODEL (as vLLM
+does), "compiles" for compile_s seconds when the compile cache under ~/.cache/neuron_libtorch
+has no graph for its role yet (writing one that later servers find), "loads" for load_s
+seconds, then answers GET /health, POST /v1/completions and GET /metrics on P until SIGINT.
+Every start, readiness and stop is recorded with argv and environment in
+/var/lib/fakes/vllm-P.jsonl. Settings (fw_cfg section "vllm"): compile_s, load_s,
+crash_ports (servers on these ports exit 1 after crash_after_s seconds).
+"""
+
+from __future__ import annotations
+
+import http.server
+import json
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, "/usr/local/lib/fakes")
+import fakectl
+
+
+def flag(argv: list[str], name: str, default: str | None = None) -> str | None:
+    """The value after a flag, as argparse would read it."""
+    return argv[argv.index(name) + 1] if name in argv and argv.index(name) + 1 < len(argv) else default
+
+
+def serve(argv: list[str]) -> None:
+    model = argv[2]
+    port = int(flag(argv, "--port", "8000") or 8000)
+    kv = json.loads(flag(argv, "--kv-transfer-config", "{}") or "{}")
+    role = {"kv_producer": "prefill", "kv_consumer": "decode"}.get(kv.get("kv_role"), "single")
+    s = fakectl.settings("vllm")
+    log = f"vllm-{port}.jsonl"
+    fakectl.record(log, {"event": "start", "argv": argv, "env": dict(os.environ), "time": time.time(), "pid": os.getpid(), "role": role})
+
+    def stop(signum: int, frame: Any) -> None:
+        fakectl.record(log, {"event": "stop", "signal": signum, "time": time.time(), "pid": os.getpid()})
+        os._exit(0)
+
+    signal.signal(signal.SIGINT, stop)
+    signal.signal(signal.SIGTERM, stop)
+    if not (Path(model) / "config.json").is_file():
+        print(f"fake vllm: no checkpoint at {model}", file=sys.stderr)
+        sys.exit(1)
+    if port in s.get("crash_ports", []):
+        time.sleep(float(s.get("crash_after_s", 2)))
+        fakectl.record(log, {"event": "crash", "time": time.time(), "pid": os.getpid()})
+        print("fake vllm: simulated crash", file=sys.stderr)
+        sys.exit(1)
+    cache = Path.home() / ".cache" / "neuron_libtorch" / f"fake-{role}.neff"
+    compiled = False
+    if not cache.is_file():
+        print(f"fake vllm: compiling the {role} graph", flush=True)
+        time.sleep(float(s.get("compile_s", 0)))
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        cache.write_text(f"compiled by the server on port {port}\n")
+        compiled = True
+    time.sleep(float(s.get("load_s", 0)))
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def log_message(self, format: str, *args: object) -> None:
+            pass
+
+        def _json(self, doc: Any, status: int = 200) -> None:
+            body = json.dumps(doc).encode()
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def do_GET(self) -> None:
+            if self.path == "/health":
+                return self._json({})
+            if self.path == "/metrics":
+                body = (
+                    "# TYPE vllm:num_requests_running gauge\n"
+                    f'vllm:num_requests_running{{model_name="{model}"}} 0.0\n'
+                    "# TYPE vllm:num_requests_waiting gauge\n"
+                    f'vllm:num_requests_waiting{{model_name="{model}"}} 0.0\n'
+                ).encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "text/plain; version=0.0.4")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+                return
+            self._json({"error": "not found"}, 404)
+
+        def do_POST(self) -> None:
+            length = int(self.headers.get("Content-Length", 0))
+            req = json.loads(self.rfile.read(length) or b"{}")
+            if self.path != "/v1/completions":
+                return self._json({"error": "not found"}, 404)
+            fakectl.record(log, {"event": "completion", "time": time.time(), "request": req})
+            if role == "prefill":
+                return self._json({"id": "cmpl-prefill", "choices": [{"text": "", "index": 0, "finish_reason": "length"}],
+                                   "kv_transfer_params": {"remote_port": port, "remote_block_ids": [0]}})
+            tokens = int(req.get("max_tokens", 16))
+            self._json({"id": "cmpl-fake", "object": "text_completion", "model": model,
+                        "choices": [{"index": 0, "text": " Paris. It is the capital", "finish_reason": "length"}],
+                        "usage": {"prompt_tokens": 6, "completion_tokens": tokens, "total_tokens": 6 + tokens}})
+
+    server = http.server.ThreadingHTTPServer(("0.0.0.0", port), Handler)
+    fakectl.record(log, {"event": "ready", "time": time.time(), "pid": os.getpid(), "compiled": compiled})
+    print(f"fake vllm: Application startup complete on port {port}", flush=True)
+    server.serve_forever()
+
+
+def main() -> None:
+    argv = sys.argv
+    if argv[1:2] == ["serve"] and len(argv) > 2:
+        serve(argv)
+    else:
+        print(f"fake vllm: unsupported command {argv[1:]}", file=sys.stderr)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()

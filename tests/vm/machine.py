@@ -1,0 +1,220 @@
+"""One guest VM standing in for one EC2 instance of the cluster, under QEMU.
+
+What maps to what:
+- the root disk (a qcow2 overlay on the cached image) is the instance's EBS root volume: it
+  survives reboots and stop/start;
+- two emulated NVMe disks with serial gptoss-is-N are the instance store: a stop/start
+  replaces them with blank ones;
+- a NoCloud seed (cloud-localds) carries the user data the project renders, and the
+  instance id: the same id models a restart of the same instance;
+- a private link between the VMs (a QEMU socket netdev on loopback) is the VPC subnet;
+- a restricted user-mode NIC (no route anywhere) lets the harness log in over SSH;
+- QEMU's fw_cfg passes the fakes' settings (IMDS address, server delays, faults).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import signal
+import socket
+import subprocess
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from tests.vm.image import Image
+
+NVME_DISKS = 2
+NVME_SIZE = 2 << 30
+MEMORY_MB = 1536
+
+
+def free_port(kind: int = socket.SOCK_STREAM) -> int:
+    """A loopback port nothing listens on."""
+    with socket.socket(socket.AF_INET, kind) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def network_config(mgmt_mac: str, vpc_mac: str, ip: str, prefix: int) -> str:
+    """NoCloud network-config v2: the harness link and the cluster's subnet."""
+    return json.dumps(
+        {
+            "version": 2,
+            "ethernets": {
+                "mgmt": {"match": {"macaddress": mgmt_mac}, "set-name": "mgmt", "addresses": ["10.0.2.15/24"]},
+                "vpc": {"match": {"macaddress": vpc_mac}, "set-name": "vpc", "addresses": [f"{ip}/{prefix}"]},
+            },
+        }
+    )
+
+
+@dataclass
+class Vm:
+    """A guest: its disks, its seed, its QEMU process and an SSH channel to it."""
+
+    name: str
+    index: int
+    workdir: Path
+    image: Image
+    ip: str
+    accel: str
+    link_local: int
+    link_peer: int
+    prefix: int = 20
+    ssh_port: int = field(default_factory=free_port)
+    proc: subprocess.Popen[bytes] | None = None
+    boots: int = 0
+
+    def __post_init__(self) -> None:
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self.root = self.workdir / "root.qcow2"
+        if not self.root.exists():
+            subprocess.run(
+                ["qemu-img", "create", "-q", "-f", "qcow2", "-F", "qcow2", "-b", str(self.image.root), str(self.root)], check=True
+            )
+        self.blank_instance_store()
+
+    @property
+    def mgmt_mac(self) -> str:
+        return f"52:54:00:00:00:{self.index + 1:02x}"
+
+    @property
+    def vpc_mac(self) -> str:
+        return f"52:54:00:42:00:{self.index + 1:02x}"
+
+    @property
+    def instance_id(self) -> str:
+        return f"i-0{self.index:016x}"
+
+    def blank_instance_store(self) -> None:
+        """New, empty instance-store disks: what a stop/start leaves."""
+        for n in range(NVME_DISKS):
+            disk = self.workdir / f"nvme{n}.raw"
+            disk.unlink(missing_ok=True)
+            with disk.open("wb") as f:
+                f.truncate(NVME_SIZE)
+
+    def seed(self, user_data: str) -> None:
+        """Write the NoCloud seed: the project's user data, this instance's id, its addresses."""
+        d = self.workdir / "seed"
+        d.mkdir(exist_ok=True)
+        (d / "user-data").write_text(user_data)
+        (d / "meta-data").write_text(f"instance-id: {self.instance_id}\nlocal-hostname: {self.name}\n")
+        (d / "network-config").write_text(network_config(self.mgmt_mac, self.vpc_mac, self.ip, self.prefix))
+        subprocess.run(
+            ["cloud-localds", "--network-config", str(d / "network-config"), str(self.workdir / "seed.img"),
+             str(d / "user-data"), str(d / "meta-data")],
+            check=True,
+        )  # fmt: skip
+
+    def start(self, fakes: dict[str, Any], files: dict[str, Path] | None = None) -> None:
+        """Power the instance on; `files` reach the guest through fw_cfg as opt/gptoss/NAME."""
+        assert self.proc is None or self.proc.poll() is not None, f"{self.name} is already running"
+        fw = self.workdir / "fakes.json"
+        imds = {"local_ipv4": self.ip, "instance_id": self.instance_id} | fakes.get("imds", {})
+        fw.write_text(json.dumps(fakes | {"imds": imds}))
+        self.boots += 1
+        console = self.workdir / f"console-{self.boots}.log"
+        accel = ["-accel", "kvm", "-cpu", "host"] if self.accel == "kvm" else ["-accel", "tcg,thread=multi", "-cpu", "max"]
+        cmd = [
+            "qemu-system-x86_64", "-name", self.name, "-machine", "q35", *accel, "-smp", "2", "-m", str(MEMORY_MB),
+            "-kernel", str(self.image.kernel), "-initrd", str(self.image.initrd),
+            "-append", "root=/dev/vda rw console=ttyS0,115200 quiet systemd.show_status=0",
+            "-drive", f"file={self.root},if=virtio,format=qcow2,cache=unsafe",
+            "-drive", f"file={self.workdir / 'seed.img'},if=virtio,format=raw,readonly=on",
+            "-netdev", f"user,id=mgmt,restrict=on,hostfwd=tcp:127.0.0.1:{self.ssh_port}-:22",
+            "-device", f"virtio-net-pci,netdev=mgmt,mac={self.mgmt_mac}",
+            "-netdev", f"socket,id=vpc,udp=127.0.0.1:{self.link_peer},localaddr=127.0.0.1:{self.link_local}",
+            "-device", f"virtio-net-pci,netdev=vpc,mac={self.vpc_mac}",
+            "-fw_cfg", f"name=opt/gptoss/fakes,file={fw}",
+            "-serial", f"file:{console}", "-display", "none", "-monitor", "none", "-no-reboot",
+        ]  # fmt: skip
+        for name, path in (files or {}).items():
+            cmd += ["-fw_cfg", f"name=opt/gptoss/{name},file={path}"]
+        for n in range(NVME_DISKS):
+            cmd += [
+                "-drive", f"file={self.workdir / f'nvme{n}.raw'},if=none,id=nvme{n},format=raw,cache=writeback",
+                "-device", f"nvme,serial=gptoss-is-{n},drive=nvme{n}",
+            ]  # fmt: skip
+        log = (self.workdir / "qemu.log").open("a")
+        self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        self.started_at = time.monotonic()
+
+    def console(self) -> str:
+        """The serial console of the current boot."""
+        p = self.workdir / f"console-{self.boots}.log"
+        return p.read_text(errors="replace") if p.exists() else ""
+
+    def ssh(self, command: str, *, check: bool = True, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+        """Run a shell command in the guest as root."""
+        cmd = [
+            "ssh", "-q", "-i", str(self.image.key), "-p", str(self.ssh_port),
+            "-o", "StrictHostKeyChecking=no", "-o", "UserKnownHostsFile=/dev/null", "-o", "BatchMode=yes",
+            "-o", "ConnectTimeout=10", "-o", "ServerAliveInterval=5", "root@127.0.0.1", command,
+        ]  # fmt: skip
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+        if check and r.returncode != 0:
+            raise AssertionError(f"{self.name}$ {command}\nexit {r.returncode}\n{r.stdout[-4000:]}\n{r.stderr[-4000:]}")
+        return r
+
+    def wait_ssh(self, timeout: float = 600) -> float:
+        """Wait until the guest accepts the harness's SSH login; seconds since power-on."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc is not None and self.proc.poll() is not None:
+                raise AssertionError(f"{self.name}: QEMU exited ({self.proc.returncode})\n{self.console()[-3000:]}")
+            try:
+                if self.ssh("true", check=False, timeout=30).returncode == 0:
+                    return time.monotonic() - self.started_at
+            except subprocess.TimeoutExpired:
+                pass
+            time.sleep(3)
+        raise AssertionError(f"{self.name}: no SSH after {timeout:.0f}s\n{self.console()[-3000:]}")
+
+    def wait_until(self, command: str, timeout: float, what: str, interval: float = 3) -> float:
+        """Poll a guest command until it succeeds; seconds since power-on."""
+        deadline = time.monotonic() + timeout
+        last = None
+        while time.monotonic() < deadline:
+            last = self.ssh(command, check=False, timeout=60)
+            if last.returncode == 0:
+                return time.monotonic() - self.started_at
+            time.sleep(interval)
+        raise AssertionError(f"{self.name}: {what} not reached after {timeout:.0f}s; last: {last.stdout if last else ''}{last.stderr if last else ''}")
+
+    def json(self, command: str) -> Any:
+        """Run a guest command that prints JSON."""
+        return json.loads(self.ssh(command).stdout)
+
+    def records(self, name: str) -> list[dict[str, Any]]:
+        """The JSON-lines records a fake wrote (this and earlier boots)."""
+        out = self.ssh(f"cat /var/lib/fakes/{shlex.quote(name)} 2>/dev/null || true").stdout
+        return [json.loads(line) for line in out.splitlines() if line.strip()]
+
+    def boot_id(self) -> str:
+        return self.ssh("cat /proc/sys/kernel/random/boot_id").stdout.strip()
+
+    def wait_exit(self, timeout: float) -> None:
+        assert self.proc is not None
+        try:
+            self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            raise AssertionError(f"{self.name}: did not power off within {timeout:.0f}s") from None
+
+    def shutdown(self, timeout: float = 300) -> None:
+        """A clean power-off (as EC2's stop does), waiting for QEMU to exit."""
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        self.ssh("systemctl poweroff", check=False, timeout=30)
+        self.wait_exit(timeout)
+
+    def kill(self) -> None:
+        """Pull the plug: no shutdown, no flush of the guest's caches."""
+        if self.proc is not None and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(timeout=30)

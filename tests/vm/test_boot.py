@@ -1,0 +1,269 @@
+"""The default layout's two nodes booted from the project's own user data, under real cloud-init and systemd.
+
+One cluster goes through the scenarios in order, as a node's life would: first boot, reboot,
+stop/start, crash, faults, then three redeploys that change what the nodes run. Each scenario
+asserts what a person would check on the node: cloud-init's and systemd's verdicts, unit
+states, the array and the mount, what was downloaded, and the command line and environment
+each server was started with (recorded by the fake `vllm`), compared with `plan`.
+
+Fakes (in the guest image only): IMDS, the `vllm` binary, the Hub, S3 (moto), the examples'
+git repository and its proxy and schedule helper. Everything else is real: Debian trixie
+with systemd 257, cloud-init 25.1, mdadm, xfsprogs, curl, git, the AWS CLI, huggingface_hub.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+from clusterspec.render import MANIFEST, Service
+from tests.vm.cluster import ADDRESSES, VmCluster
+
+# The fake servers "compile" for COMPILE_S the first time a role runs on a node (blank compile
+# cache), then "load" for LOAD_S.
+COMPILE_S, LOAD_S = 90, 10
+FIRST_BOOT = {"vllm": {"compile_s": COMPILE_S, "load_s": LOAD_S}, "imds": {"fail_s": 60}}
+LATER = {"vllm": {"compile_s": COMPILE_S, "load_s": LOAD_S}}
+MODEL = "/opt/dlami/nvme/models/gpt-oss-120b"
+NODES = ("prefill-0", "decode-0")
+SERVABLE = {"config.json", "model.safetensors.index.json", "tokenizer.json", *(f"model-{i:05d}-of-00014.safetensors" for i in range(15))}
+
+
+def services(cluster: VmCluster, node: str) -> dict[str, Service]:
+    """The plan's services of a node (what `plan --json` prints), by unit."""
+    return {s.unit: s for s in cluster.renders[node].services if s.unit != "gptoss-bench.service"}
+
+
+def last_start(cluster: VmCluster, node: str, port: int) -> dict[str, Any]:
+    """The fake vLLM's record of the last start on a port, this boot."""
+    starts = [r for r in cluster.this_boot(node, cluster.vms[node].records(f"vllm-{port}.jsonl")) if r["event"] == "start"]
+    assert starts, f"{node}: no server started on port {port} this boot"
+    return starts[-1]
+
+
+def port_of(s: Service) -> int:
+    return int(s.argv[s.argv.index("--port") + 1])
+
+
+def assert_boot_finished(cluster: VmCluster, node: str) -> dict[str, Any]:
+    facts = cluster.wait_boot_done(node, 420)
+    ci = facts["cloud_init"]
+    assert (ci["status"], ci["errors"], ci.get("recoverable_errors", {})) == ("done", [], {}), f"{node}: {ci}"
+    assert facts["system"] == "running", f"{node}: systemd says {facts['system']}; failed units: {facts['failed']}"
+    assert facts["failed"] == ""
+    return facts
+
+
+def assert_runs_the_plan(cluster: VmCluster) -> None:
+    """Every unit of the plan active with the plan's command line; nothing else of the project."""
+    for node in cluster.renders:
+        vm = cluster.vms[node]
+        r = cluster.renders[node]
+        loaded = {}
+        for line in vm.ssh("systemctl list-units --all --plain --no-legend 'gptoss-*'").stdout.splitlines():
+            unit, _load, active, sub, *_ = line.split()
+            loaded[unit] = (active, sub)
+        for unit in r.units:
+            assert loaded.get(unit, ("missing",))[0] == "active", f"{node}: {unit} is {loaded.get(unit)}"
+        running_outside = {u: st for u, st in loaded.items() if u not in r.units and u != "gptoss-node.target" and st[0] != "inactive"}
+        assert running_outside == {}, f"{node}: units outside the plan are running: {running_outside}"
+        shipped = set(vm.ssh(f"cat {MANIFEST}").stdout.split())
+        on_disk = set(vm.ssh("ls -d /etc/systemd/system/gptoss-* /opt/gptoss/bin/* /etc/gptoss/* 2>/dev/null").stdout.split())
+        assert on_disk - shipped - {"/etc/gptoss/deploy.env"} == set(), f"{node}: files of an earlier bundle remain"
+        assert vm.ssh("ls /etc/systemd/system/*.wants/ | grep gptoss || true").stdout.strip() == "", f"{node}: a unit is enabled"
+        for unit, s in services(cluster, node).items():
+            if unit == "gptoss-proxy.service":
+                (proxy,) = [p for p in cluster.this_boot(node, vm.records("proxy.jsonl")) if p["event"] == "start"][-1:]
+                hosts = {f"<{n}>": ip for n, ip in ADDRESSES.items()}
+                assert proxy["argv"][1:] == [hosts.get(a, a) for a in s.argv[2:]], f"{node}: proxy argv"
+                continue
+            rec = last_start(cluster, node, port_of(s))
+            assert rec["argv"][1:] == s.argv[1:], f"{node} {unit}: argv differs from the plan"
+            missing = {k: v for k, v in s.environment.items() if rec["env"].get(k) != v}
+            assert missing == {}, f"{node} {unit}: environment differs from the plan"
+
+
+def test_first_boot_finishes_in_minutes_while_servers_compile_even_with_imds_down_at_first(cluster: VmCluster) -> None:
+    cluster.deploy({})
+    cluster.start(FIRST_BOOT)
+    for node in NODES:
+        facts = assert_boot_finished(cluster, node)
+        # Boot is over, and the servers are still compiling: the long waits are not boot jobs.
+        assert facts["uptime"] < 300
+        server = "gptoss-prefill@0.service" if node == "prefill-0" else "gptoss-decode.service"
+        st = cluster.status(node)[server]
+        assert (st["state"], st["healthy"]) == ("active", False), f"{node}: {server} should still be compiling: {st}"
+        # IMDS refused the first minute of requests; the first unit to need it (the scripts'
+        # fetch: the AWS CLI takes the role's credentials from IMDS) asked again, and the node
+        # got its scripts, its credentials and its address.
+        imds = cluster.this_boot(node, cluster.vms[node].records("imds.jsonl"))
+        assert imds[0]["failed"] and not imds[-1]["failed"]
+        retried = cluster.journal(node, "gptoss-scripts.service") + cluster.journal(node, "gptoss-identity.service")
+        assert "asking again" in retried, retried
+        assert f"GPTOSS_HOST_{node.upper().replace('-', '_')}={ADDRESSES[node]}" in cluster.vms[node].ssh("cat /etc/gptoss/deploy.env").stdout
+    # The project's units and their ordering pass systemd's own check on this systemd.
+    verify = cluster.vms["prefill-0"].ssh(
+        "cd /etc/systemd/system && systemd-analyze verify gptoss-node.target gptoss-*.service gptoss-prefill@0.service 2>&1", check=False
+    )
+    assert verify.stdout.strip() == "", verify.stdout
+
+
+def test_first_boot_serves_with_the_plans_commands_in_the_tested_order(cluster: VmCluster) -> None:
+    cluster.wait_ready(900)
+    for node in NODES:
+        vm = cluster.vms[node]
+        source, fstype = vm.ssh("findmnt -no SOURCE,FSTYPE /opt/dlami/nvme").stdout.split()
+        assert fstype == "xfs" and source.startswith("/dev/md"), (source, fstype)
+        detail = vm.ssh(f"mdadm --detail {source}").stdout
+        assert re.search(r"Raid Level : raid0", detail) and re.search(r"Raid Devices : 2", detail), detail
+        downloads = [r["file"] for r in cluster.this_boot(node, vm.records("hub.jsonl")) if r["complete"]]
+        assert sorted(downloads) == sorted(SERVABLE), f"{node}: each servable file once, nothing else"
+        staged = set(vm.ssh(f"cd {MODEL} && ls -A").stdout.split())
+        assert staged == SERVABLE | {".gptoss-complete", ".cache"}
+        assert vm.ssh("test ! -e /opt/dlami/nvme/models/gpt-oss-120b.partial", check=False).returncode == 0
+    assert_runs_the_plan(cluster)
+
+    # Replica 0 compiled; replicas 1..5 started once it answered, together, and loaded its graph.
+    prefill = cluster.vms["prefill-0"]
+    ready0 = [r for r in cluster.this_boot("prefill-0", prefill.records("vllm-8100.jsonl")) if r["event"] == "ready"][-1]
+    assert ready0["compiled"] is True
+    later = [last_start(cluster, "prefill-0", 8100 + i) for i in range(1, 6)]
+    assert all(r["uptime"] >= ready0["uptime"] for r in later)
+    assert max(r["uptime"] for r in later) - min(r["uptime"] for r in later) < 10, "the later replicas start together"
+    for i in range(1, 6):
+        ready = [r for r in cluster.this_boot("prefill-0", prefill.records(f"vllm-{8100 + i}.jsonl")) if r["event"] == "ready"][-1]
+        assert ready["compiled"] is False
+    # The proxy started after every server of its group answered, on this node and on decode-0.
+    log = prefill.ssh("cat /root/gpt-oss-120b-8k1k-results/logs/proxy.log").stdout
+    healthy = [line for line in log.splitlines() if line.startswith("gptoss-wait-healthy: healthy: ")]
+    assert len(healthy) == 7 and "10.42.0.11:8200/health" in healthy[-1]
+    # A completion through the proxy: prefill on this node, decode on the other.
+    out = prefill.json("curl -fsS localhost:8000/v1/completions -H 'Content-Type: application/json' "
+                       "-d '{\"prompt\": \"The capital of France is \", \"max_tokens\": 16}'")  # fmt: skip
+    assert out["choices"][0]["finish_reason"] == "length" and out["usage"]["completion_tokens"] == 16
+    assert cluster.vms["decode-0"].records("vllm-8200.jsonl")[-1]["event"] == "completion"
+    assert prefill.json("curl -s localhost:8001/ready")["ready"] is True
+
+
+def test_reboot_reuses_the_array_the_checkpoint_and_the_compile_cache(cluster: VmCluster) -> None:
+    downloads_before = {n: len(cluster.vms[n].records("hub.jsonl")) for n in NODES}
+    cluster.reboot(LATER)
+    for node in NODES:
+        assert_boot_finished(cluster, node)
+    cluster.wait_ready(600)
+    for node in NODES:
+        nvme = cluster.journal(node, "gptoss-nvme.service")
+        assert "striping" not in nvme and "making an XFS" not in nvme and "mounted /dev/md" in nvme, nvme
+        assert "verified against its marker" in cluster.journal(node, "gptoss-stage.service")
+        assert len(cluster.vms[node].records("hub.jsonl")) == downloads_before[node], f"{node} downloaded again"
+    for port in range(8100, 8106):
+        ready = [r for r in cluster.this_boot("prefill-0", cluster.vms["prefill-0"].records(f"vllm-{port}.jsonl")) if r["event"] == "ready"]
+        assert ready and ready[-1]["compiled"] is False
+    assert_runs_the_plan(cluster)
+
+
+def test_stop_start_restripes_and_restages_through_a_download_cut_half_way(cluster: VmCluster) -> None:
+    shard = "model-00007-of-00014.safetensors"
+    cluster.stop_start(LATER | {"hub": {"fail_file": shard, "fail_times": 1}})
+    for node in NODES:
+        facts = assert_boot_finished(cluster, node)
+        assert facts["uptime"] < 300
+    cluster.wait_ready(900)
+    for node in NODES:
+        vm = cluster.vms[node]
+        nvme = cluster.journal(node, "gptoss-nvme.service")
+        assert "striping 2 disks" in nvme and "making an XFS" in nvme, nvme
+        hub = cluster.this_boot(node, vm.records("hub.jsonl"))
+        assert [r["complete"] for r in hub if r["file"] == shard] == [False, True], "cut half-way, then fetched again"
+        assert sorted(r["file"] for r in hub if r["complete"]) == sorted(SERVABLE)
+        sealed = json.loads(vm.ssh(f"cat {MODEL}/.gptoss-complete").stdout)
+        size = int(vm.ssh(f"stat -c %s /srv/hub/openai/gpt-oss-120b/{shard}").stdout)
+        assert sealed["files"][shard] == size and sealed["source"] == "huggingface:openai/gpt-oss-120b"
+    ready = [r for r in cluster.this_boot("prefill-0", cluster.vms["prefill-0"].records("vllm-8100.jsonl")) if r["event"] == "ready"]
+    assert ready[-1]["compiled"] is True, "a blank instance store means a blank compile cache"
+    assert_runs_the_plan(cluster)
+
+
+def test_a_crash_after_staging_never_serves_the_damaged_checkpoint(cluster: VmCluster) -> None:
+    shard = "model-00003-of-00014.safetensors"
+    vm = cluster.vms["prefill-0"]
+    before = len(vm.records("hub.jsonl"))
+    # What a crash can leave: a shard cut short beside an intact marker. Then the plug is pulled.
+    vm.ssh(f"truncate -s 100 {MODEL}/{shard} && sync")
+    cluster.pull_the_plug("prefill-0")
+    cluster.power_on("prefill-0")
+    assert_boot_finished(cluster, "prefill-0")
+    cluster.wait_ready(600)
+    stage = cluster.journal("prefill-0", "gptoss-stage.service")
+    assert "cannot be served as it is: repairing" in stage and f"removed the damaged {shard}" in stage, stage
+    assert [r["file"] for r in vm.records("hub.jsonl")[before:]] == [shard], "only the damaged shard is fetched again"
+    size = int(vm.ssh(f"stat -c %s {MODEL}/{shard}").stdout)
+    assert size == int(vm.ssh(f"stat -c %s /srv/hub/openai/gpt-oss-120b/{shard}").stdout)
+
+
+def test_a_killed_server_comes_back_with_growing_back_off(cluster: VmCluster) -> None:
+    vm = cluster.vms["prefill-0"]
+    unit = "gptoss-prefill@2.service"
+    for n, wait in ((1, 5), (2, 10)):
+        pid = cluster.unit_prop("prefill-0", unit, "MainPID")
+        vm.ssh(f"kill -9 {pid}")
+        vm.wait_until(f"[ $(systemctl show -p NRestarts --value {unit}) = {n} ] && curl -fsS localhost:8102/health", 120, f"restart {n}")
+        assert f"restart {n} (failure {n} in a row): waiting {wait}s" in cluster.journal("prefill-0", unit)
+    assert cluster.not_ready() == {}
+
+
+def test_replicas_are_not_held_hostage_by_a_crash_looping_first_replica(cluster: VmCluster) -> None:
+    vm = cluster.vms["prefill-0"]
+    vm.ssh("systemctl stop gptoss-prefill.target && mkdir -p /run/fakes && echo '{\"crash_ports\": [8100]}' > /run/fakes/vllm.json")
+    vm.ssh("systemctl start --no-block gptoss-prefill.target")
+    # Replicas 1..5 wait for the first replica; it fails, so they start (their wait bound is hours).
+    vm.wait_until("for p in 8101 8102 8103 8104 8105; do curl -fsS localhost:$p/health || exit 1; done", 180, "replicas 1-5 up")
+    assert "gptoss-prefill@0.service is failing" in cluster.journal("prefill-0", "gptoss-prefill@1.service")
+    assert int(cluster.unit_prop("prefill-0", "gptoss-prefill@0.service", "NRestarts")) >= 1
+    vm.ssh("rm /run/fakes/vllm.json")
+    vm.wait_until("curl -fsS localhost:8100/health", 180, "replica 0 back after the fault is gone")
+    cluster.wait_ready(300)
+
+
+def test_redeploy_with_a_changed_flag_and_a_seventh_replica(cluster: VmCluster) -> None:
+    cluster.deploy({"prefill_per_decode": "7", "serving": {"decode": {"max_num_seqs": 4}}})
+    cluster.stop_start(LATER)
+    for node in NODES:
+        assert_boot_finished(cluster, node)
+    cluster.wait_ready(900)
+    assert_runs_the_plan(cluster)
+    decode = last_start(cluster, "decode-0", 8200)["argv"]
+    assert decode[decode.index("--max-num-seqs") + 1] == "4"
+    assert cluster.status("prefill-0")["gptoss-prefill@6.service"]["healthy"] is True
+
+
+def test_redeploy_from_one_to_two_decode_instances_moves_the_proxy(cluster: VmCluster) -> None:
+    cluster.deploy({"decode_instances": "2"})
+    cluster.stop_start(LATER)
+    for node in NODES:
+        assert_boot_finished(cluster, node)
+    cluster.wait_ready(900)
+    assert_runs_the_plan(cluster)
+    prefill, decode = cluster.vms["prefill-0"], cluster.vms["decode-0"]
+    assert prefill.ssh("test -e /etc/systemd/system/gptoss-proxy.service", check=False).returncode == 1
+    assert cluster.unit_prop("prefill-0", "gptoss-proxy.service", "ActiveState") == "inactive"
+    replicas = sorted(u for u, st in cluster.status("prefill-0").items() if u.startswith("gptoss-prefill@") and st["healthy"])
+    assert replicas == sorted(f"gptoss-prefill@{i}.service" for i in range(12))
+    proxy = [p for p in cluster.this_boot("decode-0", decode.records("proxy.jsonl")) if p["event"] == "start"][-1]["argv"]
+    i = proxy.index("--prefiller-hosts")
+    assert proxy[i + 1 : i + 7] == ["10.42.0.10"] * 6 and proxy[proxy.index("--decoder-hosts") + 1] == "10.42.0.11"
+
+
+def test_redeploy_from_two_to_one_decode_instance_removes_what_went_away(cluster: VmCluster) -> None:
+    cluster.deploy({})
+    cluster.stop_start(LATER)
+    for node in NODES:
+        assert_boot_finished(cluster, node)
+    cluster.wait_ready(900)
+    assert_runs_the_plan(cluster)
+    prefill, decode = cluster.vms["prefill-0"], cluster.vms["decode-0"]
+    assert prefill.ssh("ls /etc/gptoss/prefill@*.env | wc -l").stdout.strip() == "6"
+    for unit in ("gptoss-proxy.service", "gptoss-group-health.service", "gptoss-bench.service"):
+        assert decode.ssh(f"test -e /etc/systemd/system/{unit}", check=False).returncode == 1, unit
+    assert cluster.unit_prop("prefill-0", "gptoss-prefill@6.service", "ActiveState") == "inactive"
