@@ -3,11 +3,13 @@
 
 from __future__ import annotations
 
+import os
 import sys
 
 import aws_cdk as cdk
 from cdk_nag import AwsSolutionsChecks
 
+from clusterspec import limits
 from clusterspec.config import load_config
 from clusterspec.errors import SpecError
 from stacks.cluster_stack import GptOssClusterStack
@@ -18,8 +20,14 @@ def main() -> None:
     app = cdk.App()
     try:
         config = load_config(app.node.get_all_context())
+        limits.check(config)
     except SpecError as e:
         print(f"invalid deployment parameters:\n{e}", file=sys.stderr)
+        sys.exit(1)
+    except Exception as e:  # a bug, not a bad value: one line unless asked for the traceback
+        if os.environ.get("GPTOSS_DEBUG"):
+            raise
+        print(f"internal error while reading the parameters: {type(e).__name__}: {e} (set GPTOSS_DEBUG=1 for the traceback)", file=sys.stderr)
         sys.exit(1)
     GptOssClusterStack(app, config.stack_name, config=config)
     cdk.Validations.of(app).add_plugins(AwsSolutionsChecks(app))

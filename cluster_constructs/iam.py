@@ -42,6 +42,13 @@ class NodeRole(Construct):
         writes = [config.results_s3_uri, config.compile_cache_s3_uri]
         for uri in filter(None, writes):
             self.role.add_to_policy(iam.PolicyStatement(actions=["s3:PutObject"], resources=[f"arn:{partition}:s3:::{_objects(uri)}"]))
+        if config.kms_key_arns:
+            # Buckets encrypted with a customer-managed key: decrypt what the nodes read, and
+            # make data keys for what they write; only through S3, only these keys.
+            actions = ["kms:Decrypt"] + (["kms:GenerateDataKey"] if any(writes) else [])
+            statement = iam.PolicyStatement(actions=actions, resources=list(config.kms_key_arns))
+            statement.add_condition("StringEquals", {"kms:ViaService": f"s3.{config.region}.amazonaws.com"})
+            self.role.add_to_policy(statement)
         if config.model.hf_token_secret_arn:
             self.role.add_to_policy(
                 iam.PolicyStatement(actions=["secretsmanager:GetSecretValue"], resources=[config.model.hf_token_secret_arn])

@@ -12,10 +12,15 @@ from clusterspec.config import ClusterConfig
 
 
 class ProxyLoadBalancer(Construct):
-    """Internal NLB over every proxy; its health check is the proxy's own health route.
+    """Internal NLB over every proxy, checking each proxy's whole group.
 
-    The example proxy has no health checking of its own, so a proxy whose servers died keeps
-    answering; the NLB at least drops a node whose proxy is down.
+    The example proxy answers /healthcheck as long as its process runs, even when the servers
+    behind it are dead. The target group checks the project's group health route instead
+    (gptoss-group-health: ready only when the proxy, its decode server and its prefill
+    replicas answer), so a broken group leaves the rotation and returns when it heals.
+    Client IP preservation is off: with it on, an NLB drops a connection a target opens to the
+    NLB that is routed back to that same target, which is what the SSM port forward through a
+    proxy node does one time in N.
     """
 
     def __init__(
@@ -39,7 +44,10 @@ class ProxyLoadBalancer(Construct):
             self, "Group", vpc=vpc, description=f"{config.cluster_name}: proxy load balancer", allow_all_outbound=False
         )
         self.group.add_egress_rule(cluster_group, ec2.Port.tcp(port), "to the proxies")
+        health_port = config.serving.proxy.group_health_port
         cluster_group.add_ingress_rule(self.group, ec2.Port.tcp(port), "proxy, from the load balancer")
+        cluster_group.add_ingress_rule(self.group, ec2.Port.tcp(health_port), "group health check, from the load balancer")
+        self.group.add_egress_rule(cluster_group, ec2.Port.tcp(health_port), "health checks of the proxies' groups")
         self.group.add_ingress_rule(cluster_group, ec2.Port.tcp(port), "proxy endpoint, from the cluster (SSM forward, bench)")
         if config.proxy_ingress_cidr:
             self.group.add_ingress_rule(ec2.Peer.ipv4(config.proxy_ingress_cidr), ec2.Port.tcp(port), "from the operator network")
@@ -57,20 +65,22 @@ class ProxyLoadBalancer(Construct):
             cross_zone_enabled=False,
         )
         listener = self.nlb.add_listener("Proxy", port=port, protocol=elbv2.Protocol.TCP)
-        listener.add_targets(
+        self.target_group = listener.add_targets(
             "Proxies",
             port=port,
             protocol=elbv2.Protocol.TCP,
             targets=[targets.InstanceIdTarget(i.ref, port) for i in instances],
             health_check=elbv2.HealthCheck(
                 protocol=elbv2.Protocol.HTTP,
-                path=config.serving.proxy.health_path,
+                port=str(health_port),
+                path="/ready",
                 interval=Duration.seconds(10),
                 healthy_threshold_count=2,
                 unhealthy_threshold_count=2,
             ),
             # Requests are long (1K output tokens): let in-flight ones finish on deregistration.
             deregistration_delay=Duration.seconds(120),
+            preserve_client_ip=False,
         )
         self.dns_name = self.nlb.load_balancer_dns_name
         Validations.of(self).acknowledge(

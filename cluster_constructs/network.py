@@ -108,7 +108,7 @@ class ClusterNetwork(Construct):
                 "FlowLog",
                 resource_id=vpc.ref,
                 resource_type="VPC",
-                traffic_type="ALL",
+                traffic_type=net.flow_logs_traffic,
                 log_destination_type="cloud-watch-logs",
                 log_group_name=group.log_group_name,
                 deliver_logs_permission_arn=role.role_arn,

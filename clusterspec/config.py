@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import ipaddress
 import json
+import re
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError, ValidationInfo, field_validator, model_validator
 
+from clusterspec import validate
 from clusterspec.errors import SpecError, explain, rule_error
 from clusterspec.instance_types import KNOWN_INSTANCE_TYPES, InstanceType
 from clusterspec.layout import Layout, compute_layout
@@ -39,21 +41,35 @@ class NetworkConfig(_Frozen):
         "model and examples from S3 through the gateway endpoint, SSM through interface endpoints.",
     )
     s3_gateway_endpoint: bool = True
-    flow_logs: bool = Field(True, description="VPC flow logs to CloudWatch Logs (rejected traffic only).")
+    ssm_endpoints: bool | None = Field(
+        None, description="Interface endpoints for SSM (ssm, ssmmessages, ec2messages); default: created when egress is none."
+    )
+    flow_logs: bool = Field(True, description="VPC flow logs to CloudWatch Logs (new VPC).")
+    flow_logs_traffic: Literal["REJECT", "ALL"] = Field(
+        "REJECT", description="What the flow logs record: rejected traffic (default; cheap) or all of it."
+    )
 
-    @field_validator("vpc_cidr", "subnet_cidr", "public_subnet_cidr")
+    @field_validator("vpc_cidr", "public_subnet_cidr")
     @classmethod
     def _cidr(cls, v: str, info: ValidationInfo) -> str:
-        try:
-            ipaddress.ip_network(v)
-        except ValueError as e:
-            raise rule_error(f"network.{info.field_name}", v, f"is not an IPv4 CIDR block ({e})", "give a block like 10.42.0.0/16") from None
+        validate.cidr(f"network.{info.field_name}", v)
+        return v
+
+    @field_validator("subnet_cidr")
+    @classmethod
+    def _subnet(cls, v: str) -> str:
+        validate.cidr("network.subnet_cidr", v)
         return v
 
     @property
     def existing(self) -> bool:
         """An existing VPC and subnet are used instead of new ones."""
         return self.vpc_id is not None
+
+    @property
+    def wants_ssm_endpoints(self) -> bool:
+        """Whether the stack creates the SSM interface endpoints."""
+        return self.egress == "none" if self.ssm_endpoints is None else self.ssm_endpoints
 
     @model_validator(mode="after")
     def _network_rules(self) -> NetworkConfig:
@@ -65,6 +81,31 @@ class NetworkConfig(_Frozen):
                 "an existing network needs both vpc_id and subnet_id (EFA nodes share one subnet)",
                 "set both network.vpc_id and network.subnet_id, or neither for a new VPC",
             )
+        if self.existing:
+            ignored = sorted({"vpc_cidr", "subnet_cidr", "public_subnet_cidr", "flow_logs", "flow_logs_traffic"} & self.model_fields_set)
+            if ignored:
+                raise rule_error(
+                    f"network.{ignored[0]}", getattr(self, ignored[0]), "describes a new VPC; an existing VPC keeps its own",
+                    f"remove network.{ignored[0]} (or remove vpc_id and subnet_id for a new VPC)",
+                )  # fmt: skip
+            if self.route_table_id is None and self.s3_gateway_endpoint and "s3_gateway_endpoint" in self.model_fields_set:
+                raise rule_error(
+                    "network.route_table_id", None, "an S3 gateway endpoint in an existing VPC needs the subnet's route table",
+                    "set network.route_table_id=rtb-..., or network.s3_gateway_endpoint=false if the VPC has one",
+                )  # fmt: skip
+            if self.egress == "none" and self.route_table_id is None and self.s3_gateway_endpoint:
+                raise rule_error(
+                    "network.route_table_id", None,
+                    "with egress 'none' the nodes reach S3 only through a gateway endpoint, and the stack can add one only with "
+                    "the subnet's route table",
+                    "set network.route_table_id=rtb-... (the stack adds the endpoint), or network.s3_gateway_endpoint=false "
+                    "if the VPC already routes S3 through one",
+                )  # fmt: skip
+        elif self.route_table_id is not None:
+            raise rule_error(
+                "network.route_table_id", self.route_table_id, "belongs to an existing VPC; a new VPC makes its own route table",
+                "remove network.route_table_id, or set network.vpc_id and network.subnet_id",
+            )  # fmt: skip
         if not self.existing:
             vpc = ipaddress.ip_network(self.vpc_cidr)
             for name in ("subnet_cidr", "public_subnet_cidr"):
@@ -83,13 +124,21 @@ class NetworkConfig(_Frozen):
         return self
 
 
+SECRET_ARN = r"^arn:(aws[a-z-]*):secretsmanager:([a-z0-9-]+):(\d{12}):secret:[A-Za-z0-9/_+=.@-]+$"
+
+
 class ModelSource(_Frozen):
     """Where each node gets the checkpoint at boot."""
 
     source: Literal["huggingface", "s3"] = "huggingface"
-    s3_uri: str | None = Field(None, pattern=r"^s3://[a-z0-9][a-z0-9.-]{1,61}[a-z0-9](/.*)?$")
-    hf_token_secret_arn: str | None = Field(None, pattern=r"^arn:aws[a-z-]*:secretsmanager:[a-z0-9-]+:\d{12}:secret:.+$")
-    expected_shards: int = Field(15, gt=0, description="safetensors shards of the servable checkpoint.")
+    s3_uri: str | None = None
+    hf_token_secret_arn: str | None = Field(None, pattern=SECRET_ARN)
+    expected_shards: int = Field(15, gt=0, le=1000, description="safetensors shards of the servable checkpoint.")
+
+    @field_validator("s3_uri")
+    @classmethod
+    def _s3(cls, v: str | None) -> str | None:
+        return v if v is None else validate.s3_uri("model.s3_uri", v)
 
     @model_validator(mode="after")
     def _source_rules(self) -> ModelSource:
@@ -97,6 +146,8 @@ class ModelSource(_Frozen):
             raise rule_error(
                 "model.s3_uri", None, "source 's3' needs the S3 location of the checkpoint", "set model.s3_uri=s3://bucket/prefix"
             )
+        if self.source == "s3" and self.s3_uri and not validate.s3_parts(self.s3_uri)[1]:
+            raise rule_error("model.s3_uri", self.s3_uri, "the checkpoint's files sit under a prefix, not at the bucket root", "give s3://bucket/prefix")
         return self
 
 
@@ -109,15 +160,26 @@ class ExamplesSource(_Frozen):
         min_length=1,
         description="Tag or commit of the SDK 2.33 examples; the exact tag name is UNCONFIRMED.",
     )
-    s3_uri: str | None = Field(None, pattern=r"^s3://[a-z0-9][a-z0-9.-]{1,61}[a-z0-9](/.*)?$")
+    s3_uri: str | None = None
+
+    @field_validator("repo_url")
+    @classmethod
+    def _repo(cls, v: str) -> str:
+        return validate.https_url("examples.repo_url", v)
 
     @field_validator("ref")
     @classmethod
     def _pinned(cls, v: str) -> str:
-        if v in {"main", "master", "HEAD"}:
-            raise rule_error(
-                "examples.ref", v, "is a moving branch: nodes booted at different times would run different code", "pin a tag or a commit"
-            )
+        return validate.git_ref("examples.ref", v)
+
+    @field_validator("s3_uri")
+    @classmethod
+    def _s3(cls, v: str | None) -> str | None:
+        if v is None:
+            return v
+        validate.s3_uri("examples.s3_uri", v)
+        if not validate.s3_parts(v)[1]:
+            raise rule_error("examples.s3_uri", v, "the examples sit under a prefix, not at the bucket root", "give s3://bucket/prefix")
         return v
 
 
@@ -125,17 +187,17 @@ class ClusterConfig(_Frozen):
     """Every parameter of one deployment; defaults give the tested two-node 6P1D cluster."""
 
     stack_name: str = Field("GptOss8k1kStack", pattern=r"^[A-Za-z][A-Za-z0-9-]{0,127}$")
-    cluster_name: str = Field("gptoss-8k1k", pattern=r"^[a-z][a-z0-9-]{0,30}$")
-    region: str = Field("us-east-2", pattern=r"^[a-z]{2}(-[a-z]+)+-\d$")
+    cluster_name: str = Field("gptoss-8k1k", pattern=r"^[a-z](-?[a-z0-9])*$", max_length=31)
+    region: str = "us-east-2"
     availability_zone: str = "us-east-2a"
     instance_type: str = "trn3.48xlarge"
-    instance_overrides: dict[str, int] = Field(
+    instance_overrides: dict[str, StrictInt] = Field(
         default_factory=dict, description="Override unpublished table values, e.g. network_cards."
     )
-    ami_ssm_parameter: str | None = Field(DEFAULT_AMI_PARAMETER, pattern=r"^/[A-Za-z0-9_./-]+$")
+    ami_ssm_parameter: str | None = Field(DEFAULT_AMI_PARAMETER, pattern=r"^/[A-Za-z0-9_.-]+(/[A-Za-z0-9_.-]+)*$", max_length=1011)
     ami_id: str | None = Field(None, pattern=r"^ami-[0-9a-f]{8,17}$")
-    root_volume_gb: int = Field(512, description="The Neuron setup guide asks for at least 512 GB.")
-    stage_timeout_s: int = Field(7200, ge=600, description="Longest the model and cache staging may take at boot.")
+    root_volume_gb: int = Field(512, description="The Neuron setup guide asks for at least 512 GB; gp3 holds up to 16,384 GiB.")
+    stage_timeout_s: int = Field(7200, ge=600, le=86400, description="Longest one staging attempt may take at boot.")
     capacity_reservation_id: str | None = Field(None, pattern=r"^cr-[0-9a-f]{8,17}$")
     termination_protection: bool = False
     detailed_monitoring: bool = True
@@ -149,9 +211,12 @@ class ClusterConfig(_Frozen):
     proxy_ingress_prefix_list_id: str | None = Field(None, pattern=r"^pl-[0-9a-f]{8,17}$")
     model: ModelSource = Field(default_factory=ModelSource)
     examples: ExamplesSource = Field(default_factory=ExamplesSource)
-    compile_cache_s3_uri: str | None = Field(None, pattern=r"^s3://[a-z0-9][a-z0-9.-]{1,61}[a-z0-9](/.*)?$")
-    results_s3_uri: str | None = Field(None, pattern=r"^s3://[a-z0-9][a-z0-9.-]{1,61}[a-z0-9](/.*)?$")
-    nvme_mount: str = Field("/opt/dlami/nvme", pattern=r"^/[A-Za-z0-9_./-]+$")
+    compile_cache_s3_uri: str | None = None
+    results_s3_uri: str | None = None
+    kms_key_arns: tuple[str, ...] = Field(
+        (), description="Customer-managed KMS keys of the S3 buckets the nodes read and write (kms:Decrypt, GenerateDataKey on these only)."
+    )
+    nvme_mount: str = "/opt/dlami/nvme"
     venv_glob: str = Field(
         "/opt/aws_neuronx_venv_pytorch_inference_vllm*", description="The DLAMI's vLLM venv (exact 2.33 name UNCONFIRMED)."
     )
@@ -163,6 +228,11 @@ class ClusterConfig(_Frozen):
     replicas_per_prefill_instance: int | None = Field(None, description="Default: fill each prefill instance.")
     serving: Serving = Field(default_factory=Serving)
 
+    @field_validator("region")
+    @classmethod
+    def _region(cls, v: str) -> str:
+        return validate.region("region", v)
+
     @field_validator("root_volume_gb")
     @classmethod
     def _root(cls, v: int) -> int:
@@ -170,30 +240,58 @@ class ClusterConfig(_Frozen):
             raise rule_error(
                 "root_volume_gb", v, "the Neuron setup guide asks for a root volume of at least 512 GB", "set root_volume_gb >= 512"
             )
+        if v > 16384:
+            raise rule_error("root_volume_gb", v, "a gp3 volume holds at most 16,384 GiB", "set root_volume_gb <= 16384")
         return v
 
     @field_validator("proxy_ingress_cidr")
     @classmethod
     def _ingress(cls, v: str | None) -> str | None:
+        return v if v is None else validate.operator_cidr("proxy_ingress_cidr", v)
+
+    @field_validator("compile_cache_s3_uri", "results_s3_uri")
+    @classmethod
+    def _write_prefix(cls, v: str | None, info: ValidationInfo) -> str | None:
         if v is None:
             return v
-        try:
-            net = ipaddress.ip_network(v, strict=False)
-        except ValueError:
-            raise rule_error("proxy_ingress_cidr", v, "is not a CIDR block", "give a block like 203.0.113.0/24") from None
-        if net.prefixlen == 0:
+        validate.s3_uri(str(info.field_name), v)
+        if not validate.s3_parts(v)[1]:
             raise rule_error(
-                "proxy_ingress_cidr",
-                v,
-                "opening the proxy to the whole internet is refused (no public ingress)",
-                "give your office or VPN CIDR, or use the SSM port forward",
-            )
+                str(info.field_name), v, "nodes get write access here: a bucket root would open the whole bucket to them",
+                f"give a prefix of its own, e.g. {v}/{'neuron-cache' if 'cache' in str(info.field_name) else 'results'}",
+            )  # fmt: skip
+        return v
+
+    @field_validator("kms_key_arns")
+    @classmethod
+    def _kms(cls, v: tuple[str, ...]) -> tuple[str, ...]:
+        for arn in v:
+            if not re.match(r"^arn:aws[a-z-]*:kms:[a-z0-9-]+:\d{12}:key/[0-9a-f-]{36}$", arn):
+                raise rule_error("kms_key_arns", arn, "is not a KMS key ARN (an alias grants nothing in IAM)", "give arn:aws:kms:REGION:ACCOUNT:key/KEY-ID")
+        return v
+
+    @field_validator("nvme_mount", "results_dir")
+    @classmethod
+    def _dirs(cls, v: str, info: ValidationInfo) -> str:
+        return validate.node_path(str(info.field_name), v)
+
+    @field_validator("venv_glob")
+    @classmethod
+    def _venv(cls, v: str) -> str:
+        return validate.node_path("venv_glob", v, glob=True)
+
+    @field_validator("decode_instances", "prefill_per_decode", "replicas_per_prefill_instance")
+    @classmethod
+    def _counts(cls, v: int | None, info: ValidationInfo) -> int | None:
+        if v is not None and v > 1000:
+            raise rule_error(str(info.field_name), v, "is more than any fleet one stack can hold", "lower it (plan shows the largest that fits)")
         return v
 
     @property
     def hardware(self) -> InstanceType:
         """The instance-type table row, with the operator's overrides applied."""
-        return KNOWN_INSTANCE_TYPES[self.instance_type].model_copy(update=self.instance_overrides)
+        base = KNOWN_INSTANCE_TYPES[self.instance_type]
+        return InstanceType.model_validate(base.model_dump() | dict(self.instance_overrides))
 
     @property
     def layout(self) -> Layout:
@@ -222,21 +320,55 @@ class ClusterConfig(_Frozen):
                 f"no hardware table entry (known: {', '.join(sorted(KNOWN_INSTANCE_TYPES))})",
                 "use a known type, or add its row to clusterspec/instance_types.py",
             )
-        unknown = sorted(set(self.instance_overrides) - set(InstanceType.model_fields) - {"name"})
-        if unknown or "name" in self.instance_overrides:
+        overridable = [f for f in InstanceType.model_fields if f not in ("name", "unpublished", "mxfp4")]
+        unknown = sorted(set(self.instance_overrides) - set(overridable))
+        if unknown:
             raise rule_error(
-                "instance_overrides",
-                unknown or ["name"],
-                "only hardware fields can be overridden",
-                f"use some of {', '.join(f for f in InstanceType.model_fields if f not in ('name', 'unpublished'))}",
+                "instance_overrides", unknown, "only hardware counts can be overridden", f"use some of {', '.join(overridable)}"
             )
-        if not self.availability_zone.startswith(self.region):
+        try:
+            hw = self.hardware
+        except ValidationError as e:
+            err = e.errors()[0]
+            key = str(err["loc"][0])
             raise rule_error(
-                "availability_zone",
-                self.availability_zone,
-                f"must be a zone of region {self.region} (EFA nodes share one subnet in one AZ)",
-                f"set availability_zone to e.g. {self.region}a, or change region",
-            )
+                f"instance_overrides.{key}", err.get("input"), err["msg"].lower(), f"set instance_overrides.{key} to what AWS reports (preflight shows it)"
+            ) from None
+        if hw.efa_interfaces > hw.network_cards:
+            raise rule_error(
+                "instance_overrides.efa_interfaces", hw.efa_interfaces, f"an instance has at most one EFA interface per network card ({hw.network_cards})",
+                f"set efa_interfaces <= network_cards ({hw.network_cards})",
+            )  # fmt: skip
+        if hw.efa_interfaces < 1:
+            raise rule_error(
+                "instance_overrides.efa_interfaces", hw.efa_interfaces, "the KV transfer between prefill and decode runs over EFA",
+                "set efa_interfaces to what AWS reports (at least 1), or use an EFA instance type",
+            )  # fmt: skip
+        validate.availability_zone("availability_zone", self.availability_zone, self.region)
+        partition = validate.region_partition(self.region)
+        if self.model.hf_token_secret_arn:
+            m = re.match(SECRET_ARN, self.model.hf_token_secret_arn)
+            assert m is not None
+            if (m.group(1), m.group(2)) != (partition, self.region):
+                raise rule_error(
+                    "model.hf_token_secret_arn", self.model.hf_token_secret_arn,
+                    f"the nodes ask Secrets Manager in their own region ({self.region}, partition {partition})",
+                    f"replicate the secret to {self.region} and give that ARN",
+                )  # fmt: skip
+        for arn in self.kms_key_arns:
+            if arn.split(":")[3] != self.region or arn.split(":")[1] != partition:
+                raise rule_error("kms_key_arns", arn, f"S3 in {self.region} uses keys of {self.region}", f"give the key of the bucket in {self.region}")
+        reads = {"model.s3_uri": self.model.s3_uri if self.model.source == "s3" else None, "examples.s3_uri": self.examples.s3_uri}
+        writes = {"results_s3_uri": self.results_s3_uri, "compile_cache_s3_uri": self.compile_cache_s3_uri}
+        for w_name, w in writes.items():
+            for other, o in (reads | {k: v for k, v in writes.items() if k != w_name}).items():
+                if w and o and validate.s3_overlap(w, o) and not (w_name == "compile_cache_s3_uri" and other == "results_s3_uri"):
+                    raise rule_error(
+                        w_name, w, f"overlaps {other} ({o}); nodes get write access to {w_name}",
+                        "give each location a prefix of its own, neither inside the other",
+                    )  # fmt: skip
+        venv_prefix = self.venv_glob.split("*")[0].split("?")[0].split("[")[0].rstrip("/") or "/"
+        validate.node_path("nvme_mount", self.nvme_mount, not_above=(venv_prefix,))
         if (self.ami_ssm_parameter is None) == (self.ami_id is None):
             raise rule_error(
                 "ami_id",
@@ -264,15 +396,43 @@ class ClusterConfig(_Frozen):
                         "stage the checkpoint and the examples in S3 (model.source='s3', model.s3_uri, "
                         "examples.s3_uri), or use network.egress='nat'",
                     )
-            if not self.network.s3_gateway_endpoint:
+            if not self.network.s3_gateway_endpoint and not self.network.existing:
                 raise rule_error(
                     "network.s3_gateway_endpoint",
                     False,
                     "with network.egress='none' S3 is reachable only through the gateway endpoint",
                     "set network.s3_gateway_endpoint=true",
                 )
+        _check_subnet_size(self)
         _check_ports(self)
         return self
+
+
+# AWS keeps 5 addresses of every subnet; a Network Load Balancer asks for 8 free ones in its subnet.
+AWS_RESERVED_IPS = 5
+NLB_FREE_IPS = 8
+
+
+def _check_subnet_size(cfg: ClusterConfig) -> None:
+    """A new subnet holds every node's primary interface, the load balancer and the endpoints."""
+    if cfg.network.existing:
+        return  # its size is AWS's to tell: preflight reads it
+    try:
+        layout = cfg.layout
+    except SpecError:
+        return  # the fleet's own errors are reported by the layout
+    need = len(layout.nodes) + (NLB_FREE_IPS if cfg.load_balanced else 0) + (3 if cfg.network.wants_ssm_endpoints else 0)
+    net = ipaddress.ip_network(cfg.network.subnet_cidr)
+    usable = net.num_addresses - AWS_RESERVED_IPS
+    if usable < need:
+        prefix = 32 - (need + AWS_RESERVED_IPS - 1).bit_length()
+        raise rule_error(
+            "network.subnet_cidr", cfg.network.subnet_cidr,
+            f"holds {usable} usable addresses; the fleet needs {need} ({len(layout.nodes)} nodes"
+            + (f", {NLB_FREE_IPS} for the load balancer" if cfg.load_balanced else "")
+            + (", 3 for the SSM endpoints" if cfg.network.wants_ssm_endpoints else "") + ")",
+            f"use a /{min(prefix, 28)} or larger subnet",
+        )  # fmt: skip
 
 
 def _check_ports(cfg: ClusterConfig) -> None:
@@ -304,20 +464,76 @@ def _check_ports(cfg: ClusterConfig) -> None:
 
 
 _CONTEXT_KEYS = set(ClusterConfig.model_fields)
+_SECTIONS = {k for k, f in ClusterConfig.model_fields.items() if isinstance(f.default_factory, type) and issubclass(f.default_factory, BaseModel)}
+_JSON_FIX = (
+    "quote names and strings with double quotes, e.g. -c 'network={\"egress\": \"none\"}', "
+    "or set one value with a dotted key, e.g. -c network.egress=none"
+)
 
 
-def _parse_context_value(value: Any) -> Any:
-    """`cdk -c key=value` gives strings; accept JSON for nested values and null."""
-    if isinstance(value, str):
-        text = value.strip()
-        if text in {"null", "none", "None"}:
-            return None
-        if text[:1] in "{[" or text in {"true", "false"}:
-            try:
-                return json.loads(text)
-            except json.JSONDecodeError:
-                return value
+def _parse_context_value(key: str, value: Any) -> Any:
+    """`cdk -c key=value` gives strings: JSON for nested values, true/false, null."""
+    if not isinstance(value, str):
+        return value
+    text = value.strip()
+    # Only `null` clears a value: `none` is a value of its own (network.egress=none).
+    if text == "null":
+        return None
+    if text in {"true", "false"}:
+        return text == "true"
+    if text[:1] and text[:1] in "{[":
+        try:
+            return json.loads(text)
+        except json.JSONDecodeError as e:
+            raise SpecError([f"{key}={value!r}: is not valid JSON ({e.msg} at column {e.colno}). Fix: {_JSON_FIX}."]) from None
     return value
+
+
+def _set_dotted(data: dict[str, Any], key: str, value: Any) -> None:
+    """-c network.egress=none sets data["network"]["egress"]."""
+    parts = key.split(".")
+    node = data
+    for i, part in enumerate(parts[:-1]):
+        current = node.setdefault(part, {})
+        if not isinstance(current, dict):
+            where = ".".join(parts[: i + 1])
+            raise SpecError([f"{key}: {where} is not a section of settings. Fix: set {where} itself, or remove -c {key}."])
+        node = current
+    node[parts[-1]] = value
+
+
+def _read_file(path: str) -> dict[str, Any]:
+    """A YAML or JSON config file, every way it can be wrong turned into one message."""
+    p = Path(path)
+    where = f"config={path!r}"
+    if not p.exists():
+        raise SpecError([f"{where}: the config file does not exist. Fix: pass -c config=<path to a YAML or JSON file>."])
+    if p.is_dir():
+        raise SpecError([f"{where}: is a directory. Fix: name a YAML or JSON file in it, e.g. examples/production-3p8d.yaml."])
+    try:
+        text = p.read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise SpecError([f"{where}: is not UTF-8 text. Fix: save it as UTF-8."]) from None
+    except OSError as e:
+        raise SpecError([f"{where}: cannot be read ({e.strerror}). Fix: check the path and its permissions."]) from None
+    try:
+        loaded = yaml.safe_load(text)
+    except yaml.constructor.ConstructorError as e:
+        raise SpecError(
+            [f"{where}: uses a YAML tag a config may not use ({e.problem}). Fix: write plain values (no !! or ! tags)."]
+        ) from None
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        at = f"line {mark.line + 1}, column {mark.column + 1}: " if mark else ""
+        raise SpecError([f"{where}: is not valid YAML ({at}{getattr(e, 'problem', None) or e}). Fix: correct the file there."]) from None
+    if loaded is None:
+        return {}
+    if not isinstance(loaded, dict):
+        raise SpecError([f"{where}: the file must hold a mapping of settings. Fix: write `key: value` lines."])
+    bad = [k for k in loaded if not isinstance(k, str)]
+    if bad:
+        raise SpecError([f"{where}: key {bad[0]!r} is not a setting name. Fix: use the names in README 'Parameters'."])
+    return loaded
 
 
 def load_config(context: dict[str, Any]) -> ClusterConfig:
@@ -325,30 +541,28 @@ def load_config(context: dict[str, Any]) -> ClusterConfig:
     data: dict[str, Any] = {}
     path = context.get("config")
     if path:
-        p = Path(path)
-        if not p.is_file():
-            raise SpecError([f"config={path!r}: the config file does not exist. Fix: pass -c config=<path to a YAML or JSON file>."])
-        loaded = yaml.safe_load(p.read_text()) or {}
-        if not isinstance(loaded, dict):
-            raise SpecError([f"config={path!r}: the file must hold a mapping of settings. Fix: write `key: value` lines."])
-        data.update(loaded)
+        data.update(_read_file(str(path)))
     for key, value in context.items():
         if key == "config" or key.startswith(("@aws-cdk", "aws-cdk", "cdk-", "acknowledged-issue")) or ":" in key:
             continue
-        if key not in _CONTEXT_KEYS:
+        top = key.split(".", 1)[0]
+        if top not in _CONTEXT_KEYS:
             raise SpecError(
                 [
                     f"{key}={value!r}: is not a known setting. Fix: remove -c {key} or check its spelling "
                     f"(known: {', '.join(sorted(_CONTEXT_KEYS))})."
                 ]
             )
-        data[key] = _parse_context_value(value)
+        parsed = _parse_context_value(key, value)
+        if "." in key:
+            if top not in _SECTIONS:
+                raise SpecError([f"{key}: {top} is a value, not a section of settings. Fix: -c {top}=VALUE."])
+            _set_dotted(data, key, parsed)
+        else:
+            data[key] = parsed
     try:
         cfg = ClusterConfig.model_validate(data)
         cfg.layout  # noqa: B018 - validates the fleet too
     except ValidationError as e:
         raise explain(e) from None
-    from clusterspec import limits  # rendering imports this module
-
-    limits.check(cfg)
     return cfg

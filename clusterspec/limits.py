@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from clusterspec.config import ClusterConfig
 from clusterspec.errors import SpecError
-from clusterspec.render import render_cluster, user_data
+from clusterspec.render import USER_DATA_LIMIT, render_cluster, user_data
 
 MAX_TEMPLATE_BYTES = 1_000_000  # CloudFormation: 1 MB for a template uploaded to S3
 MAX_RESOURCES = 500
@@ -90,8 +90,23 @@ def largest_fleet(cfg: ClusterConfig, size: StackSize | None = None) -> int:
 
 
 def check(cfg: ClusterConfig) -> StackSize:
-    """Fail with the field, the value, the limit and the fix when one stack cannot hold the fleet."""
-    size = estimate(cfg)
+    """Fail with the field, the value, the limit and the fix when one stack or one node cannot hold it.
+
+    Run by `plan` and by the app before anything is synthesized (limits are a property of the
+    rendered cluster, so they are checked after rendering, not inside the config model).
+    """
+    try:
+        size = estimate(cfg)
+    except ValueError as e:  # a value the renderer cannot carry into a unit or env file
+        raise SpecError([f"{e}. Fix: remove the quote, backslash or newline from that setting."]) from None
+    if size.largest_user_data > USER_DATA_LIMIT:
+        raise SpecError(
+            [
+                f"replicas_per_prefill_instance={cfg.replicas_per_prefill_instance}: a node's user data would be "
+                f"{size.largest_user_data:,} bytes; EC2 allows {USER_DATA_LIMIT:,}. Fix: fewer replicas per prefill "
+                "instance, or shorter env tables and extra flags."
+            ]
+        )
     over = _over(size)
     if over:
         raise SpecError(

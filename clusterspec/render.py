@@ -119,13 +119,25 @@ class NodeRender:
 _SAFE = re.compile(r"^[A-Za-z0-9_@%+=:,./${}-]+$")
 
 
+class Expand(str):
+    """An Exec-line argument systemd must expand (${VAR}, %i): the project's own references.
+
+    Every other argument is literal: its `$` and `%` are escaped, so a value reaches the server
+    exactly as written.
+    """
+
+    __slots__ = ()
+
+
 def systemd_quote(arg: str) -> str:
-    """Quote one argument for an Exec line; ${VAR} stays expandable, % only as %i or %n."""
-    if re.search(r"%(?![in])", arg):
+    """Quote one argument for an Exec line: literal unless it is an Expand."""
+    if not isinstance(arg, Expand):
+        arg = arg.replace("$", "$$").replace("%", "%%")
+    elif re.search(r"%(?![in])", arg):
         raise ValueError(f"argument {arg!r} holds a systemd specifier other than %i and %n")
     if _SAFE.match(arg):
         return arg
-    if "'" in arg or "\\" in arg:
+    if "'" in arg or "\\" in arg or "\n" in arg:
         raise ValueError(f"argument {arg!r} cannot be single-quoted for systemd")
     return f"'{arg}'"
 
@@ -151,9 +163,23 @@ def parse_env_file(text: str) -> dict[str, str]:
 
 
 def expand(arg: str, env: Mapping[str, str], instance: str | None = None) -> str:
-    """Expand ${VAR} and %i as systemd does on an Exec line."""
+    """What systemd makes of one argument: an Expand's ${VAR} and %i filled in, any other as is."""
+    if not isinstance(arg, Expand):
+        return arg
     out = re.sub(r"\$\{([A-Za-z0-9_]+)\}", lambda m: env.get(m.group(1), f"<{m.group(1)}>"), arg)
     return out.replace("%i", instance) if instance is not None else out
+
+
+def systemd_expand(word: str, env: Mapping[str, str], instance: str | None = None) -> str:
+    """Expand one word read back from an Exec line as systemd does: $$, ${VAR}, %%, %i, %n."""
+
+    def var(m: re.Match[str]) -> str:
+        return "$" if m.group(0) == "$$" else env.get(m.group(1), f"<{m.group(1)}>")
+
+    def spec(m: re.Match[str]) -> str:
+        return {"%%": "%", "%i": instance or "", "%n": "<unit>"}[m.group(0)]
+
+    return re.sub(r"%[%in]", spec, re.sub(r"\$\$|\$\{([A-Za-z0-9_]+)\}", var, word))
 
 
 # ---- command lines -----------------------------------------------------------------------
@@ -237,9 +263,9 @@ def proxy_argv(cfg: ClusterConfig, proxy: ProxyPlacement) -> list[str]:
         "python3", f"{EXAMPLES_DIR}/{p.script}",
         "--host", p.bind_host,
         "--port", str(p.port),
-        "--prefiller-hosts", *[f"${{{host_var(r.node)}}}" for r in proxy.replicas],
+        "--prefiller-hosts", *[Expand(f"${{{host_var(r.node)}}}") for r in proxy.replicas],
         "--prefiller-ports", *[str(r.http_port) for r in proxy.replicas],
-        "--decoder-hosts", f"${{{host_var(f'decode-{proxy.decode_server}')}}}",
+        "--decoder-hosts", Expand(f"${{{host_var(f'decode-{proxy.decode_server}')}}}"),
         "--decoder-ports", str(s.decode.http_port),
     ]  # fmt: skip
 
@@ -405,7 +431,7 @@ def _render_prefill(cfg: ClusterConfig, node: Node, out: NodeRender, bin_dir: st
     first = node.replicas[0]
     gate = [
         f"{bin_dir}/gptoss-prefill-gate",
-        "%i",
+        Expand("%i"),
         str(s.engine_ready_timeout_s),
         first.unit,
         *(health_url("127.0.0.1", r.http_port, s.server_health_path) for r in node.replicas),
@@ -413,9 +439,9 @@ def _render_prefill(cfg: ClusterConfig, node: Node, out: NodeRender, bin_dir: st
     ]
     template_argv = [
         f"{bin_dir}/gptoss-exec",
-        "prefill_%i",
+        Expand("prefill_%i"),
         *gate,
-        *vllm_argv(cfg, "prefill", port="${GPTOSS_HTTP_PORT}", additional_config="${GPTOSS_ADDITIONAL_CONFIG}"),
+        *vllm_argv(cfg, "prefill", port=Expand("${GPTOSS_HTTP_PORT}"), additional_config=Expand("${GPTOSS_ADDITIONAL_CONFIG}")),
     ]
     out.files[f"{UNIT_DIR}/gptoss-prefill@.service"] = _unit(
         "gptoss-prefill@.service",
@@ -441,8 +467,8 @@ def _render_prefill(cfg: ClusterConfig, node: Node, out: NodeRender, bin_dir: st
 def _group_urls(cfg: ClusterConfig, proxy: ProxyPlacement) -> list[str]:
     """Health routes of every server a proxy routes to (hosts from deploy.env)."""
     s = cfg.serving
-    urls = [health_url(f"${{{host_var(r.node)}}}", r.http_port, s.server_health_path) for r in proxy.replicas]
-    urls.append(health_url(f"${{{host_var(f'decode-{proxy.decode_server}')}}}", s.decode.http_port, s.server_health_path))
+    urls = [Expand(health_url(f"${{{host_var(r.node)}}}", r.http_port, s.server_health_path)) for r in proxy.replicas]
+    urls.append(Expand(health_url(f"${{{host_var(f'decode-{proxy.decode_server}')}}}", s.decode.http_port, s.server_health_path)))
     return urls
 
 

@@ -7,11 +7,14 @@ security-group rules and systemd units from these objects and writes none of the
 
 from __future__ import annotations
 
+import ipaddress
 import json
-from typing import Any, Literal
+import re
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
+from clusterspec import validate
 from clusterspec.errors import rule_error
 
 
@@ -25,13 +28,28 @@ class EnvSetting(_Frozen):
     value: str
     reason: str
 
+    @field_validator("value")
+    @classmethod
+    def _carried(cls, v: str) -> str:
+        return validate.carried("serving env value", v)
+
 
 class ExtraFlag(_Frozen):
     """A serving flag the spec does not model; added after the tested flags."""
 
-    name: str = Field(pattern=r"^--[a-z0-9][a-z0-9-]*$")
+    name: str = Field(pattern=r"^--[a-z0-9][a-z0-9-]*$", max_length=100)
     value: str | None = None
     reason: str = Field(min_length=1)
+
+    @field_validator("value")
+    @classmethod
+    def _carried(cls, v: str | None) -> str | None:
+        if v is None:
+            return v
+        if v == "--":
+            raise rule_error("extra flag value", v, "'--' ends the wrappers' own arguments on the node", "pass the flag's real value")
+        # A backslash starts one of systemd's C escapes on an Exec line.
+        return validate.carried("extra flag value", v, extra={"\\": "a backslash"})
 
 
 def _env(**pairs: tuple[str, str]) -> dict[str, EnvSetting]:
@@ -92,7 +110,20 @@ DERIVED_ENV = frozenset(
 )
 
 
+# Environment values the servers read as whole seconds; a bad one stops them hours in.
+SECONDS_ENV = {
+    "VLLM_ENGINE_READY_TIMEOUT_S": 43200,
+    "NEURON_LIBTORCH_COMPILATION_TIMEOUT": 43200,
+    "VLLM_NEURON_COMPILATION_TIMEOUT": 43200,
+    "VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS": 43200,
+}
+
+
 def _check_env(field: str, env: dict[str, EnvSetting]) -> None:
+    for name, setting in env.items():
+        validate.env_name(f"{field}.{name}", name)
+        if name in SECONDS_ENV:
+            validate.positive_int_text(f"{field}.{name}", setting.value, maximum=SECONDS_ENV[name])
     derived = sorted(DERIVED_ENV & set(env))
     if derived:
         raise rule_error(
@@ -127,8 +158,18 @@ class Shape(_Frozen):
     )
     distributed_executor_backend: Literal["mp"] = Field("mp", description="The multiprocess executor.")
     kv_connector: Literal["NixlConnector"] = Field("NixlConnector", description="KV transfer over NIXL.")
-    kv_buffer_device: str = Field("cuda", description="As in the DI command of the Neuron gpt-oss tutorial (reference 001).")
-    nixl_backends: tuple[str, ...] = Field(("LIBFABRIC",), description="NIXL over libfabric, that is EFA on AWS.")
+    kv_buffer_device: str = Field(
+        "cuda", pattern=r"^[a-z]+$", description="As in the DI command of the Neuron gpt-oss tutorial (reference 001)."
+    )
+    nixl_backends: tuple[Annotated[str, Field(pattern=r"^[A-Z][A-Z0-9_]*$")], ...] = Field(
+        ("LIBFABRIC",), min_length=1, description="NIXL over libfabric, that is EFA on AWS."
+    )
+
+    @field_validator("hf_overrides")
+    @classmethod
+    def _overrides(cls, v: dict[str, Any]) -> dict[str, Any]:
+        _carried_json("serving.shape.hf_overrides", v)
+        return v
 
     @property
     def input_len(self) -> int:
@@ -162,7 +203,7 @@ class Decode(_Frozen):
     optimization_level: int = Field(2, ge=0, le=3, description="The compiler optimization level of the decode graph.")
     embedding_dp_size: int = Field(1, gt=0, description="The megakernel builds the token embedding; not sharded over DP.")
     lm_head_dp_size: int = Field(16, gt=0, description="The lm_head is replicated over the 16 data-parallel ranks.")
-    tail_hops: tuple[int, ...] = Field((128,), description="One 128-rank all-to-all in the fused tail.")
+    tail_hops: tuple[Annotated[int, Field(gt=0)], ...] = Field((128,), description="One 128-rank all-to-all in the fused tail.")
     http_port: int = Field(8200, ge=1024, le=65535, description="The decode server's HTTP port.")
     side_channel_port: int = Field(8759, ge=1024, le=65535, description="Past the last prefill side-channel port.")
     env: dict[str, EnvSetting] = Field(default_factory=lambda: dict(DECODE_ENV))
@@ -170,8 +211,13 @@ class Decode(_Frozen):
         "gpt_oss_120b_megakernel_dma_order.json",
         description="The shipped DMA-order schedule (MEGAKERNEL_SCHEDULE) in the examples directory.",
     )
-    megakernel_scope: str = Field("auto", description="MEGAKERNEL_SCOPE: auto gives 250 on the native route.")
+    megakernel_scope: str = Field("auto", pattern=r"^(auto|[0-9]+)$", description="MEGAKERNEL_SCOPE: auto gives 250 on the native route.")
     extra_flags: tuple[ExtraFlag, ...] = ()
+
+    @field_validator("schedule_file")
+    @classmethod
+    def _schedule(cls, v: str) -> str:
+        return validate.file_name("serving.decode.schedule_file", v)
 
     @property
     def capacity(self) -> int:
@@ -210,6 +256,7 @@ class Decode(_Frozen):
                 f"set lm_head_dp_size to {self.data_parallel}",
             )
         _check_env("serving.decode.env", self.env)
+        _check_extra_flags("serving.decode.extra_flags", self.extra_flags)
         return self
 
 
@@ -241,6 +288,11 @@ class Prefill(_Frozen):
         base = self.side_channel_port(index)
         return base, base + self.data_parallel * self.tensor_parallel - 1
 
+    @model_validator(mode="after")
+    def _prefill_rules(self) -> Prefill:
+        _check_extra_flags("serving.prefill.extra_flags", self.extra_flags)
+        return self
+
     def cores(self, index: int) -> tuple[int, int]:
         """First and last logical NeuronCore of replica `index` (4i .. 4i+3 for TP4)."""
         return self.tensor_parallel * index, self.tensor_parallel * index + self.tensor_parallel - 1
@@ -264,6 +316,25 @@ class Proxy(_Frozen):
         description="Path of the proxy inside the vLLM Neuron repository.",
     )
 
+    @field_validator("script")
+    @classmethod
+    def _script(cls, v: str) -> str:
+        return _repo_path("serving.proxy.script", v)
+
+    @field_validator("health_path")
+    @classmethod
+    def _route(cls, v: str) -> str:
+        return _route_path("serving.proxy.health_path", v)
+
+    @field_validator("bind_host")
+    @classmethod
+    def _bind(cls, v: str) -> str:
+        try:
+            ipaddress.IPv4Address(v)
+        except ValueError:
+            raise rule_error("serving.proxy.bind_host", v, "must be an IPv4 address", "use 0.0.0.0 (other nodes and the load balancer reach the proxy)") from None
+        return v
+
 
 class Bench(_Frozen):
     """The benchmark client of reference 000 step 5."""
@@ -273,6 +344,27 @@ class Bench(_Frozen):
     netrc: str = Field("/dev/null", description="vllm bench serve reads ~/.netrc before each request; keep it local.")
     result_file: str = Field("bench_clean.json", description="The measured leg's result, in the results directory.")
     warmup_result_file: str = Field("bench_warmup.json", description="The warm-up leg's result, kept apart: not a measurement.")
+
+    @field_validator("result_file", "warmup_result_file")
+    @classmethod
+    def _files(cls, v: str, info: ValidationInfo) -> str:
+        return validate.file_name(f"serving.bench.{info.field_name}", v)
+
+    @field_validator("netrc")
+    @classmethod
+    def _netrc(cls, v: str) -> str:
+        if v != "/dev/null":
+            validate.node_path("serving.bench.netrc", v)
+        return v
+
+    @model_validator(mode="after")
+    def _apart(self) -> Bench:
+        if self.result_file == self.warmup_result_file:
+            raise rule_error(
+                "serving.bench.warmup_result_file", self.warmup_result_file, "the warm-up leg would overwrite the measured result",
+                "give the two legs different file names",
+            )  # fmt: skip
+        return self
 
 
 class Serving(_Frozen):
@@ -294,6 +386,28 @@ class Serving(_Frozen):
     proxy: Proxy = Field(default_factory=Proxy)
     bench: Bench = Field(default_factory=Bench)
 
+    @field_validator("model_id")
+    @classmethod
+    def _model_id(cls, v: str) -> str:
+        if not re.match(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,95}/[A-Za-z0-9][A-Za-z0-9._-]{0,95}$", v) or ".." in v:
+            raise rule_error("serving.model_id", v, "is not a Hugging Face model id (org/name)", "give e.g. openai/gpt-oss-120b")
+        return v
+
+    @field_validator("examples_dir")
+    @classmethod
+    def _examples_dir(cls, v: str) -> str:
+        return _repo_path("serving.examples_dir", v)
+
+    @field_validator("schedule_helper")
+    @classmethod
+    def _helper(cls, v: str) -> str:
+        return validate.file_name("serving.schedule_helper", v)
+
+    @field_validator("server_health_path")
+    @classmethod
+    def _health(cls, v: str) -> str:
+        return _route_path("serving.server_health_path", v)
+
     @property
     def engine_ready_timeout_s(self) -> int:
         """VLLM_ENGINE_READY_TIMEOUT_S: the longest a server may take to start."""
@@ -310,6 +424,47 @@ class Serving(_Frozen):
                 "add VLLM_ENGINE_READY_TIMEOUT_S (the tested value is 14400)",
             )
         return self
+
+
+# Flags the spec models with typed fields; an extra flag may not set one of them a second time.
+MODELED_FLAGS = frozenset(
+    ["--tensor-parallel-size", "--data-parallel-size", "--enable-expert-parallel", "--optimization-level", "--max-model-len", "--max-num-batched-tokens", "--max-num-seqs", "--block-size", "--kv-cache-dtype", "--max-logprobs", "--no-disable-hybrid-kv-cache-manager", "--distributed-executor-backend", "--port", "--hf-overrides", "--kv-transfer-config", "--additional-config", "--dtype", "--enable-prefix-caching", "--host"]
+)
+
+
+def _check_extra_flags(field: str, flags: tuple[ExtraFlag, ...]) -> None:
+    seen: set[str] = set()
+    for flag in flags:
+        if flag.name in MODELED_FLAGS:
+            raise rule_error(
+                field, flag.name, "the spec sets this flag from a typed field; a second copy would decide which one vLLM reads",
+                "set the typed field under serving.* instead (see README 'Parameters')",
+            )  # fmt: skip
+        if flag.name in seen:
+            raise rule_error(field, flag.name, "is given twice", "keep one")
+        seen.add(flag.name)
+
+
+def _carried_json(field: str, value: Any) -> None:
+    """A JSON argument must survive systemd's quoting: no single quote, no backslash (json escapes)."""
+    text = json_arg(value)
+    for ch, name in (("'", "a single quote"), ("\\", "a backslash or an escaped character")):
+        if ch in text:
+            raise rule_error(field, text, f"its JSON holds {name}, which cannot be carried into a unit's command line", "remove it")
+
+
+def _repo_path(field: str, value: str) -> str:
+    """A relative path inside the examples repository."""
+    parts = value.split("/")
+    if value.startswith("/") or ".." in parts or "." in parts or "" in parts or not re.match(r"^[A-Za-z0-9_./-]+$", value):
+        raise rule_error(field, value, "must be a relative path inside the vLLM Neuron repository (no '..', no leading '/')", "give the path as in the repository")
+    return value
+
+
+def _route_path(field: str, value: str) -> str:
+    if not re.match(r"^/[A-Za-z0-9/_.-]*$", value):
+        raise rule_error(field, value, "must be an HTTP path starting with /", "give a route like /health")
+    return value
 
 
 def json_arg(value: Any) -> str:

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import shlex
 import sys
 from pathlib import Path
@@ -36,8 +37,12 @@ def _context(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def load(args: argparse.Namespace) -> ClusterConfig:
-    """Validate the same parameters `cdk synth` takes."""
-    return load_config(_context(args))
+    """Validate the same parameters `cdk synth` takes, and the limits of one stack."""
+    from clusterspec import limits
+
+    cfg = load_config(_context(args))
+    limits.check(cfg)
+    return cfg
 
 
 def _summary(cfg: ClusterConfig, renders: list[NodeRender]) -> Table:
@@ -265,6 +270,14 @@ def main(argv: list[str] | None = None) -> int:
         return int(args.func(args))
     except SpecError as e:
         print(f"invalid deployment parameters:\n{e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    except Exception as e:  # a bug, not a bad value: one line unless asked for the traceback
+        if os.environ.get("GPTOSS_DEBUG"):
+            raise
+        print(f"internal error: {type(e).__name__}: {e} (set GPTOSS_DEBUG=1 for the traceback)", file=sys.stderr)
         return 2
 
 

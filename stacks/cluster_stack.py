@@ -34,7 +34,7 @@ class GptOssClusterStack(Stack):
 
         network = ClusterNetwork(self, "Network", config=config)
         security = ClusterSecurityGroup(self, "SecurityGroup", config=config, layout=layout, vpc=network.vpc)
-        if config.network.egress == "none" and not config.network.existing:
+        if config.network.wants_ssm_endpoints:
             network.add_ssm_endpoints(security_group_id=security.group.security_group_id)
         placement = ec2.CfnPlacementGroup(self, "PlacementGroup", strategy="cluster")
         role = NodeRole(self, "NodeRole", config=config)

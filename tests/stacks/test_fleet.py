@@ -57,7 +57,13 @@ def test_one_internal_endpoint_over_every_proxy(fleet_synth: Synth) -> None:
     assert listener["Properties"]["Port"] == 8000
     _, tg = one(t, "AWS::ElasticLoadBalancingV2::TargetGroup")
     p = tg["Properties"]
-    assert (p["HealthCheckProtocol"], p["HealthCheckPath"], p["Port"]) == ("HTTP", "/healthcheck", 8000)
+    # The check is the group's health (proxy, decode server, replicas), not the proxy process alone.
+    assert (p["HealthCheckProtocol"], p["HealthCheckPort"], p["HealthCheckPath"], p["Port"]) == ("HTTP", "8001", "/ready", 8000)
+    attrs = {a["Key"]: a["Value"] for a in p["TargetGroupAttributes"]}
+    assert attrs["preserve_client_ip.enabled"] == "false", "the port forward from a proxy node would hairpin"
+    rules = ingress_rules(t)
+    lb_groups = {r[3] for r in rules if "ProxyEndpointGroup" in r[3]}
+    assert {(r[1], r[2]) for r in rules if r[3] in lb_groups} == {(8000, 8000), (8001, 8001)}
     targets = sorted(x["Id"]["Ref"] for x in p["Targets"])
     assert len(targets) == 8 and all(x.startswith("Decode") for x in targets)
     out = t["Outputs"]

@@ -102,6 +102,25 @@ class TestNetwork:
         services = sorted(v["Properties"]["ServiceName"] for v in of_type(t, "AWS::EC2::VPCEndpoint").values())
         assert services == [f"com.amazonaws.us-east-2.{s}" for s in ("ec2messages", "s3", "ssm", "ssmmessages")]
 
+    def test_an_existing_vpc_without_egress_gets_its_s3_and_ssm_endpoints(self, synth_variant: Any) -> None:
+        t = synth_variant(
+            network={"vpc_id": "vpc-0123456789abcdef0", "subnet_id": "subnet-0123456789abcdef0", "route_table_id": "rtb-0123456789abcdef0",
+                     "egress": "none"},
+            model={"source": "s3", "s3_uri": "s3://models-bucket/gpt-oss-120b"},
+            examples={"s3_uri": "s3://models-bucket/vllm-neuron"},
+        )  # fmt: skip
+        eps = {v["Properties"]["ServiceName"]: v["Properties"] for v in of_type(t, "AWS::EC2::VPCEndpoint").values()}
+        assert sorted(eps) == [f"com.amazonaws.us-east-2.{s}" for s in ("ec2messages", "s3", "ssm", "ssmmessages")]
+        assert eps["com.amazonaws.us-east-2.s3"]["RouteTableIds"] == ["rtb-0123456789abcdef0"]
+        assert all(e["SubnetIds"] == ["subnet-0123456789abcdef0"] for n, e in eps.items() if not n.endswith("s3"))
+        assert all(e["VpcId"] == "vpc-0123456789abcdef0" for e in eps.values())
+
+    def test_flow_logs_record_rejected_traffic_unless_asked_for_all(self, default_synth: Synth, synth_variant: Any) -> None:
+        _, log = one(default_synth.template, "AWS::EC2::FlowLog")
+        assert log["Properties"]["TrafficType"] == "REJECT"
+        _, log = one(synth_variant(network={"flow_logs_traffic": "ALL"}), "AWS::EC2::FlowLog")
+        assert log["Properties"]["TrafficType"] == "ALL"
+
     def test_existing_vpc_and_subnet_are_used_by_id(self, synth_variant: Any) -> None:
         t = synth_variant(network={"vpc_id": "vpc-0123456789abcdef0", "subnet_id": "subnet-0123456789abcdef0"})
         assert not of_type(t, "AWS::EC2::VPC")
@@ -256,6 +275,17 @@ class TestIam:
             for action in st["Action"] if isinstance(st["Action"], list) else [st["Action"]]:
                 by_action.setdefault(action, []).append(st["Resource"])
         assert by_action["s3:GetObject"] == [arn] and by_action["s3:PutObject"] == [arn]
+
+    def test_customer_managed_keys_are_used_through_s3_only(self, synth_variant: Any) -> None:
+        key = "arn:aws:kms:us-east-2:123456789012:key/0123abcd-0123-4567-89ab-0123456789ab"
+        t = synth_variant(kms_key_arns=[key], model={"source": "s3", "s3_uri": "s3://models-bucket/gpt-oss-120b"})
+        (st,) = [s for s in self._statements(t) if "kms:" in json.dumps(s["Action"])]
+        assert (st["Action"], st["Resource"]) == ("kms:Decrypt", key), "reads only: no data keys without a write prefix"
+        assert st["Condition"] == {"StringEquals": {"kms:ViaService": "s3.us-east-2.amazonaws.com"}}
+        t = synth_variant(kms_key_arns=[key], results_s3_uri="s3://results-bucket/runs")
+        (st,) = [s for s in self._statements(t) if "kms:" in json.dumps(s["Action"])]
+        assert st["Action"] == ["kms:Decrypt", "kms:GenerateDataKey"]
+        assert not [s for s in self._statements(synth_variant()) if "kms:" in json.dumps(s)]
 
     def test_instance_profile_is_in_every_launch_template(self, default_synth: Synth) -> None:
         prof_id, _ = one(default_synth.template, "AWS::IAM::InstanceProfile")

@@ -22,7 +22,6 @@ from clusterspec.render import (
     UNITS_FILE,
     USER_DATA_LIMIT,
     NodeRender,
-    expand,
     node_script,
     parse_env_file,
     parse_user_data,
@@ -30,6 +29,7 @@ from clusterspec.render import (
     render_node,
     scripts_asset,
     served,
+    systemd_expand,
     unbundle,
 )
 from tests.conftest import SCRIPTS_SHA, SCRIPTS_URI, node_user_data
@@ -236,7 +236,7 @@ def test_plan_and_user_data_agree(layout: str) -> None:
             plan_env = {k: v for k, v in env.items() if not k.startswith("GPTOSS_SCRIPTS_")}
             assert plan_env == s.environment, f"{r.node.name} {s.unit}"
             lines = [shlex.split(line) for line in re.findall(r"^ExecStart=(.*)$", text, re.M)]
-            unit_argv = [expand(a, env, inst) for a in lines[1 if s.step == "measured" else 0]]
+            unit_argv = [systemd_expand(a, env, inst) for a in lines[1 if s.step == "measured" else 0]]
             assert unit_argv[0] == f"{BIN}/gptoss-exec"
             assert served(unit_argv) == s.argv, f"{r.node.name} {s.unit}"
             assert (s.unit in listed) == (s.unit != "gptoss-bench.service"), s.unit

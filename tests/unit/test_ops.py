@@ -79,7 +79,7 @@ def test_preflight_passes_when_the_account_matches(aws: None) -> None:
 
 def test_preflight_names_the_table_value_to_set_on_a_mismatch(aws: None) -> None:
     boto3.client("ssm", region_name=REGION).put_parameter(Name="/test/dlami", Value="ami-12345678", Type="String")
-    cfg = load_config(TRN2 | {"instance_overrides": {"network_cards": 8}})
+    cfg = load_config(TRN2 | {"instance_overrides": {"network_cards": 8, "efa_interfaces": 8}})
     c = by_name(preflight.run(cfg, _session()))["network_cards"]
     assert not c.ok
     assert c.detail == "AWS reports 16, the stack table says 8"
