@@ -10,12 +10,22 @@ from clusterspec.config import ClusterConfig
 from clusterspec.instance_types import InstanceType
 
 
-def network_interfaces(hw: InstanceType, *, subnet_id: str, group_id: str) -> list[ec2.CfnLaunchTemplate.NetworkInterfaceProperty]:
+def network_interfaces(
+    hw: InstanceType, *, subnet_id: str, group_id: str, efa: bool = True
+) -> list[ec2.CfnLaunchTemplate.NetworkInterfaceProperty]:
     """Card 0 carries the primary interface (EFA with ENA, the IP); every other card is efa-only.
 
     EFA interfaces exist only at launch, so they are defined here. An efa-only interface
     cannot be primary and has no IP address (EC2 user guide, EFA on multi-card instances).
+    A single-instance server (efa=False) exchanges nothing with peers: one ENA interface.
     """
+    if not efa:
+        return [
+            ec2.CfnLaunchTemplate.NetworkInterfaceProperty(
+                network_card_index=0, device_index=0, subnet_id=subnet_id, groups=[group_id], delete_on_termination=True,
+                associate_public_ip_address=False, description="card 0: primary, ENA (single instance: no EFA traffic)",
+            )
+        ]  # fmt: skip
     nics = []
     for card in range(hw.network_cards):
         efa = card < hw.efa_interfaces
@@ -48,7 +58,7 @@ class EfaLaunchTemplate(Construct):
         subnet_id: str,
         security_group_id: str,
         instance_profile_arn: str,
-        placement_group: str,
+        placement_group: str | None,
     ) -> None:
         super().__init__(scope, construct_id)
         hw = config.hardware
@@ -89,8 +99,8 @@ class EfaLaunchTemplate(Construct):
                         ),
                     )
                 ],
-                network_interfaces=network_interfaces(hw, subnet_id=subnet_id, group_id=security_group_id),
-                placement=ec2.CfnLaunchTemplate.PlacementProperty(group_name=placement_group),
+                network_interfaces=network_interfaces(hw, subnet_id=subnet_id, group_id=security_group_id, efa=role != "server"),
+                placement=ec2.CfnLaunchTemplate.PlacementProperty(group_name=placement_group) if placement_group else None,
                 monitoring=ec2.CfnLaunchTemplate.MonitoringProperty(enabled=config.detailed_monitoring),
                 disable_api_termination=config.termination_protection,
                 capacity_reservation_specification=reservation,

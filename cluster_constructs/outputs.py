@@ -7,6 +7,7 @@ from constructs import Construct
 
 from cluster_constructs.node import ClusterNode
 from clusterspec.config import ClusterConfig
+from clusterspec.render import endpoint_port
 
 
 def port_forward_command(*, region: str, target: str, port: int, remote_host: str | None = None) -> str:
@@ -32,7 +33,9 @@ class ClusterOutputs(Construct):
         endpoint_dns: str | None,
     ) -> None:
         super().__init__(scope, construct_id)
-        port = config.serving.proxy.port
+        port = endpoint_port(config)
+        # Clients talk to the proxies of a DI recipe, or straight to the server of a single-instance one.
+        kind = "Proxy" if config.serving.disaggregated else "Server"
         for node in nodes:
             lid = node.render.node.logical_id
             CfnOutput(scope, f"{lid}InstanceId", value=node.instance.ref, description=f"{node.render.node.name} instance id")
@@ -46,10 +49,10 @@ class ClusterOutputs(Construct):
                 description="One proxy per decode server (no load balancer): spread clients over these",
             )
         host = endpoint_dns or proxy_node.private_ip
-        CfnOutput(scope, "ProxyUrl", value=Fn.join("", ["http://", host, f":{port}"]), description="The client endpoint (in the VPC)")
+        CfnOutput(scope, f"{kind}Url", value=Fn.join("", ["http://", host, f":{port}"]), description="The client endpoint (in the VPC)")
         CfnOutput(
             scope,
-            "ProxyPortForward",
+            f"{kind}PortForward",
             value=port_forward_command(
                 region=config.region, target=proxy_node.instance.ref, port=port, remote_host=endpoint_dns
             ),

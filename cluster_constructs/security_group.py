@@ -9,6 +9,7 @@ from constructs import Construct
 
 from clusterspec.config import ClusterConfig
 from clusterspec.layout import Layout
+from clusterspec.render import endpoint_port
 
 
 @dataclass(frozen=True)
@@ -23,6 +24,8 @@ class PortRule:
 def serving_rules(config: ClusterConfig, layout: Layout) -> list[PortRule]:
     """Every listener of the fleet, as the spec and the layout place them."""
     s = config.serving
+    if not s.disaggregated:
+        return [PortRule("server", s.server.port, s.server.port)]
     n = layout.max_replicas_per_node
     rules = [
         PortRule("proxy", s.proxy.port, s.proxy.port),
@@ -59,7 +62,7 @@ class ClusterSecurityGroup(Construct):
         for rule in serving_rules(config, layout):
             port = ec2.Port.tcp(rule.first) if rule.first == rule.last else ec2.Port.tcp_range(rule.first, rule.last)
             sg.add_ingress_rule(sg, port, rule.description)
-        proxy = ec2.Port.tcp(config.serving.proxy.port)
+        proxy = ec2.Port.tcp(endpoint_port(config))
         if config.proxy_ingress_cidr:
             sg.add_ingress_rule(ec2.Peer.ipv4(config.proxy_ingress_cidr), proxy, "proxy, from the operator network")
         if config.proxy_ingress_prefix_list_id:

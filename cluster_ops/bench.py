@@ -38,7 +38,8 @@ def run(
     sleep: Callable[[float], None] = time.sleep,
 ) -> dict[str, float]:
     """Start the bench unit (it never starts by itself), wait for it, return the metrics."""
-    proxy_nodes = [p.node for p in cfg.layout.proxies]
+    # The benchmark runs where clients connect: a proxy node, or the one server of a single-instance recipe.
+    proxy_nodes = [p.node for p in cfg.layout.proxies] or [n.name for n in cfg.layout.nodes]
     target = node or proxy_nodes[0]
     if target not in proxy_nodes:
         raise BenchError(f"node={target!r}: the benchmark runs on a proxy node ({', '.join(proxy_nodes)})")

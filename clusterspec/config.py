@@ -183,9 +183,13 @@ class ExamplesSource(_Frozen):
         return v
 
 
+RecipeName = Literal["gptoss-120b-8k1k", "gptoss-120b-single", "gptoss-20b-single", "gptoss-120b-di", "gptoss-20b-di"]
+
+
 class ClusterConfig(_Frozen):
     """Every parameter of one deployment; defaults give the tested two-node 6P1D cluster."""
 
+    recipe: RecipeName = Field("gptoss-120b-8k1k", description="The documented deployment to run (README 'Recipes').")
     stack_name: str = Field("GptOss8k1kStack", pattern=r"^[A-Za-z][A-Za-z0-9-]{0,127}$")
     cluster_name: str = Field("gptoss-8k1k", pattern=r"^[a-z](-?[a-z0-9])*$", max_length=31)
     region: str = "us-east-2"
@@ -313,6 +317,10 @@ class ClusterConfig(_Frozen):
 
     @model_validator(mode="after")
     def _config_rules(self) -> ClusterConfig:
+        if self.serving.recipe != self.recipe:
+            raise rule_error(
+                "serving.recipe", self.serving.recipe, f"is set by the recipe ({self.recipe})", "remove serving.recipe; choose the recipe with recipe=NAME"
+            )
         if self.instance_type not in KNOWN_INSTANCE_TYPES:
             raise rule_error(
                 "instance_type",
@@ -386,7 +394,8 @@ class ClusterConfig(_Frozen):
         if self.network.egress == "none":
             for field, ok in (
                 ("model.source", self.model.source == "s3"),
-                ("examples.s3_uri", self.examples.s3_uri is not None),
+                # Only the DI recipes run files of the examples (the proxy, the schedule).
+                ("examples.s3_uri", self.examples.s3_uri is not None or not self.serving.disaggregated),
             ):
                 if not ok:
                     raise rule_error(
@@ -536,6 +545,24 @@ def _read_file(path: str) -> dict[str, Any]:
     return loaded
 
 
+def deep_merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    """`over` on top of `base`, mappings merged key by key (lists and values replaced)."""
+    out = dict(base)
+    for k, v in over.items():
+        out[k] = deep_merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def _with_recipe(data: dict[str, Any]) -> dict[str, Any]:
+    """The chosen recipe's parameters, then the user's on top."""
+    from clusterspec.recipes import DEFAULT_RECIPE, RECIPES
+
+    name = data.get("recipe", DEFAULT_RECIPE)
+    if name not in RECIPES:
+        raise SpecError([f"recipe={name!r}: is not a recipe. Fix: use one of {', '.join(RECIPES)} (README 'Recipes')."])
+    return deep_merge(RECIPES[name].defaults(), data)
+
+
 def load_config(context: dict[str, Any]) -> ClusterConfig:
     """Build the config from a `config` file (YAML/JSON) and CDK context keys; context wins."""
     data: dict[str, Any] = {}
@@ -560,6 +587,7 @@ def load_config(context: dict[str, Any]) -> ClusterConfig:
             _set_dotted(data, key, parsed)
         else:
             data[key] = parsed
+    data = _with_recipe(data)
     try:
         cfg = ClusterConfig.model_validate(data)
         cfg.layout  # noqa: B018 - validates the fleet too

@@ -11,7 +11,7 @@ from clusterspec.errors import SpecError
 from clusterspec.instance_types import InstanceType
 from clusterspec.serving import Serving
 
-Role = Literal["prefill", "decode"]
+Role = Literal["prefill", "decode", "server"]
 
 
 class _Frozen(BaseModel):
@@ -95,7 +95,7 @@ class Layout(_Frozen):
     @property
     def max_replicas_per_node(self) -> int:
         """The most replicas any prefill instance runs (sizes the security-group rules)."""
-        return max(len(n.replicas) for n in self.prefill_nodes)
+        return max((len(n.replicas) for n in self.prefill_nodes), default=0)
 
     @property
     def load_balanced(self) -> bool:
@@ -116,6 +116,8 @@ def compute_layout(
     replicas_per_prefill_instance: int | None = None,
 ) -> Layout:
     """Place prefill replicas and decode servers on instances from the prefill:decode ratio."""
+    if not serving.disaggregated:
+        return _single_layout(decode_instances=decode_instances, instance_type=instance_type, serving=serving)
     pre, dec = serving.prefill, serving.decode
     errors: list[str] = []
     if decode_instances < 1:
@@ -221,4 +223,32 @@ def compute_layout(
         prefill_capacity=capacity,
         nodes=tuple(nodes),
         proxies=proxies,
+    )
+
+
+def _single_layout(*, decode_instances: int, instance_type: InstanceType, serving: Serving) -> Layout:
+    """One instance running one server (a single-instance recipe)."""
+    srv = serving.server
+    cores = instance_type.logical_cores(srv.lnc)
+    errors = []
+    if decode_instances != 1:
+        errors.append(
+            f"decode_instances={decode_instances}: the {serving.recipe} recipe runs one server on one instance. "
+            "Fix: leave decode_instances at 1, or use a DI recipe (gptoss-120b-di, gptoss-20b-di) for a fleet."
+        )
+    if srv.tensor_parallel > cores:
+        errors.append(
+            f"serving.server.tensor_parallel={srv.tensor_parallel}: {instance_type.name} has {cores} logical cores at "
+            f"LNC={srv.lnc}. Fix: lower tensor_parallel."
+        )
+    if serving.shape.quantization == "mxfp4" and not instance_type.mxfp4:
+        errors.append(
+            f"instance_type={instance_type.name!r}: MXFP4 runs only on Trainium3. Fix: leave serving.shape.quantization "
+            "unset (the backend picks BF16 on Trn2) or use a trn3 instance type."
+        )
+    if errors:
+        raise SpecError(errors)
+    node = Node(name="server-0", logical_id="Server0", role="server", index=0, cores=cores, used_cores=srv.tensor_parallel)
+    return Layout(
+        decode_instances=1, prefill_per_decode=0, replicas_per_prefill_instance=0, prefill_capacity=0, nodes=(node,), proxies=()
     )

@@ -25,7 +25,7 @@ import yaml
 
 from clusterspec.config import ClusterConfig
 from clusterspec.layout import Layout, Node, ProxyPlacement, Replica
-from clusterspec.serving import Serving, json_arg
+from clusterspec.serving import Decode, Prefill, Server, Serving, json_arg
 
 USERDATA_DIR = Path(__file__).resolve().parent.parent / "userdata"
 BIN = "/opt/gptoss/bin"
@@ -186,74 +186,84 @@ def systemd_expand(word: str, env: Mapping[str, str], instance: str | None = Non
 
 
 def _neuron_config(s: Serving, role: str) -> dict[str, object]:
+    """neuron_config of one role, in the order the references write it; None and False leave a key out."""
     sh = s.shape
-    cfg: dict[str, object] = {"quantization": sh.quantization}
+    cfg: dict[str, object] = {"quantization": sh.quantization} if sh.quantization == "mxfp4" else {}
     if role == "decode":
         d = s.decode
-        cfg |= {
-            "ep_degree": d.ep_degree,
-            "embedding_dp_size": d.embedding_dp_size,
-            "lm_head_dp_size": d.lm_head_dp_size,
-            "gpt_oss_tail_hops": list(d.tail_hops),
-        }
+        if d.ep_in_neuron_config:
+            cfg["ep_degree"] = d.ep_degree
+        cfg |= {"embedding_dp_size": d.embedding_dp_size, "lm_head_dp_size": d.lm_head_dp_size}
+        if d.tail_hops:
+            cfg["gpt_oss_tail_hops"] = list(d.tail_hops)
         seqs = d.max_num_seqs
-    else:
+    elif role == "prefill":
         cfg["ep_degree"] = s.prefill.ep_degree
         seqs = s.prefill.max_num_seqs
-    cfg |= {
-        "fp8_packed_kv": sh.fp8_packed_kv,
-        "kv_segment_size_buckets": [sh.max_num_batched_tokens],
-        "num_batched_tokens_buckets": [sh.max_num_batched_tokens],
-        "num_seqs_buckets": [seqs],
-    }
+    else:
+        seqs = s.server.max_num_seqs
+    if sh.fp8_packed_kv and sh.kv_cache_dtype:
+        cfg["fp8_packed_kv"] = True
+    if sh.kv_segment_buckets:
+        cfg["kv_segment_size_buckets"] = [sh.max_num_batched_tokens]
+    cfg |= {"num_batched_tokens_buckets": [sh.max_num_batched_tokens], "num_seqs_buckets": [seqs]}
     return cfg
 
 
+def _role(s: Serving, role: str) -> Decode | Prefill | Server:
+    return s.decode if role == "decode" else s.prefill if role == "prefill" else s.server
+
+
 def vllm_argv(cfg: ClusterConfig, role: str, *, port: str, additional_config: str | None = None) -> list[str]:
-    """`vllm serve` command of a decode server or a prefill replica, from the spec."""
+    """`vllm serve` of a decode server, a prefill replica or a single-instance server, from the spec."""
     s, sh = cfg.serving, cfg.serving.shape
-    r = s.decode if role == "decode" else s.prefill
-    argv = [
-        "vllm", "serve", model_dir(cfg),
-        "--tensor-parallel-size", str(r.tensor_parallel),
-        "--data-parallel-size", str(r.data_parallel),
-        "--enable-expert-parallel",
-    ]  # fmt: skip
-    if role == "decode":
+    r = _role(s, role)
+    argv = ["vllm", "serve", model_dir(cfg), "--tensor-parallel-size", str(r.tensor_parallel)]
+    if role != "server":
+        assert isinstance(r, Decode | Prefill)
+        argv += ["--data-parallel-size", str(r.data_parallel), "--enable-expert-parallel"]
+    if role == "decode" and s.decode.optimization_level is not None:
         argv += ["--optimization-level", str(s.decode.optimization_level)]
+    if role == "server" and s.server.enable_prefix_caching:
+        argv.append("--enable-prefix-caching")
+    if sh.dtype:
+        argv += ["--dtype", sh.dtype]
     argv += [
         "--max-model-len", str(sh.max_model_len),
         "--max-num-batched-tokens", str(sh.max_num_batched_tokens),
         "--max-num-seqs", str(r.max_num_seqs),
-        "--block-size", str(sh.block_size),
-        "--kv-cache-dtype", sh.kv_cache_dtype,
-        "--max-logprobs", str(sh.max_logprobs),
     ]  # fmt: skip
+    if sh.block_size is not None:
+        argv += ["--block-size", str(sh.block_size)]
+    if sh.kv_cache_dtype is not None:
+        argv += ["--kv-cache-dtype", sh.kv_cache_dtype]
+    if r.max_logprobs is not None:
+        argv += ["--max-logprobs", str(r.max_logprobs)]
     if sh.keep_hybrid_kv_cache_manager:
         argv.append("--no-disable-hybrid-kv-cache-manager")
-    kv_transfer = {
-        "kv_connector": sh.kv_connector,
-        "kv_role": "kv_consumer" if role == "decode" else "kv_producer",
-        "kv_buffer_device": sh.kv_buffer_device,
-        "kv_connector_extra_config": {"backends": list(sh.nixl_backends)},
-    }
-    argv += [
-        "--distributed-executor-backend", sh.distributed_executor_backend,
-        "--port", port,
-        "--hf-overrides", json_arg(sh.hf_overrides),
-        "--kv-transfer-config", json_arg(kv_transfer),
-        "--additional-config", additional_config or json_arg({"neuron_config": _neuron_config(s, role)}),
-    ]  # fmt: skip
+    if sh.distributed_executor_backend:
+        argv += ["--distributed-executor-backend", sh.distributed_executor_backend]
+    argv += ["--port", port, "--hf-overrides", json_arg(sh.hf_overrides)]
+    if role != "server":
+        kv_transfer = {
+            "kv_connector": sh.kv_connector,
+            "kv_role": "kv_consumer" if role == "decode" else "kv_producer",
+            "kv_buffer_device": sh.kv_buffer_device,
+            "kv_connector_extra_config": {"backends": list(sh.nixl_backends)},
+        }
+        argv += ["--kv-transfer-config", json_arg(kv_transfer)]
+    argv += ["--additional-config", additional_config or json_arg({"neuron_config": _neuron_config(s, role)})]
     for flag in r.extra_flags:
         argv += [flag.name] + ([flag.value] if flag.value is not None else [])
     return argv
 
 
 def prefill_additional_config(cfg: ClusterConfig, replica: Replica) -> str:
-    """Additional config of one replica: its side-channel port goes in nixl_side_channel_port."""
-    return json_arg(
-        {"neuron_config": _neuron_config(cfg.serving, "prefill"), "nixl_side_channel_port": replica.side_channel_port}
-    )
+    """Additional config of one replica (reference 000 puts its side-channel port in nixl_side_channel_port)."""
+    doc: dict[str, object] = {"neuron_config": _neuron_config(cfg.serving, "prefill")}
+    if cfg.serving.prefill.side_channel_in_config:
+        doc["nixl_side_channel_port"] = replica.side_channel_port
+    return json_arg(doc)
 
 
 def proxy_argv(cfg: ClusterConfig, proxy: ProxyPlacement) -> list[str]:
@@ -270,19 +280,24 @@ def proxy_argv(cfg: ClusterConfig, proxy: ProxyPlacement) -> list[str]:
     ]  # fmt: skip
 
 
+def endpoint_port(cfg: ClusterConfig) -> int:
+    """The port clients send requests to: the proxy's, or the single server's."""
+    return cfg.serving.proxy.port if cfg.serving.disaggregated else cfg.serving.server.port
+
+
 def bench_argv(cfg: ClusterConfig, prompts: int, result_file: str) -> list[str]:
-    """One leg of the reference's benchmark: random 8K prompts, 1K outputs, decode-capacity concurrency."""
+    """One leg of the benchmark: random prompts of the shape, its output length, concurrency = capacity."""
     s = cfg.serving
     return [
         "vllm", "bench", "serve",
         "--backend", "vllm",
-        "--base-url", f"http://127.0.0.1:{s.proxy.port}",
+        "--base-url", f"http://127.0.0.1:{endpoint_port(cfg)}",
         "--model", model_dir(cfg),
         "--dataset-name", "random",
         "--random-input-len", str(s.shape.input_len),
         "--random-output-len", str(s.shape.output_len),
         "--ignore-eos",
-        "--max-concurrency", str(s.decode.capacity),
+        "--max-concurrency", str(s.capacity),
         "--num-prompts", str(prompts),
         "--percentile-metrics", "ttft,tpot,itl,e2el",
         "--metric-percentiles", "50,99",
@@ -290,6 +305,11 @@ def bench_argv(cfg: ClusterConfig, prompts: int, result_file: str) -> list[str]:
         "--result-dir", cfg.results_dir,
         "--result-filename", result_file,
     ]  # fmt: skip
+
+
+def model_name(cfg: ClusterConfig) -> str:
+    """The checkpoint's name without its org (gpt-oss-120b)."""
+    return cfg.serving.model_id.rsplit("/", 1)[-1]
 
 
 def model_dir(cfg: ClusterConfig) -> str:
@@ -314,23 +334,31 @@ def _common(cfg: ClusterConfig) -> dict[str, str]:
     return {k: v.value for k, v in cfg.serving.common_env.items()}
 
 
+def _lnc(cfg: ClusterConfig, lnc: int) -> dict[str, str]:
+    return {"NEURON_LOGICAL_NC_CONFIG": str(lnc)} if cfg.serving.explicit_lnc else {}
+
+
 def decode_env(cfg: ClusterConfig) -> dict[str, str]:
     """Environment of the decode server: both-roles table, then decode-only table."""
     d = cfg.serving.decode
-    return (
-        _common(cfg)
-        | {"NEURON_LOGICAL_NC_CONFIG": str(d.lnc)}
-        | {k: v.value for k, v in d.env.items()}
-        | {
-            "VLLM_NEURON_MEGA_DMA_ORDER_CONSTRAINTS_FILE": schedule_path(cfg),
-            "VLLM_NIXL_SIDE_CHANNEL_PORT": str(d.side_channel_port),
-        }
-    )
+    env = _common(cfg) | _lnc(cfg, d.lnc)
+    if d.visible_all_cores:
+        env["NEURON_VISIBLE_DEVICES"] = d.visible_cores(cfg.hardware.logical_cores(d.lnc))
+    env |= {k: v.value for k, v in d.env.items()}
+    if d.megakernel:
+        env["VLLM_NEURON_MEGA_DMA_ORDER_CONSTRAINTS_FILE"] = schedule_path(cfg)
+    return env | {"VLLM_NIXL_SIDE_CHANNEL_PORT": str(d.side_channel_port)}
 
 
 def prefill_env(cfg: ClusterConfig) -> dict[str, str]:
     """Environment shared by every prefill replica of a node."""
-    return _common(cfg) | {"NEURON_LOGICAL_NC_CONFIG": str(cfg.serving.prefill.lnc)}
+    return _common(cfg) | _lnc(cfg, cfg.serving.prefill.lnc)
+
+
+def server_env(cfg: ClusterConfig) -> dict[str, str]:
+    """Environment of a single-instance server."""
+    s = cfg.serving.server
+    return _common(cfg) | _lnc(cfg, s.lnc) | {k: v.value for k, v in s.env.items()}
 
 
 def replica_env(cfg: ClusterConfig, replica: Replica) -> dict[str, str]:
@@ -346,6 +374,7 @@ def replica_env(cfg: ClusterConfig, replica: Replica) -> dict[str, str]:
 def cluster_env(cfg: ClusterConfig, node: Node) -> dict[str, str]:
     """Settings of the staging scripts and wrappers on one node (no secrets: an ARN at most)."""
     s = cfg.serving
+    megakernel = s.disaggregated and s.decode.megakernel
     return {
         "AWS_REGION": cfg.region,
         "GPTOSS_CLUSTER": cfg.cluster_name,
@@ -363,10 +392,11 @@ def cluster_env(cfg: ClusterConfig, node: Node) -> dict[str, str]:
         "GPTOSS_EXAMPLES_REPO": cfg.examples.repo_url,
         "GPTOSS_EXAMPLES_REF": cfg.examples.ref,
         "GPTOSS_EXAMPLES_S3_URI": cfg.examples.s3_uri or "",
-        "GPTOSS_PROXY_SCRIPT": s.proxy.script,
-        "GPTOSS_SCHEDULE_SUBDIR": s.examples_dir,
-        "GPTOSS_SCHEDULE_HELPER": s.schedule_helper,
-        "GPTOSS_SCHEDULE_FILE": s.decode.schedule_file,
+        # The examples' files this recipe runs (none for a single-instance recipe: nothing is fetched).
+        "GPTOSS_PROXY_SCRIPT": s.proxy.script if s.disaggregated else "",
+        "GPTOSS_SCHEDULE_SUBDIR": s.examples_dir if megakernel else "",
+        "GPTOSS_SCHEDULE_HELPER": s.schedule_helper if megakernel else "",
+        "GPTOSS_SCHEDULE_FILE": s.decode.schedule_file or "" if megakernel else "",
         "MEGAKERNEL_SCHEDULE_DIR": str(PurePosixPath(schedule_path(cfg)).parent),
         "MEGAKERNEL_SCOPE": s.decode.megakernel_scope,
         "GPTOSS_CACHE_DIR": f"{cfg.nvme_mount}/cache",
@@ -404,23 +434,32 @@ def _unit(name: str, **values: object) -> tuple[str, int]:
     return _ENV.get_template(f"{name}.j2").render(**values), 0o644
 
 
-def _render_decode(cfg: ClusterConfig, out: NodeRender, bin_dir: str) -> None:
+def _render_server(cfg: ClusterConfig, out: NodeRender, bin_dir: str, *, role: str) -> None:
+    """The decode server of a DI recipe, or the one server of a single-instance recipe."""
     s = cfg.serving
-    env = decode_env(cfg)
-    out.files[f"{ETC}/decode.env"] = (env_file(env), 0o644)
-    argv = [f"{bin_dir}/gptoss-exec", "decode", f"{bin_dir}/gptoss-prepare-schedule", "--",
-            *vllm_argv(cfg, "decode", port=str(s.decode.http_port))]  # fmt: skip
-    out.files[f"{UNIT_DIR}/gptoss-decode.service"] = _unit(
-        "gptoss-decode.service",
+    name = "decode" if role == "decode" else "server"
+    env = decode_env(cfg) if role == "decode" else server_env(cfg)
+    port = s.decode.http_port if role == "decode" else s.server.port
+    out.files[f"{ETC}/{name}.env"] = (env_file(env), 0o644)
+    schedule = role == "decode" and s.decode.megakernel
+    argv = [f"{bin_dir}/gptoss-exec", name, *([f"{bin_dir}/gptoss-prepare-schedule", "--"] if schedule else []),
+            *vllm_argv(cfg, role, port=str(port))]  # fmt: skip
+    description = (
+        f"{model_name(cfg)} decode server (kv_consumer{', megakernel' if schedule else ''})" if role == "decode" else f"{model_name(cfg)} server"
+    )
+    unit = f"gptoss-{name}.service"
+    out.files[f"{UNIT_DIR}/{unit}"] = _unit(
+        "gptoss-server.service",
         bin=bin_dir,
-        port=s.decode.http_port,
-        env_files=[f"{ETC}/decode.env"],
+        description=description,
+        port=port,
+        env_files=[f"{ETC}/{name}.env"],
         exec_start=_exec(argv),
         **_limits(cfg),
     )
-    out.services.append(Service("gptoss-decode.service", env, served(argv), waits=("staging", "megakernel schedule")))
-    out.units.append("gptoss-decode.service")
-    out.wants.append("gptoss-decode.service")
+    out.services.append(Service(unit, env, served(argv), waits=("staging", "megakernel schedule") if schedule else ("staging",)))
+    out.units.append(unit)
+    out.wants.append(unit)
 
 
 def _render_prefill(cfg: ClusterConfig, node: Node, out: NodeRender, bin_dir: str) -> None:
@@ -516,11 +555,15 @@ def _render_bench(cfg: ClusterConfig, out: NodeRender, bin_dir: str) -> None:
     out.files[f"{ETC}/bench.env"] = (env_file(bench_env), 0o644)
     legs = [("warmup", b.warmup_prompts, b.warmup_result_file), ("measured", b.measured_prompts, b.result_file)]
     lines = [[f"{bin_dir}/gptoss-exec", "bench", *bench_argv(cfg, n, f)] for _, n, f in legs]
+    route = s.proxy.health_path if s.disaggregated else s.server_health_path
     out.files[f"{UNIT_DIR}/gptoss-bench.service"] = _unit(
         "gptoss-bench.service",
         bin=bin_dir,
+        description=f"{model_name(cfg)} {s.shape.input_len // 1024}K/{s.shape.output_len // 1024}K benchmark "
+        + ("through the proxy" if s.disaggregated else "against the server"),
+        endpoint_unit="gptoss-proxy.service" if s.disaggregated else "gptoss-server.service",
         env_files=[f"{ETC}/bench.env"],
-        wait=_exec([f"{bin_dir}/gptoss-wait-healthy", "60", health_url("127.0.0.1", s.proxy.port, s.proxy.health_path)]),
+        wait=_exec([f"{bin_dir}/gptoss-wait-healthy", "60", health_url("127.0.0.1", endpoint_port(cfg), route)]),
         exec_start=[_exec(line) for line in lines],
     )
     for (step, _, _), line in zip(legs, lines, strict=True):
@@ -543,12 +586,13 @@ def render_node(cfg: ClusterConfig, layout: Layout, node: Node, *, bin_dir: str 
         out.files[f"{UNIT_DIR}/{name}"] = _unit(name, **base, **_limits(cfg))
         out.units.append(name)
         out.wants.append(name)
-    if node.role == "decode":
-        _render_decode(cfg, out, bin_dir)
-    else:
+    if node.role == "prefill":
         _render_prefill(cfg, node, out, bin_dir)
+    else:
+        _render_server(cfg, out, bin_dir, role=node.role)
     for proxy in layout.proxies_on(node.name):
         _render_proxy(cfg, node, proxy, out, bin_dir)
+    if layout.proxies_on(node.name) or node.role == "server":
         _render_bench(cfg, out, bin_dir)
     out.files[f"{UNIT_DIR}/{NODE_TARGET}"] = _unit(NODE_TARGET, node=node.name, wants=out.wants)
     out.files[f"{ETC}/health"] = (health_file(cfg, out), 0o644)
@@ -635,6 +679,8 @@ def health_checks(cfg: ClusterConfig, render: NodeRender) -> list[tuple[str, str
     for svc in render.services:
         if svc.unit == "gptoss-decode.service":
             checks.append((svc.unit, health_url("127.0.0.1", s.decode.http_port, s.server_health_path), "decode"))
+        elif svc.unit == "gptoss-server.service":
+            checks.append((svc.unit, health_url("127.0.0.1", s.server.port, s.server_health_path), "server"))
         elif svc.unit.startswith("gptoss-prefill@"):
             port = int(svc.environment["GPTOSS_HTTP_PORT"])
             index = svc.unit.split("@")[1].split(".")[0]

@@ -119,6 +119,11 @@ SECONDS_ENV = {
 }
 
 
+def _drop_removed(v: Any) -> Any:
+    """An env table entry set to null is removed (-c serving.common_env.X=null): tables merge key by key."""
+    return {k: e for k, e in v.items() if e is not None} if isinstance(v, dict) else v
+
+
 def _check_env(field: str, env: dict[str, EnvSetting]) -> None:
     for name, setting in env.items():
         validate.env_name(f"{field}.{name}", name)
@@ -135,17 +140,18 @@ def _check_env(field: str, env: dict[str, EnvSetting]) -> None:
 
 
 class Shape(_Frozen):
-    """Settings both roles share (reference 000, 'Shape')."""
+    """Settings every server of a recipe shares (reference 000, 'Shape'; None leaves a flag out)."""
 
     max_model_len: int = Field(10240, gt=0, description="Holds the 8,192 input tokens and the 1,024 output tokens.")
     max_num_batched_tokens: int = Field(
         8192, gt=0, description="One prefill segment holds the whole prompt; one bucket [8192] on both roles."
     )
     output_len: int = Field(1024, gt=0, description="The tested shape's output tokens (8K in, 1K out).")
-    block_size: int = Field(128, gt=0, description="The KV block size of the packed FP8 cache.")
-    kv_cache_dtype: Literal["fp8"] = Field("fp8", description="The packed FP8 KV layout prefill writes and the megakernel reads.")
+    block_size: int | None = Field(128, gt=0, description="The KV block size of the packed FP8 cache.")
+    kv_cache_dtype: Literal["fp8"] | None = Field("fp8", description="The packed FP8 KV layout prefill writes and the megakernel reads.")
     fp8_packed_kv: bool = Field(True, description="The packed FP8 KV layout prefill writes and the megakernel reads.")
-    max_logprobs: int = Field(0, ge=0, description="No logprob gather.")
+    kv_segment_buckets: bool = Field(True, description="One kv_segment_size_buckets entry, the prompt's size, for a single compiled graph.")
+    dtype: Literal["bfloat16"] | None = Field(None, description="--dtype; reference 000 passes none.")
     keep_hybrid_kv_cache_manager: bool = Field(
         True, description="--no-disable-hybrid-kv-cache-manager: the sliding-window layers need it."
     )
@@ -153,10 +159,12 @@ class Shape(_Frozen):
         default_factory=lambda: {"quantization_config": {}},
         description="Lets vLLM load the published MXFP4 checkpoint.",
     )
-    quantization: Literal["mxfp4", "bf16"] = Field(
-        "mxfp4", description="neuron_config.quantization selects the Neuron MXFP4 path (Trn3 only)."
+    quantization: Literal["mxfp4", "bf16"] | None = Field(
+        "mxfp4",
+        description="neuron_config.quantization 'mxfp4' selects the Neuron MXFP4 path (Trn3 only); 'bf16' leaves the key "
+        "out and runs BF16 (Trn2); None leaves the choice to the backend (it picks MXFP4 on Trn3).",
     )
-    distributed_executor_backend: Literal["mp"] = Field("mp", description="The multiprocess executor.")
+    distributed_executor_backend: Literal["mp"] | None = Field("mp", description="The multiprocess executor.")
     kv_connector: Literal["NixlConnector"] = Field("NixlConnector", description="KV transfer over NIXL.")
     kv_buffer_device: str = Field(
         "cuda", pattern=r"^[a-z]+$", description="As in the DI command of the Neuron gpt-oss tutorial (reference 001)."
@@ -191,7 +199,7 @@ class Shape(_Frozen):
 
 
 class Decode(_Frozen):
-    """The megakernel decode server (reference 000, node B)."""
+    """The decode server (reference 000, node B: the megakernel decode)."""
 
     tensor_parallel: int = Field(8, gt=0, description="TP8 ranks.")
     data_parallel: int = Field(16, gt=0, description="16 TP8 ranks give 128 ranks.")
@@ -200,24 +208,36 @@ class Decode(_Frozen):
     max_num_seqs: int = Field(
         8, gt=0, description="The partition axis caps the per-rank decode batch at 128 * TP / EP = 8."
     )
-    optimization_level: int = Field(2, ge=0, le=3, description="The compiler optimization level of the decode graph.")
+    optimization_level: int | None = Field(2, ge=0, le=3, description="The compiler optimization level of the decode graph.")
+    max_logprobs: int | None = Field(0, ge=0, description="--max-logprobs 0: no logprob gather.")
+    ep_in_neuron_config: bool = Field(True, description="neuron_config carries ep_degree (reference 000 does; 001 derives it from TP x DP).")
+    visible_all_cores: bool = Field(False, description="NEURON_VISIBLE_DEVICES names every core of the instance (reference 001).")
     embedding_dp_size: int = Field(1, gt=0, description="The megakernel builds the token embedding; not sharded over DP.")
     lm_head_dp_size: int = Field(16, gt=0, description="The lm_head is replicated over the 16 data-parallel ranks.")
-    tail_hops: tuple[Annotated[int, Field(gt=0)], ...] = Field((128,), description="One 128-rank all-to-all in the fused tail.")
+    tail_hops: tuple[Annotated[int, Field(gt=0)], ...] = Field(
+        (128,), description="One 128-rank all-to-all in the fused tail (gpt_oss_tail_hops; left out when empty)."
+    )
     http_port: int = Field(8200, ge=1024, le=65535, description="The decode server's HTTP port.")
     side_channel_port: int = Field(8759, ge=1024, le=65535, description="Past the last prefill side-channel port.")
     env: dict[str, EnvSetting] = Field(default_factory=lambda: dict(DECODE_ENV))
-    schedule_file: str = Field(
+    schedule_file: str | None = Field(
         "gpt_oss_120b_megakernel_dma_order.json",
-        description="The shipped DMA-order schedule (MEGAKERNEL_SCHEDULE) in the examples directory.",
+        description="The shipped DMA-order schedule (MEGAKERNEL_SCHEDULE) in the examples directory; None: no megakernel.",
     )
     megakernel_scope: str = Field("auto", pattern=r"^(auto|[0-9]+)$", description="MEGAKERNEL_SCOPE: auto gives 250 on the native route.")
     extra_flags: tuple[ExtraFlag, ...] = ()
 
+    _env = field_validator("env", mode="before")(classmethod(lambda cls, v: _drop_removed(v)))
+
     @field_validator("schedule_file")
     @classmethod
-    def _schedule(cls, v: str) -> str:
-        return validate.file_name("serving.decode.schedule_file", v)
+    def _schedule(cls, v: str | None) -> str | None:
+        return v if v is None else validate.file_name("serving.decode.schedule_file", v)
+
+    @property
+    def megakernel(self) -> bool:
+        """The megakernel decode of reference 000 (a DMA-order schedule is written before it starts)."""
+        return self.schedule_file is not None
 
     @property
     def capacity(self) -> int:
@@ -228,6 +248,10 @@ class Decode(_Frozen):
     def side_channel_ports(self) -> tuple[int, int]:
         """Side-channel range covering base+dp_rank (current vLLM) and base+dp*tp+tp (older)."""
         return self.side_channel_port, self.side_channel_port + self.data_parallel * self.tensor_parallel - 1
+
+    def visible_cores(self, instance_cores: int) -> str:
+        """NEURON_VISIBLE_DEVICES of the decode server: every logical core ('0-63' at LNC=2)."""
+        return f"0-{instance_cores - 1}"
 
     @model_validator(mode="after")
     def _decode_rules(self) -> Decode:
@@ -240,7 +264,7 @@ class Decode(_Frozen):
                 f"set ep_degree to {self.tensor_parallel * self.data_parallel} or change tensor_parallel/data_parallel",
             )
         cap = 128 * self.tensor_parallel // self.ep_degree
-        if self.max_num_seqs > cap:
+        if self.megakernel and self.max_num_seqs > cap:
             raise rule_error(
                 "serving.decode.max_num_seqs",
                 self.max_num_seqs,
@@ -261,7 +285,7 @@ class Decode(_Frozen):
 
 
 class Prefill(_Frozen):
-    """One TP4 prefill replica (reference 000, node A); replicas differ only in cores and ports."""
+    """One TP4 prefill replica; replicas differ only in cores and ports."""
 
     tensor_parallel: int = Field(4, gt=0, description="TP4 for each replica.")
     data_parallel: Literal[1] = Field(
@@ -273,6 +297,10 @@ class Prefill(_Frozen):
     http_port_base: int = Field(8100, ge=1024, le=65535, description="Replica i serves HTTP on 8100 + i.")
     side_channel_port_base: int = Field(5559, ge=1024, le=65535, description="Replica i uses side channel 5559 + 100 * i.")
     side_channel_port_step: int = Field(100, gt=0, description="One side-channel port block for each replica.")
+    side_channel_in_config: bool = Field(
+        True, description="The side-channel port also goes into nixl_side_channel_port of the additional config (reference 000)."
+    )
+    max_logprobs: int | None = Field(0, ge=0, description="--max-logprobs 0: no logprob gather.")
     extra_flags: tuple[ExtraFlag, ...] = ()
 
     def http_port(self, index: int) -> int:
@@ -284,9 +312,11 @@ class Prefill(_Frozen):
         return self.side_channel_port_base + self.side_channel_port_step * index
 
     def side_channel_range(self, index: int) -> tuple[int, int]:
-        """Ports of replica `index` under both vLLM formulas (base+dp, base+dp*tp+tp)."""
+        """Ports of replica `index`: base+dp_rank (current vLLM), and base+dp*tp+tp (older) when the
+        step between replicas leaves room for it (reference 001 spaces replicas one port apart)."""
         base = self.side_channel_port(index)
-        return base, base + self.data_parallel * self.tensor_parallel - 1
+        span = self.data_parallel * self.tensor_parallel if self.side_channel_port_step >= self.data_parallel * self.tensor_parallel else self.data_parallel
+        return base, base + span - 1
 
     @model_validator(mode="after")
     def _prefill_rules(self) -> Prefill:
@@ -296,6 +326,32 @@ class Prefill(_Frozen):
     def cores(self, index: int) -> tuple[int, int]:
         """First and last logical NeuronCore of replica `index` (4i .. 4i+3 for TP4)."""
         return self.tensor_parallel * index, self.tensor_parallel * index + self.tensor_parallel - 1
+
+
+class Server(_Frozen):
+    """The one server of a single-instance recipe (reference 001, 'Deploy on a single instance')."""
+
+    tensor_parallel: int = Field(8, gt=0, description="TP8: one server with tensor parallelism.")
+    lnc: Literal[1, 2] = Field(2, description="The default logical-core config.")
+    max_num_seqs: int = Field(4, gt=0, description="The batch bucket of the server.")
+    port: int = Field(8000, ge=1024, le=65535, description="The server listens on port 8000.")
+    enable_prefix_caching: bool = Field(True, description="--enable-prefix-caching.")
+    max_logprobs: int | None = Field(None, ge=0, description="Left at vLLM's default (logprobs available).")
+    env: dict[str, EnvSetting] = Field(default_factory=dict)
+    extra_flags: tuple[ExtraFlag, ...] = ()
+
+    _env = field_validator("env", mode="before")(classmethod(lambda cls, v: _drop_removed(v)))
+
+    @property
+    def capacity(self) -> int:
+        """Concurrent sequences of the server."""
+        return self.max_num_seqs
+
+    @model_validator(mode="after")
+    def _server_rules(self) -> Server:
+        _check_env("serving.server.env", self.env)
+        _check_extra_flags("serving.server.extra_flags", self.extra_flags)
+        return self
 
 
 class Proxy(_Frozen):
@@ -337,7 +393,7 @@ class Proxy(_Frozen):
 
 
 class Bench(_Frozen):
-    """The benchmark client of reference 000 step 5."""
+    """The benchmark client (reference 000 step 5: random prompts of the shape, --ignore-eos)."""
 
     warmup_prompts: int = Field(1280, gt=0, description="The first leg after a launch is not a valid measurement.")
     measured_prompts: int = Field(12800, gt=0, description="The result leg.")
@@ -368,8 +424,18 @@ class Bench(_Frozen):
 
 
 class Serving(_Frozen):
-    """The whole tested serving configuration."""
+    """The whole tested serving configuration of one recipe (defaults: reference 000)."""
 
+    recipe: str = Field("gptoss-120b-8k1k", description="The recipe these values come from (see clusterspec/recipes).")
+    topology: Literal["disaggregated", "single"] = Field(
+        "disaggregated", description="Prefill replicas and decode servers behind proxies, or one server per instance."
+    )
+    explicit_lnc: bool = Field(
+        True, description="NEURON_LOGICAL_NC_CONFIG is set on each server (reference 000); else the default (2) applies."
+    )
+    tested_decode_ep: int | None = Field(
+        None, description="The decode EP degree the recipe's reference tested; another one is refused."
+    )
     model_id: str = Field("openai/gpt-oss-120b", description="The Hugging Face checkpoint.")
     examples_dir: str = Field(
         "examples/vllm_neuron/models/gpt_oss/120b/mxfp4/multinode_DI_8k1k",
@@ -382,9 +448,12 @@ class Serving(_Frozen):
     shape: Shape = Field(default_factory=Shape)
     decode: Decode = Field(default_factory=Decode)
     prefill: Prefill = Field(default_factory=Prefill)
+    server: Server = Field(default_factory=Server)
     common_env: dict[str, EnvSetting] = Field(default_factory=lambda: dict(COMMON_ENV))
     proxy: Proxy = Field(default_factory=Proxy)
     bench: Bench = Field(default_factory=Bench)
+
+    _common_env = field_validator("common_env", mode="before")(classmethod(lambda cls, v: _drop_removed(v)))
 
     @field_validator("model_id")
     @classmethod
@@ -409,20 +478,44 @@ class Serving(_Frozen):
         return _route_path("serving.server_health_path", v)
 
     @property
+    def disaggregated(self) -> bool:
+        """Prefill and decode on separate servers (the DI recipes)."""
+        return self.topology == "disaggregated"
+
+    @property
     def engine_ready_timeout_s(self) -> int:
-        """VLLM_ENGINE_READY_TIMEOUT_S: the longest a server may take to start."""
-        return int(self.common_env["VLLM_ENGINE_READY_TIMEOUT_S"].value)
+        """VLLM_ENGINE_READY_TIMEOUT_S: the longest a server may take to start (vLLM's default 600 when unset)."""
+        setting = self.common_env.get("VLLM_ENGINE_READY_TIMEOUT_S")
+        return int(setting.value) if setting else 600
+
+    @property
+    def capacity(self) -> int:
+        """Concurrent sequences behind one endpoint: the decode server's, or the single server's."""
+        return self.decode.capacity if self.disaggregated else self.server.capacity
 
     @model_validator(mode="after")
     def _serving_rules(self) -> Serving:
         _check_env("serving.common_env", self.common_env)
-        if "VLLM_ENGINE_READY_TIMEOUT_S" not in self.common_env:
+        if self.disaggregated and "VLLM_ENGINE_READY_TIMEOUT_S" not in self.common_env:
             raise rule_error(
                 "serving.common_env",
                 sorted(self.common_env),
-                "VLLM_ENGINE_READY_TIMEOUT_S is required: units size their start timeouts from it",
+                "VLLM_ENGINE_READY_TIMEOUT_S is required: the replicas' and the proxy's waits are sized from it",
                 "add VLLM_ENGINE_READY_TIMEOUT_S (the tested value is 14400)",
             )
+        if self.disaggregated and self.tested_decode_ep is not None and self.decode.ep_degree != self.tested_decode_ep:
+            raise rule_error(
+                "serving.decode.data_parallel", self.decode.data_parallel,
+                f"gives EP{self.decode.ep_degree}; the {self.recipe} recipe is tested at EP{self.tested_decode_ep} and its "
+                "reference warns that untested EP degrees have produced degenerate output",
+                f"keep data_parallel={self.tested_decode_ep // self.decode.tensor_parallel} (EP{self.tested_decode_ep})",
+            )  # fmt: skip
+        if self.disaggregated and not self.decode.megakernel and self.decode.embedding_dp_size != self.decode.data_parallel:
+            raise rule_error(
+                "serving.decode.embedding_dp_size", self.decode.embedding_dp_size,
+                f"is replicated over the data-parallel ranks in this recipe: it must equal data_parallel={self.decode.data_parallel}",
+                f"set embedding_dp_size to {self.decode.data_parallel}",
+            )  # fmt: skip
         return self
 
 

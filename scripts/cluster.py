@@ -47,7 +47,7 @@ def load(args: argparse.Namespace) -> ClusterConfig:
 
 def _summary(cfg: ClusterConfig, renders: list[NodeRender]) -> Table:
     layout = cfg.layout
-    t = Table(title=f"{cfg.stack_name}: {len(layout.prefill_nodes)} prefill + {len(layout.decode_nodes)} decode = "
+    t = Table(title=f"{cfg.stack_name} (recipe {cfg.recipe}): {len(layout.prefill_nodes)} prefill + {len(layout.decode_nodes)} decode = "
               f"{len(layout.nodes)} x {cfg.instance_type}, {len(layout.replicas)} prefill replicas, "
               f"{len(layout.proxies)} prox{'y' if len(layout.proxies) == 1 else 'ies'}"
               + (" behind an internal NLB" if cfg.load_balanced else "")
@@ -89,6 +89,25 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
         out = draw(cfg, Path(args.diagram))
         console.print(f"diagram written to {out}")
+    return 0
+
+
+def cmd_recipes(args: argparse.Namespace) -> int:
+    """List the documented deployments: name, reference, what each deploys, its stack."""
+    from clusterspec.recipes import DEFAULT_RECIPE, RECIPES
+
+    if args.json:
+        import json
+
+        print(json.dumps([{"name": r.name, "reference": r.reference, "deploys": r.deploys, "stack_name": r.stack_name,
+                           "default": r.name == DEFAULT_RECIPE} for r in RECIPES.values()], indent=2))  # fmt: skip
+        return 0
+    t = Table(title="recipes (-c recipe=NAME)", show_lines=True)
+    for col in ("recipe", "reference", "deploys", "stack"):
+        t.add_column(col, overflow="fold")
+    for r in RECIPES.values():
+        t.add_row(r.name + (" (default)" if r.name == DEFAULT_RECIPE else ""), r.reference, r.deploys, r.stack_name)
+    Console(width=args.width or max(Console().width, 120)).print(t)
     return 0
 
 
@@ -234,6 +253,11 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--diagram", metavar="FILE", help="also draw the layout (PNG or SVG by extension)")
     plan.add_argument("--width", type=int, default=None, help="console width")
     plan.set_defaults(func=cmd_plan)
+
+    rec = sub.add_parser("recipes", help="list the documented deployments (-c recipe=NAME)")
+    rec.add_argument("--json", action="store_true")
+    rec.add_argument("--width", type=int, default=None)
+    rec.set_defaults(func=cmd_recipes)
 
     pre = sub.add_parser("preflight", help="check the account (type offered, hardware, DLAMI, quota, reservation)")
     common(pre)

@@ -15,7 +15,7 @@ from cluster_constructs.outputs import ClusterOutputs
 from cluster_constructs.scripts import NodeScripts
 from cluster_constructs.security_group import ClusterSecurityGroup
 from clusterspec.config import ClusterConfig
-from clusterspec.render import render_cluster
+from clusterspec.render import model_name, render_cluster
 
 
 class GptOssClusterStack(Stack):
@@ -26,8 +26,12 @@ class GptOssClusterStack(Stack):
             scope,
             construct_id,
             env=Environment(region=config.region),
-            description=f"gpt-oss-120b on {config.instance_type}: {config.decode_instances} decode server(s), "
-            f"{config.decode_instances * config.prefill_per_decode} prefill replicas (vLLM Neuron, disaggregated)",
+            description=f"{model_name(config)} on {config.instance_type}: "
+            + (
+                f"{config.decode_instances} decode server(s), {len(config.layout.replicas)} prefill replicas (vLLM Neuron, disaggregated)"
+                if config.serving.disaggregated
+                else f"one server (vLLM Neuron, recipe {config.recipe})"
+            ),
         )
         layout = config.layout
         Tags.of(self).add("gptoss:cluster", config.cluster_name)
@@ -36,7 +40,8 @@ class GptOssClusterStack(Stack):
         security = ClusterSecurityGroup(self, "SecurityGroup", config=config, layout=layout, vpc=network.vpc)
         if config.network.wants_ssm_endpoints:
             network.add_ssm_endpoints(security_group_id=security.group.security_group_id)
-        placement = ec2.CfnPlacementGroup(self, "PlacementGroup", strategy="cluster")
+        # EFA peers share one cluster placement group; a single server needs none.
+        placement = ec2.CfnPlacementGroup(self, "PlacementGroup", strategy="cluster") if config.serving.disaggregated else None
         role = NodeRole(self, "NodeRole", config=config)
         image_id = config.ami_id or CfnParameter(
             self,
@@ -55,9 +60,9 @@ class GptOssClusterStack(Stack):
                 subnet_id=network.subnet_id,
                 security_group_id=security.group.security_group_id,
                 instance_profile_arn=role.profile.attr_arn,
-                placement_group=placement.ref,
+                placement_group=placement.ref if placement else None,
             ).template
-            for r in ("prefill", "decode")
+            for r in dict.fromkeys(n.role for n in layout.nodes)
         }
 
         # A node's user data names the private IPs of its peers, so peers are created first.
@@ -78,7 +83,8 @@ class GptOssClusterStack(Stack):
                 scripts_sha256=scripts.sha256,
             )
         ordered = [nodes[r.node.name] for r in renders]
-        proxy_nodes = [nodes[p.node] for p in layout.proxies]
+        # The nodes clients reach: the proxies, or the one server of a single-instance recipe.
+        proxy_nodes = [nodes[p.node] for p in layout.proxies] or ordered
         endpoint = None
         if config.load_balanced:
             endpoint = ProxyLoadBalancer(

@@ -169,3 +169,39 @@ def fake_command(folder: Path, name: str, body: str) -> Path:
     p.write_text("#!/usr/bin/env bash\nset -euo pipefail\n" + body)
     p.chmod(0o755)
     return p
+
+
+OTHER_RECIPES = ("gptoss-120b-single", "gptoss-20b-single", "gptoss-120b-di", "gptoss-20b-di")
+
+
+@pytest.fixture(scope="session")
+def recipe_synth(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """The four other recipes' stacks, synthesized once in one app with cdk-nag, as app.py builds them.
+
+    Returns {"outdir": Path, "templates": {recipe: template}, "report": validation report}.
+    """
+    import aws_cdk as cdk
+    from cdk_nag import AwsSolutionsChecks
+
+    from clusterspec import limits
+    from clusterspec.config import load_config
+    from stacks.cluster_stack import GptOssClusterStack
+
+    outdir = tmp_path_factory.mktemp("recipes.out")
+    # What the CLI asks of an app: path metadata on every resource (cfn-lint reads it).
+    app = cdk.App(outdir=str(outdir), context={"aws:cdk:enable-path-metadata": True})
+    names = {}
+    for recipe in OTHER_RECIPES:
+        cfg = load_config({"recipe": recipe})
+        limits.check(cfg)
+        GptOssClusterStack(app, cfg.stack_name, config=cfg)
+        names[recipe] = cfg.stack_name
+    cdk.Validations.of(app).add_plugins(AwsSolutionsChecks(app))
+    app.synth()
+    report = outdir / "validation-report.json"
+    return {
+        "outdir": outdir,
+        "paths": {r: outdir / f"{n}.template.json" for r, n in names.items()},
+        "templates": {r: json.loads((outdir / f"{n}.template.json").read_text()) for r, n in names.items()},
+        "report": json.loads(report.read_text()) if report.exists() else {},
+    }

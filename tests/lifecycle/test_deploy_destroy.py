@@ -166,20 +166,20 @@ def remove_what_moto_cannot_delete(aws: LocalAws, resources: list[dict[str, Any]
         ec2.delete_route_table(RouteTableId=table["RouteTableId"])
 
 
-def deploy_check_destroy(aws: LocalAws, *context: str) -> dict[str, Any]:
+def deploy_check_destroy(aws: LocalAws, *context: str, stack: str = STACK, cluster: str = CLUSTER) -> dict[str, Any]:
     """Deploy, collect what was created, destroy, and prove nothing created remains."""
     before = inventory(aws)
     ctx = [a for c in context for a in ("-c", c)]
-    aws.cdk("deploy", STACK, "--require-approval", "never", *ctx)
+    aws.cdk("deploy", stack, "--require-approval", "never", *ctx)
     cf, ec2, iam = aws.client("cloudformation"), aws.client("ec2"), aws.client("iam")
     # A deploy can report success while a resource failed: read every resource's status.
-    resources = cf.list_stack_resources(StackName=STACK)["StackResourceSummaries"]
+    resources = cf.list_stack_resources(StackName=stack)["StackResourceSummaries"]
     assert {r["ResourceStatus"] for r in resources} == {"CREATE_COMPLETE"}
     created = {k: v - before[k] for k, v in inventory(aws).items()}
 
     (group_id,) = [
         g["GroupId"] for g in ec2.describe_security_groups(GroupIds=sorted(created["security_groups"]))["SecurityGroups"]
-        if {"Key": "gptoss:cluster", "Value": CLUSTER} in g.get("Tags", [])
+        if {"Key": "gptoss:cluster", "Value": cluster} in g.get("Tags", [])
     ]  # fmt: skip
     group = ec2.describe_security_groups(GroupIds=[group_id])["SecurityGroups"][0]
     vpc = ec2.describe_vpcs(VpcIds=[group["VpcId"]])["Vpcs"][0]
@@ -236,8 +236,8 @@ def deploy_check_destroy(aws: LocalAws, *context: str) -> dict[str, Any]:
     }
 
     remove_what_moto_cannot_delete(aws, resources)
-    aws.cdk("destroy", STACK, "--force", *ctx)
-    stacks = [s for s in cf.list_stacks()["StackSummaries"] if s["StackName"] == STACK]
+    aws.cdk("destroy", stack, "--force", *ctx)
+    stacks = [s for s in cf.list_stacks()["StackSummaries"] if s["StackName"] == stack]
     assert all(s["StackStatus"] == "DELETE_COMPLETE" for s in stacks)
     after = inventory(aws)
     left = {k: sorted(created[k] & after[k]) for k in created if created[k] & after[k]}
@@ -338,3 +338,20 @@ def test_production_three_plus_eight_in_an_existing_vpc_deploys_and_is_destroyed
     assert ("tcp", 8100, 8115, "self") in seen["rules_in"]
     assert {("tcp", 5559 + 100 * i, 5562 + 100 * i, "self") for i in range(16)} <= seen["rules_in"]
     _check_templates(seen["templates"], seen["subnet"]["SubnetId"], seen["group"]["GroupId"])
+
+
+def test_single_instance_recipe_deploys_and_is_destroyed(local_aws: LocalAws) -> None:
+    """`cdk deploy GptOss20bSingleStack -c recipe=gptoss-20b-single`: one server, one interface, port 8000."""
+    seen = deploy_check_destroy(local_aws, "recipe=gptoss-20b-single", stack="GptOss20bSingleStack", cluster="gptoss-20b-single")
+    assert _roles(seen["instances"]) == ["server"]
+    (data,) = seen["templates"].values()
+    (nic,) = data["NetworkInterfaces"]
+    assert (nic["NetworkCardIndex"], nic.get("InterfaceType", "interface")) == (0, "interface")
+    assert data["MetadataOptions"]["HttpTokens"] == "required" and "Placement" not in data
+    assert {r for r in seen["rules_in"] if r[0] == "tcp"} == {("tcp", 8000, 8000, "self")}
+    assert seen["endpoints"] == {
+        f"com.amazonaws.{REGION}.s3": "Gateway",
+        f"com.amazonaws.{REGION}.ssm": "Interface",
+        f"com.amazonaws.{REGION}.ssmmessages": "Interface",
+        f"com.amazonaws.{REGION}.ec2messages": "Interface",
+    }

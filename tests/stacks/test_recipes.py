@@ -1,0 +1,80 @@
+"""Every recipe's stack: what it provisions, cfn-lint and cdk-nag clean, and a snapshot each."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.conftest import CDK, OTHER_RECIPES, ROOT, cli_env
+from tests.stacks.test_template import launch_templates, normalized, of_type
+
+
+def _ingress(t: dict[str, Any]) -> set[tuple[Any, ...]]:
+    from tests.stacks.test_template import ingress_rules
+
+    return ingress_rules(t)
+
+
+def test_single_instance_recipes_run_one_server_without_efa(recipe_synth: dict[str, Any]) -> None:
+    for recipe in ("gptoss-120b-single", "gptoss-20b-single"):
+        t = recipe_synth["templates"][recipe]
+        (inst,) = of_type(t, "AWS::EC2::Instance").values()
+        assert {x["Key"]: x["Value"] for x in inst["Properties"]["Tags"]}["gptoss:node"] == "server-0"
+        assert not of_type(t, "AWS::EC2::PlacementGroup"), "one server needs no cluster placement group"
+        (lt,) = launch_templates(t).values()
+        assert [(n["NetworkCardIndex"], n.get("InterfaceType")) for n in lt["NetworkInterfaces"]] == [(0, None)]
+        assert "Placement" not in lt
+        assert {r for r in _ingress(t) if r[0] == "tcp"} == {("tcp", 8000, 8000, "self")}
+        assert sorted(t["Outputs"]) == ["Server0InstanceId", "Server0PrivateIp", "ServerPortForward", "ServerUrl"]
+        assert not of_type(t, "AWS::ElasticLoadBalancingV2::LoadBalancer")
+
+
+def test_di_recipes_open_the_references_ports(recipe_synth: dict[str, Any]) -> None:
+    """001: prefill 8100 and side channel 5559 (+1 per replica), decode 8200 and 5659 (+ its ranks), proxy 8000."""
+    for recipe in ("gptoss-120b-di", "gptoss-20b-di"):
+        t = recipe_synth["templates"][recipe]
+        assert len(of_type(t, "AWS::EC2::Instance")) == 2 and of_type(t, "AWS::EC2::PlacementGroup")
+        tcp = {r[1:3] for r in _ingress(t) if r[0] == "tcp"}
+        assert {(8000, 8000), (8100, 8100), (8200, 8200), (5559, 5559)} <= tcp
+        decode_side = next(r for r in tcp if r[0] == 5659)
+        assert decode_side[1] >= 5659 + 8 - 1, "covers one listener per DP rank"
+        for lt in launch_templates(t).values():
+            assert [n["InterfaceType"] for n in lt["NetworkInterfaces"]] == ["efa"] + ["efa-only"] * 15
+
+
+def test_every_recipe_is_cdk_nag_clean_with_reasons(recipe_synth: dict[str, Any]) -> None:
+    (report,) = [r for r in recipe_synth["report"]["pluginReports"] if r["pluginName"] == "AwsSolutions"]
+    assert report["conclusion"] == "success" and report["violations"] == []
+    assert all(len(v["reason"]) > 40 for v in report["suppressedViolations"])
+
+
+def test_every_recipe_is_cfn_lint_clean(recipe_synth: dict[str, Any]) -> None:
+    paths = [str(p) for p in recipe_synth["paths"].values()]
+    # E3628 (unknown instance type) only: cfn-lint's data has no trn3 type yet.
+    r = subprocess.run(
+        [str(Path(sys.executable).parent / "cfn-lint"), "--regions", "us-east-2", "--ignore-checks", "E3628", "--", *paths],
+        capture_output=True,
+        text=True,
+    )
+    assert r.returncode == 0, (r.stdout + r.stderr)[:4000]
+
+
+@pytest.mark.parametrize("recipe", OTHER_RECIPES)
+def test_recipe_snapshot(recipe_synth: dict[str, Any], recipe: str, snapshot: Any) -> None:
+    from syrupy.extensions.json import JSONSnapshotExtension
+
+    assert normalized(recipe_synth["templates"][recipe]) == snapshot(extension_class=JSONSnapshotExtension)
+
+
+def test_cdk_synth_takes_the_recipe_from_the_command_line(tmp_path: Path) -> None:
+    """`cdk synth -c recipe=gptoss-20b-single` through the pinned CLI names the recipe's stack."""
+    r = subprocess.run(
+        [str(CDK), "synth", "--no-notices", "--quiet", "-o", str(tmp_path), "-c", "recipe=gptoss-20b-single"],
+        cwd=ROOT, env=cli_env(), capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert [p.name for p in tmp_path.glob("*.template.json")] == ["GptOss20bSingleStack.template.json"]
