@@ -9,7 +9,8 @@ from aws_cdk import aws_ec2 as ec2
 from constructs import Construct
 
 from clusterspec.config import ClusterConfig
-from clusterspec.render import NodeRender, user_data
+from clusterspec.render import NodeRender
+from clusterspec.userdata import user_data
 
 
 class ClusterNode(Construct):

@@ -6,8 +6,8 @@ from aws_cdk import CfnOutput, Fn
 from constructs import Construct
 
 from cluster_constructs.node import ClusterNode
+from clusterspec.commands import endpoint_port
 from clusterspec.config import ClusterConfig
-from clusterspec.render import endpoint_port
 
 
 def port_forward_command(*, region: str, target: str, port: int, remote_host: str | None = None) -> str:

@@ -12,7 +12,8 @@ from aws_cdk import Fn
 from aws_cdk import aws_s3_assets as s3_assets
 from constructs import Construct
 
-from clusterspec.render import SCRIPTS_ASSET, NodeRender, scripts_asset
+from clusterspec.render import NodeRender
+from clusterspec.userdata import SCRIPTS_ASSET, scripts_asset
 
 
 class NodeScripts(Construct):

@@ -8,7 +8,7 @@ from typing import Any
 
 from cluster_ops.remote import find_nodes, run_on_all
 from clusterspec.config import ClusterConfig
-from clusterspec.render import BIN
+from clusterspec.paths import BIN
 
 
 class CacheError(RuntimeError):

@@ -10,7 +10,8 @@ from typing import Any
 
 from cluster_ops.remote import find_nodes, run_on_all
 from clusterspec.config import ClusterConfig
-from clusterspec.render import BIN, health_checks, render_cluster
+from clusterspec.paths import BIN
+from clusterspec.render import health_checks, render_cluster
 
 
 @dataclass(frozen=True)

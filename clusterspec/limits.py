@@ -6,7 +6,8 @@ from dataclasses import dataclass
 
 from clusterspec.config import ClusterConfig
 from clusterspec.errors import SpecError
-from clusterspec.render import USER_DATA_LIMIT, render_cluster, user_data
+from clusterspec.render import render_cluster
+from clusterspec.userdata import USER_DATA_LIMIT, user_data
 
 MAX_TEMPLATE_BYTES = 1_000_000  # CloudFormation: 1 MB for a template uploaded to S3
 MAX_RESOURCES = 500

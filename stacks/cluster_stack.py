@@ -14,8 +14,9 @@ from cluster_constructs.node import ClusterNode
 from cluster_constructs.outputs import ClusterOutputs
 from cluster_constructs.scripts import NodeScripts
 from cluster_constructs.security_group import ClusterSecurityGroup
+from clusterspec.commands import model_name
 from clusterspec.config import ClusterConfig
-from clusterspec.render import model_name, render_cluster
+from clusterspec.render import render_cluster
 
 
 class GptOssClusterStack(Stack):

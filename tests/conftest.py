@@ -141,7 +141,7 @@ SCRIPTS_SHA = "0" * 64
 
 def node_user_data(render: Any, hosts: dict[str, str]) -> str:
     """A node's user data with the deploy-time values a test chooses (CloudFormation's at deploy)."""
-    from clusterspec.render import user_data
+    from clusterspec.userdata import user_data
 
     return user_data(render, hosts, scripts_uri=SCRIPTS_URI, scripts_sha256=SCRIPTS_SHA)
 
@@ -149,7 +149,7 @@ def node_user_data(render: Any, hosts: dict[str, str]) -> str:
 @pytest.fixture(scope="module")
 def shipped(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
     """Write a script as a node receives it (comments or docstrings stripped); returns its path."""
-    from clusterspec.render import node_script
+    from clusterspec.userdata import node_script
 
     folder = tmp_path_factory.mktemp("shipped")
 

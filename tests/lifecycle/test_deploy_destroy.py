@@ -21,7 +21,7 @@ from typing import Any
 import boto3
 import pytest
 
-from clusterspec.render import parse_user_data
+from clusterspec.userdata import parse_user_data
 from tests.conftest import CDK, ROOT, STACK, cli_env
 
 pytestmark = pytest.mark.lifecycle

@@ -9,7 +9,8 @@ from typing import Any
 
 from clusterspec.config import load_config
 from clusterspec.limits import estimate
-from clusterspec.render import parse_user_data, render_cluster, user_data
+from clusterspec.render import render_cluster
+from clusterspec.userdata import parse_user_data, user_data
 from tests.conftest import Synth
 from tests.stacks.test_template import ingress_rules, normalized, of_type, one
 

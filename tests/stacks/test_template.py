@@ -358,7 +358,7 @@ def normalized(template: dict[str, Any]) -> dict[str, Any]:
         r.pop("Metadata", None)
         if r["Type"] == "AWS::EC2::Instance":
             # Decode the bundle so a change to one script reads as a diff of that script.
-            from clusterspec.render import parse_user_data
+            from clusterspec.userdata import parse_user_data
 
             joined = r["Properties"]["UserData"]["Fn::Base64"]
             parts = joined["Fn::Join"][1] if isinstance(joined, dict) else [joined]

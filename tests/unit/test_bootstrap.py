@@ -14,24 +14,10 @@ import pytest
 import yaml
 
 from clusterspec.config import ClusterConfig, load_config
-from clusterspec.render import (
-    BIN,
-    DEPLOY_ENV,
-    MANIFEST,
-    NODE_SCRIPTS,
-    UNITS_FILE,
-    USER_DATA_LIMIT,
-    NodeRender,
-    node_script,
-    parse_env_file,
-    parse_user_data,
-    render_cluster,
-    render_node,
-    scripts_asset,
-    served,
-    systemd_expand,
-    unbundle,
-)
+from clusterspec.paths import BIN, DEPLOY_ENV, MANIFEST, UNITS_FILE
+from clusterspec.quoting import parse_env_file, systemd_expand
+from clusterspec.render import NodeRender, render_cluster, render_node, served
+from clusterspec.userdata import NODE_SCRIPTS, USER_DATA_LIMIT, node_script, parse_user_data, scripts_asset, unbundle
 from tests.conftest import SCRIPTS_SHA, SCRIPTS_URI, node_user_data
 
 LONGEST_IP = "10.255.255.254"
@@ -244,7 +230,7 @@ def test_plan_and_user_data_agree(layout: str) -> None:
 
 def test_stack_embeds_exactly_the_rendered_user_data(default_synth: object) -> None:
     """The template's user data is the rendering, with CloudFormation filling the deploy-time values."""
-    from clusterspec.render import user_data
+    from clusterspec.userdata import user_data
 
     t = default_synth.template  # type: ignore[attr-defined]
     by_node = {r.node.logical_id: r for r in renders("6p1d")}

@@ -301,7 +301,9 @@ def test_odd_but_legal_values_reach_the_server_exactly(tmp_path: Path) -> None:
     """Env values and extra flag values with spaces, unicode, $, %, ; and quotes: verified by
     systemd-analyze, read back by bash from the env file, and expanded from the Exec line the
     way systemd does; each comes out as written."""
-    from clusterspec.render import parse_user_data, render_cluster, served, systemd_expand
+    from clusterspec.quoting import systemd_expand
+    from clusterspec.render import render_cluster, served
+    from clusterspec.userdata import parse_user_data
     from tests.conftest import node_user_data
 
     env = {f"ODD_{i}": {"value": v, "reason": "odd but legal"} for i, v in enumerate(ODD_VALUES)}

@@ -19,7 +19,8 @@ from typing import Any
 
 import pytest
 
-from clusterspec.render import USERDATA_DIR, bundle, node_script, strip_comments
+from clusterspec.paths import USERDATA_DIR
+from clusterspec.userdata import bundle, node_script, strip_comments
 from tests.conftest import fake_command
 
 SCRIPTS = sorted(p for p in (USERDATA_DIR / "bin").iterdir() if p.is_file())

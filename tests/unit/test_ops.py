@@ -20,7 +20,8 @@ from moto import mock_aws
 from cluster_ops import bench, preflight
 from cluster_ops.status import collect, wait_ready
 from clusterspec.config import ClusterConfig, load_config
-from clusterspec.render import USERDATA_DIR, health_file, render_cluster
+from clusterspec.paths import USERDATA_DIR
+from clusterspec.render import health_file, render_cluster
 from tests.conftest import ROOT
 
 REGION = "us-east-2"

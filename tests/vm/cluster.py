@@ -19,7 +19,8 @@ from pathlib import Path
 from typing import Any
 
 from clusterspec.config import ClusterConfig, load_config
-from clusterspec.render import NodeRender, render_cluster, scripts_asset, user_data
+from clusterspec.render import NodeRender, render_cluster
+from clusterspec.userdata import scripts_asset, user_data
 from tests.vm.image import Image
 from tests.vm.machine import Vm, free_port
 

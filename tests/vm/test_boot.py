@@ -17,7 +17,8 @@ import json
 import re
 from typing import Any
 
-from clusterspec.render import MANIFEST, Service
+from clusterspec.paths import MANIFEST
+from clusterspec.render import Service
 from tests.vm.cluster import ADDRESSES, VmCluster
 
 # The fake servers "compile" for COMPILE_S the first time a role runs on a node (blank compile

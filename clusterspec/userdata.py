@@ -1,0 +1,178 @@
+"""Packaging a node's files: the scripts as shipped, the bundle, the user data, the scripts asset."""
+
+from __future__ import annotations
+
+import ast
+import base64
+import functools
+import io
+import lzma
+import re
+import tarfile
+from collections.abc import Mapping
+from pathlib import PurePosixPath
+from typing import TYPE_CHECKING, Any
+
+import yaml
+
+from clusterspec.commands import host_var
+from clusterspec.paths import BIN, BUNDLE, DEPLOY_ENV, ETC, USERDATA_DIR
+from clusterspec.quoting import parse_env_file
+
+if TYPE_CHECKING:
+    from clusterspec.render import NodeRender
+
+USER_DATA_LIMIT = 16 * 1024
+
+
+# Scripts every node carries in its user data: the boot itself, fetching the others, and the
+# status report (which must work when the fetch does not). The other scripts are the same on
+# every node: the stack ships them once, as a file asset in S3 (see scripts_asset), which keeps
+# each node's user data far below EC2's 16 KB.
+NODE_SCRIPTS = frozenset({"gptoss-bootstrap", "gptoss-fetch-scripts", "gptoss-status"})
+
+
+SCRIPTS_ASSET = "gptoss-scripts.tar.xz"
+
+
+
+def strip_comments(name: str, text: str) -> str:
+    """A script as shipped to a node: comment-only lines dropped (the repository keeps them).
+
+    User data is limited to 16 KB per node and the template to 1 MB per stack; the comments
+    explain the scripts to their maintainers, not to the node. The shebang, shellcheck
+    directives and heredoc bodies are kept verbatim.
+    """
+    lines = text.splitlines()
+    out = [lines[0], f"# {name}: userdata/bin/{name} of the cluster project, comments stripped"]
+    heredoc_end: str | None = None
+    for line in lines[1:]:
+        if heredoc_end is not None:
+            out.append(line)
+            if line.strip() == heredoc_end:
+                heredoc_end = None
+            continue
+        stripped = line.strip()
+        if stripped.startswith("#") and not stripped.startswith("# shellcheck"):
+            continue
+        out.append(line)
+        m = re.search(r"<<-?\s*'?(\w+)'?\s*$", line)
+        if m:
+            heredoc_end = m.group(1)
+    return "\n".join(out) + "\n"
+
+
+def strip_python(name: str, text: str) -> str:
+    """A Python script as shipped: docstrings and comments dropped, the code re-printed by `ast`.
+
+    The same reason as strip_comments; the repository keeps the documented source.
+    """
+    tree = ast.parse(text)
+    for node in ast.walk(tree):
+        body = getattr(node, "body", None)
+        if (
+            isinstance(node, ast.Module | ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef)
+            and body
+            and isinstance(body[0], ast.Expr)
+            and isinstance(body[0].value, ast.Constant)
+            and isinstance(body[0].value.value, str)
+        ):
+            node.body = body[1:] or [ast.Pass()]  # type: ignore[attr-defined]
+    shebang = text.splitlines()[0]
+    return f"{shebang}\n# {name}: userdata/bin/{name} of the cluster project, docstrings stripped\n{ast.unparse(tree)}\n"
+
+
+def ship(name: str, text: str) -> str:
+    """A script as a node receives it (bash or Python, by its shebang)."""
+    return strip_python(name, text) if text.startswith("#!/usr/bin/env python3") else strip_comments(name, text)
+
+
+@functools.cache
+def _scripts() -> dict[str, str]:
+    return {p.name: ship(p.name, p.read_text()) for p in sorted((USERDATA_DIR / "bin").iterdir()) if p.is_file()}
+
+
+def node_script(name: str) -> str:
+    """The text of a script as a node receives it."""
+    return _scripts()[name]
+
+
+def scripts_asset(renders: list[NodeRender], *, bin_dir: str = BIN) -> bytes:
+    """The scripts every node fetches: one reproducible tarball for the whole stack."""
+    scripts = _scripts()
+    names = set().union(*(r.scripts for r in renders)) - NODE_SCRIPTS
+    return bundle({f"{bin_dir}/{n}": (scripts[n], 0o755) for n in sorted(names)})
+
+
+def bundle(files: Mapping[str, tuple[str, int]]) -> bytes:
+    """A reproducible xz tarball of a node's files (sorted, zero mtimes, root-owned).
+
+    xz rather than gzip: it keeps a node's user data about 8% smaller, which is what lets
+    one stack hold 64 decode instances under CloudFormation's 1 MB template limit.
+    """
+    raw = io.BytesIO()
+    with tarfile.open(fileobj=raw, mode="w", format=tarfile.USTAR_FORMAT) as tar:
+        for path in sorted(files):
+            text, mode = files[path]
+            data = text.encode()
+            info = tarfile.TarInfo(path.lstrip("/"))
+            info.size, info.mode, info.mtime = len(data), mode, 0
+            tar.addfile(info, io.BytesIO(data))
+    # A 1 MiB dictionary holds the whole tarball; preset 9's 64 MiB would only cost time.
+    filters = [{"id": lzma.FILTER_LZMA2, "preset": 9 | lzma.PRESET_EXTREME, "dict_size": 1 << 20}]
+    return lzma.compress(raw.getvalue(), format=lzma.FORMAT_XZ, filters=filters)
+
+
+def unbundle(blob: bytes) -> dict[str, tuple[str, int]]:
+    """Read a bundle back (tests, the snapshot)."""
+    out = {}
+    with tarfile.open(fileobj=io.BytesIO(lzma.decompress(blob))) as tar:
+        for m in tar.getmembers():
+            f = tar.extractfile(m)
+            assert f is not None
+            out["/" + m.name] = (f.read().decode(), m.mode)
+    return out
+
+
+_EXTRACT = f"mkdir -p {PurePosixPath(BUNDLE).parent} {ETC} && echo \"$0\" | base64 -d > {BUNDLE} && tar -xJf {BUNDLE} -C /"
+
+
+_DEPLOY = f"printf '%s\\n' \"$@\" > {DEPLOY_ENV}"
+
+
+def user_data(render: NodeRender, hosts: Mapping[str, str], *, scripts_uri: str, scripts_sha256: str) -> str:
+    """cloud-init user data: the node's bundle, its peers' IPs and where its scripts are.
+
+    `hosts` (peer name -> IP) and `scripts_uri` are CDK tokens at synth; CloudFormation fills
+    them in. The scripts' sha256 is computed here, so the node checks what it fetches.
+
+    Everything is applied in `bootcmd`, which cloud-init runs at every boot with the current
+    user data: a spec change deployed with `cdk deploy` (CloudFormation stops the instance,
+    changes its user data and starts it) takes effect, where write_files and runcmd would run
+    only once per instance. gptoss-bootstrap then starts the node's target at every boot
+    (there is no first-boot special case). Data goes to `sh -c` as arguments, never inside
+    the script text.
+    """
+    missing = [p for p in render.peers if p not in hosts]
+    if missing:
+        raise ValueError(f"{render.node.name}: no address given for peers {missing}")
+    values = [f"{host_var(p)}={hosts[p]}" for p in render.peers]
+    values += [f"GPTOSS_SCRIPTS_URI={scripts_uri}", f"GPTOSS_SCRIPTS_SHA256={scripts_sha256}"]
+    doc = {
+        "bootcmd": [
+            ["sh", "-c", _EXTRACT, base64.b64encode(bundle(render.files)).decode()],
+            ["sh", "-c", _DEPLOY, "sh", *values],
+            [f"{BIN}/gptoss-bootstrap"],
+        ],
+    }
+    return "#cloud-config\n" + yaml.safe_dump(doc, sort_keys=False, width=1 << 20)
+
+
+def parse_user_data(text: str) -> tuple[dict[str, tuple[str, int]], dict[str, str], dict[str, Any]]:
+    """Parse user data back into (bundle files, deploy.env, the cloud-config document)."""
+    doc = yaml.safe_load(text)
+    extract, hosts, *_ = doc["bootcmd"]
+    assert extract[:3] == ["sh", "-c", _EXTRACT] and hosts[:4] == ["sh", "-c", _DEPLOY, "sh"], doc["bootcmd"]
+    files = unbundle(base64.b64decode(extract[3]))
+    return files, parse_env_file("\n".join(hosts[4:])), doc
+
