@@ -114,10 +114,10 @@ class ClusterNetwork(Construct):
                 deliver_logs_permission_arn=role.role_arn,
             )
 
-    def add_ssm_endpoints(self, *, security_group_id: str) -> None:
-        """Interface endpoints for SSM when the nodes have no route out (egress 'none')."""
+    def add_ssm_endpoints(self, *, security_group_id: str, extra: tuple[str, ...] = ()) -> None:
+        """Interface endpoints for SSM (and `extra` services) when the nodes have no route out (egress 'none')."""
         region = Stack.of(self).region
-        for name in SSM_ENDPOINTS:
+        for name in (*SSM_ENDPOINTS, *extra):
             self.interface_endpoints.append(
                 ec2.CfnVPCEndpoint(
                     self,

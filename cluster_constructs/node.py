@@ -28,6 +28,7 @@ class ClusterNode(Construct):
         peer_ips: Mapping[str, str],
         scripts_uri: str,
         scripts_sha256: str,
+        signal_url: str | None = None,
     ) -> None:
         super().__init__(scope, construct_id)
         node = render.node
@@ -42,7 +43,9 @@ class ClusterNode(Construct):
             image_id=image_id,
             monitoring=config.detailed_monitoring,
             disable_api_termination=config.termination_protection,
-            user_data=Fn.base64(user_data(render, peer_ips, scripts_uri=scripts_uri, scripts_sha256=scripts_sha256)),
+            user_data=Fn.base64(
+                user_data(render, peer_ips, scripts_uri=scripts_uri, scripts_sha256=scripts_sha256, signal_url=signal_url)
+            ),
             tags=[
                 {"key": "Name", "value": f"{config.cluster_name}-{node.name}"},
                 {"key": "gptoss:cluster", "value": config.cluster_name},

@@ -183,6 +183,30 @@ class ExamplesSource(_Frozen):
         return v
 
 
+LOG_RETENTION_DAYS = (1, 3, 5, 7, 14, 30, 60, 90, 120, 150, 180, 365, 400, 545, 731, 1096, 1827, 2192, 2557, 2922, 3288, 3653)
+
+
+class ObservabilityConfig(_Frozen):
+    """Logs and metrics of every node to CloudWatch, one dashboard and alarms for the fleet."""
+
+    enabled: bool = Field(True, description="The node's collector, the log group, the dashboard and the alarms.")
+    interval_s: int = Field(60, ge=10, le=3600, description="How often each node publishes its metrics and ships its logs.")
+    log_retention_days: int = Field(30, description="Retention of the cluster's log group (a CloudWatch Logs value).")
+    alarm_topic_arn: str | None = Field(
+        None, pattern=r"^arn:aws[a-z-]*:sns:[a-z0-9-]+:\d{12}:[A-Za-z0-9_-]{1,256}$", description="SNS topic the alarms notify."
+    )
+
+    @field_validator("log_retention_days")
+    @classmethod
+    def _retention(cls, v: int) -> int:
+        if v not in LOG_RETENTION_DAYS:
+            raise rule_error(
+                "observability.log_retention_days", v, "is not a retention CloudWatch Logs offers",
+                f"use one of {', '.join(map(str, LOG_RETENTION_DAYS))}",
+            )  # fmt: skip
+        return v
+
+
 RecipeName = Literal["gptoss-120b-8k1k", "gptoss-120b-single", "gptoss-20b-single", "gptoss-120b-di", "gptoss-20b-di"]
 
 
@@ -205,6 +229,15 @@ class ClusterConfig(_Frozen):
     capacity_reservation_id: str | None = Field(None, pattern=r"^cr-[0-9a-f]{8,17}$")
     termination_protection: bool = False
     detailed_monitoring: bool = True
+    wait_for_ready: bool = Field(
+        True,
+        description="cdk deploy ends when every node serves (a completion through each proxy) or fails naming the unit; "
+        "a failed create rolls back instead of leaving a broken fleet billing.",
+    )
+    ready_timeout_s: int = Field(
+        21600, ge=600, le=43200, description="How long the deploy gate waits per node (CloudFormation allows 12 h at most)."
+    )
+    observability: ObservabilityConfig = Field(default_factory=ObservabilityConfig)
     network: NetworkConfig = Field(default_factory=NetworkConfig)
     proxy_load_balancer: bool | None = Field(
         None,
@@ -363,6 +396,24 @@ class ClusterConfig(_Frozen):
                     f"the nodes ask Secrets Manager in their own region ({self.region}, partition {partition})",
                     f"replicate the secret to {self.region} and give that ARN",
                 )  # fmt: skip
+        needs = self.stage_timeout_s + self.serving.engine_ready_timeout_s
+        if self.wait_for_ready and self.ready_timeout_s < needs:
+            fix = (
+                f"raise ready_timeout_s to {needs} or more, or set wait_for_ready=false"
+                if needs <= 43200
+                else "lower stage_timeout_s or VLLM_ENGINE_READY_TIMEOUT_S (the deploy gate waits 43200 s at most), or set wait_for_ready=false"
+            )
+            raise rule_error(
+                "ready_timeout_s", self.ready_timeout_s,
+                f"the deploy gate would fail a node still within its own limits (staging {self.stage_timeout_s} s + "
+                f"server start {self.serving.engine_ready_timeout_s} s = {needs} s)", fix,
+            )  # fmt: skip
+        topic = self.observability.alarm_topic_arn
+        if topic and (topic.split(":")[3] != self.region or topic.split(":")[1] != partition):
+            raise rule_error(
+                "observability.alarm_topic_arn", topic, f"CloudWatch alarms in {self.region} notify topics of {self.region}",
+                f"give a topic of {self.region}",
+            )  # fmt: skip
         for arn in self.kms_key_arns:
             if arn.split(":")[3] != self.region or arn.split(":")[1] != partition:
                 raise rule_error("kms_key_arns", arn, f"S3 in {self.region} uses keys of {self.region}", f"give the key of the bucket in {self.region}")

@@ -19,11 +19,15 @@ BASE_BYTES = 40_000
 PER_NODE_BYTES = 1_700
 PER_RULE_BYTES = 400
 LOAD_BALANCER_BYTES = 6_000
+PER_GATE_BYTES = 900  # a node's wait condition and handle (deploy gate)
+OBSERVABILITY_BYTES = 16_000  # log group, dashboard body, alarms, publishing rights
 BASE_RESOURCES = 40
 BASE_OUTPUTS = 2
 IP_PLACEHOLDER = "10.255.255.254"
 # As long as the URI CloudFormation fills in: the bootstrap bucket's name and the asset's key.
 SCRIPTS_URI_PLACEHOLDER = "s3://cdk-hnb659fds-assets-123456789012-ap-southeast-4/" + "0" * 64 + ".xz"
+# About as long as a wait condition handle's presigned URL.
+SIGNAL_URL_PLACEHOLDER = "https://cloudformation-waitcondition-ap-southeast-4.s3.ap-southeast-4.amazonaws.com/" + "x" * 900
 
 
 @dataclass(frozen=True)
@@ -40,24 +44,37 @@ class StackSize:
 def estimate(cfg: ClusterConfig) -> StackSize:
     """Size the stack from the exact user data of every node plus measured per-node overhead."""
     renders = render_cluster(cfg)
+    # In the template the gate's URL is a Ref of about 60 characters; on the instance it is the
+    # presigned URL, which counts against EC2's 16 KB.
     sizes = [
-        len(user_data(r, {p: IP_PLACEHOLDER for p in r.peers}, scripts_uri=SCRIPTS_URI_PLACEHOLDER, scripts_sha256="0" * 64).encode())
+        len(
+            user_data(
+                r,
+                {p: IP_PLACEHOLDER for p in r.peers},
+                scripts_uri=SCRIPTS_URI_PLACEHOLDER,
+                scripts_sha256="0" * 64,
+                signal_url="x" * 60 if cfg.wait_for_ready else None,
+            ).encode()
+        )
         for r in renders
     ]
+    url_growth = len(SIGNAL_URL_PLACEHOLDER) - 60 if cfg.wait_for_ready else 0
     layout = cfg.layout
     nodes = len(renders)
     sg_rules = layout.max_replicas_per_node + 5
     # The template holds user data as text; CloudFormation base64-encodes it at deploy time.
     return StackSize(
         nodes=nodes,
-        resources=BASE_RESOURCES + nodes + sg_rules,
+        resources=BASE_RESOURCES + nodes * (3 if cfg.wait_for_ready else 1) + sg_rules + (6 if cfg.observability.enabled else 0),
         outputs=BASE_OUTPUTS + 2 * nodes + (1 if len(layout.proxies) > 1 and not cfg.load_balanced else 0),
         template_bytes=BASE_BYTES
         + sum(sizes)
         + PER_NODE_BYTES * nodes
         + PER_RULE_BYTES * sg_rules
+        + (PER_GATE_BYTES * nodes if cfg.wait_for_ready else 0)
+        + (OBSERVABILITY_BYTES if cfg.observability.enabled else 0)
         + (LOAD_BALANCER_BYTES if cfg.load_balanced else 0),
-        largest_user_data=max(sizes),
+        largest_user_data=max(sizes) + url_growth,
     )
 
 

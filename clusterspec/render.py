@@ -13,6 +13,7 @@ from pathlib import PurePosixPath
 
 import jinja2
 
+from clusterspec import telemetry
 from clusterspec.commands import (
     bench_argv,
     decode_env,
@@ -49,6 +50,7 @@ RESTART_SEC = 5  # the growing wait is gptoss-backoff's, before each automatic r
 BACKOFF_MAX_S = 900  # gptoss-backoff's longest wait: an ExecStartPre must be allowed that long
 IMDS_TIMEOUT_S = 600  # how long gptoss-identity asks the instance metadata before it fails
 FETCH_TIMEOUT_S = 600  # how long gptoss-fetch-scripts asks S3 before it fails
+CHECK_TIMEOUT_S = 180  # how long gptoss-node-check waits for devices to appear
 
 _ENV = jinja2.Environment(
     loader=jinja2.FileSystemLoader(USERDATA_DIR / "units"),
@@ -142,6 +144,12 @@ def cluster_env(cfg: ClusterConfig, node: Node) -> dict[str, str]:
         "GPTOSS_LOG_DIR": f"{cfg.results_dir}/logs",
         "GPTOSS_RESULTS_S3_URI": cfg.results_s3_uri or "",
         "GPTOSS_BENCH_RESULT_FILE": s.bench.result_file,
+        # The node check (instance table) and the deploy gate.
+        "GPTOSS_EXPECT_NEURON": str(cfg.hardware.neuron_devices),
+        "GPTOSS_EXPECT_EFA": str(cfg.hardware.efa_interfaces if s.disaggregated else 0),
+        "GPTOSS_EGRESS": cfg.network.egress,
+        "GPTOSS_READY_TIMEOUT_S": str(cfg.ready_timeout_s),
+        "GPTOSS_COMPLETION_URL": completion_url(cfg, node),
     }
 
 
@@ -164,6 +172,12 @@ def _limits(cfg: ClusterConfig) -> dict[str, int]:
         "backoff_timeout_s": BACKOFF_MAX_S + 60,
         "restart_sec": RESTART_SEC,
     }
+
+
+def completion_url(cfg: ClusterConfig, node: Node) -> str:
+    """Where the deploy gate sends its test completion: the node's proxy or single server ('' elsewhere)."""
+    serves = node.role == "server" or bool(cfg.layout.proxies_on(node.name))
+    return f"http://127.0.0.1:{endpoint_port(cfg)}/v1/completions" if serves else ""
 
 
 def _unit(name: str, **values: object) -> tuple[str, int]:
@@ -242,7 +256,7 @@ def _render_prefill(cfg: ClusterConfig, node: Node, out: NodeRender, bin_dir: st
 def _group_urls(cfg: ClusterConfig, proxy: ProxyPlacement) -> list[str]:
     """Health routes of every server a proxy routes to (hosts from deploy.env)."""
     s = cfg.serving
-    urls = [Expand(health_url(f"${{{host_var(r.node)}}}", r.http_port, s.server_health_path)) for r in proxy.replicas]
+    urls: list[str] = [Expand(health_url(f"${{{host_var(r.node)}}}", r.http_port, s.server_health_path)) for r in proxy.replicas]
     urls.append(Expand(health_url(f"${{{host_var(f'decode-{proxy.decode_server}')}}}", s.decode.http_port, s.server_health_path)))
     return urls
 
@@ -306,6 +320,29 @@ def _render_bench(cfg: ClusterConfig, out: NodeRender, bin_dir: str) -> None:
         out.services.append(Service("gptoss-bench.service", bench_env, line[2:], step=step))
 
 
+def _render_telemetry(cfg: ClusterConfig, node: Node, out: NodeRender, bin_dir: str) -> None:
+    """The collector: every server's metrics and health, the node's unit states and journal."""
+    servers = []
+    for svc in out.services:
+        port = {"gptoss-decode.service": cfg.serving.decode.http_port, "gptoss-server.service": cfg.serving.server.port}.get(
+            svc.unit
+        )
+        if svc.unit.startswith("gptoss-prefill@"):
+            port = int(svc.environment["GPTOSS_HTTP_PORT"])
+        if port is None:
+            continue
+        name = f"{node.name}/{svc.unit.removeprefix('gptoss-').removesuffix('.service')}"
+        servers.append({"name": name, "unit": svc.unit, "health_url": health_url("127.0.0.1", port, cfg.serving.server_health_path),
+                        "metrics_url": health_url("127.0.0.1", port, "/metrics")})  # fmt: skip
+    units = [u for u in out.units if u.endswith(".service")] + ["gptoss-telemetry.service"]
+    out.files[f"{ETC}/telemetry.json"] = (telemetry.node_config(cfg, node, servers, units), 0o644)
+    out.files[f"{UNIT_DIR}/gptoss-telemetry.service"] = _unit(
+        "gptoss-telemetry.service", bin=bin_dir, log_group=telemetry.log_group(cfg), namespace=telemetry.NAMESPACE
+    )
+    out.units.append("gptoss-telemetry.service")
+    out.wants.append("gptoss-telemetry.service")
+
+
 def render_node(cfg: ClusterConfig, layout: Layout, node: Node, *, bin_dir: str = BIN) -> NodeRender:
     """Render the services and files of one node."""
     out = NodeRender(node=node, instance_type=cfg.instance_type, services=[])
@@ -318,7 +355,14 @@ def render_node(cfg: ClusterConfig, layout: Layout, node: Node, *, bin_dir: str 
         "fetch_timeout_s": FETCH_TIMEOUT_S,
         "deploy_env": DEPLOY_ENV,
     }
-    for name in ("gptoss-scripts.service", "gptoss-nvme.service", "gptoss-identity.service", "gptoss-stage.service"):
+    base |= {"efa": cfg.serving.disaggregated, "check_timeout_s": CHECK_TIMEOUT_S}
+    for name in (
+        "gptoss-scripts.service",
+        "gptoss-nvme.service",
+        "gptoss-identity.service",
+        "gptoss-node-check.service",
+        "gptoss-stage.service",
+    ):
         out.files[f"{UNIT_DIR}/{name}"] = _unit(name, **base, **_limits(cfg))
         out.units.append(name)
         out.wants.append(name)
@@ -330,6 +374,12 @@ def render_node(cfg: ClusterConfig, layout: Layout, node: Node, *, bin_dir: str 
         _render_proxy(cfg, node, proxy, out, bin_dir)
     if layout.proxies_on(node.name) or node.role == "server":
         _render_bench(cfg, out, bin_dir)
+    if cfg.wait_for_ready:
+        out.files[f"{UNIT_DIR}/gptoss-signal.service"] = _unit("gptoss-signal.service", bin=bin_dir)
+        out.units.append("gptoss-signal.service")
+        out.wants.append("gptoss-signal.service")
+    if cfg.observability.enabled:
+        _render_telemetry(cfg, node, out, bin_dir)
     out.files[f"{UNIT_DIR}/{NODE_TARGET}"] = _unit(NODE_TARGET, node=node.name, wants=out.wants)
     out.files[f"{ETC}/health"] = (health_file(cfg, out), 0o644)
     out.scripts = _needed_scripts(out.files, save_cache=cfg.compile_cache_s3_uri is not None)
@@ -349,6 +399,7 @@ def health_checks(cfg: ClusterConfig, render: NodeRender) -> list[tuple[str, str
         ("gptoss-scripts.service", None, None),
         ("gptoss-nvme.service", None, None),
         ("gptoss-identity.service", None, None),
+        ("gptoss-node-check.service", None, None),
         ("gptoss-stage.service", None, None),
     ]
     for svc in render.services:
@@ -363,6 +414,8 @@ def health_checks(cfg: ClusterConfig, render: NodeRender) -> list[tuple[str, str
         elif svc.unit == "gptoss-proxy.service":
             checks.append((svc.unit, health_url("127.0.0.1", s.proxy.port, s.proxy.health_path), "proxy"))
             checks.append(("gptoss-group-health.service", health_url("127.0.0.1", s.proxy.group_health_port, "/ready"), None))
+    if cfg.observability.enabled:
+        checks.append(("gptoss-telemetry.service", None, None))
     return checks
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import ast
 import base64
 import functools
+import hashlib
 import io
 import lzma
 import re
@@ -123,6 +124,11 @@ def bundle(files: Mapping[str, tuple[str, int]]) -> bytes:
     return lzma.compress(raw.getvalue(), format=lzma.FORMAT_XZ, filters=filters)
 
 
+def node_digest(render: NodeRender, scripts_sha256: str) -> str:
+    """8 hex digits that change exactly when what the node runs changes (its files, scripts, peers)."""
+    return hashlib.sha256(bundle(render.files) + scripts_sha256.encode() + ",".join(render.peers).encode()).hexdigest()[:8]
+
+
 def unbundle(blob: bytes) -> dict[str, tuple[str, int]]:
     """Read a bundle back (tests, the snapshot)."""
     out = {}
@@ -140,11 +146,14 @@ _EXTRACT = f"mkdir -p {PurePosixPath(BUNDLE).parent} {ETC} && echo \"$0\" | base
 _DEPLOY = f"printf '%s\\n' \"$@\" > {DEPLOY_ENV}"
 
 
-def user_data(render: NodeRender, hosts: Mapping[str, str], *, scripts_uri: str, scripts_sha256: str) -> str:
+def user_data(
+    render: NodeRender, hosts: Mapping[str, str], *, scripts_uri: str, scripts_sha256: str, signal_url: str | None = None
+) -> str:
     """cloud-init user data: the node's bundle, its peers' IPs and where its scripts are.
 
-    `hosts` (peer name -> IP) and `scripts_uri` are CDK tokens at synth; CloudFormation fills
-    them in. The scripts' sha256 is computed here, so the node checks what it fetches.
+    `hosts` (peer name -> IP), `scripts_uri` and `signal_url` (the deploy gate's wait condition
+    handle) are CDK tokens at synth; CloudFormation fills them in. The scripts' sha256 is
+    computed here, so the node checks what it fetches.
 
     Everything is applied in `bootcmd`, which cloud-init runs at every boot with the current
     user data: a spec change deployed with `cdk deploy` (CloudFormation stops the instance,
@@ -158,6 +167,8 @@ def user_data(render: NodeRender, hosts: Mapping[str, str], *, scripts_uri: str,
         raise ValueError(f"{render.node.name}: no address given for peers {missing}")
     values = [f"{host_var(p)}={hosts[p]}" for p in render.peers]
     values += [f"GPTOSS_SCRIPTS_URI={scripts_uri}", f"GPTOSS_SCRIPTS_SHA256={scripts_sha256}"]
+    if signal_url is not None:
+        values.append(f"GPTOSS_SIGNAL_URL={signal_url}")
     doc = {
         "bootcmd": [
             ["sh", "-c", _EXTRACT, base64.b64encode(bundle(render.files)).decode()],

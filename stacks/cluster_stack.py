@@ -6,11 +6,13 @@ from aws_cdk import Acknowledgment, CfnParameter, Environment, Stack, Tags, Vali
 from aws_cdk import aws_ec2 as ec2
 from constructs import Construct
 
+from cluster_constructs.gate import NodeReadyGate
 from cluster_constructs.iam import NodeRole
 from cluster_constructs.launch_template import EfaLaunchTemplate
 from cluster_constructs.load_balancer import ProxyLoadBalancer
 from cluster_constructs.network import ClusterNetwork
 from cluster_constructs.node import ClusterNode
+from cluster_constructs.observability import FleetObservability
 from cluster_constructs.outputs import ClusterOutputs
 from cluster_constructs.scripts import NodeScripts
 from cluster_constructs.security_group import ClusterSecurityGroup
@@ -40,7 +42,9 @@ class GptOssClusterStack(Stack):
         network = ClusterNetwork(self, "Network", config=config)
         security = ClusterSecurityGroup(self, "SecurityGroup", config=config, layout=layout, vpc=network.vpc)
         if config.network.wants_ssm_endpoints:
-            network.add_ssm_endpoints(security_group_id=security.group.security_group_id)
+            # Without a route out, the collector reaches CloudWatch through endpoints too.
+            extra = ("logs", "monitoring") if config.observability.enabled else ()
+            network.add_ssm_endpoints(security_group_id=security.group.security_group_id, extra=extra)
         # EFA peers share one cluster placement group; a single server needs none.
         placement = ec2.CfnPlacementGroup(self, "PlacementGroup", strategy="cluster") if config.serving.disaggregated else None
         role = NodeRole(self, "NodeRole", config=config)
@@ -72,6 +76,17 @@ class GptOssClusterStack(Stack):
         role.allow_read(scripts.object_arn)
         nodes: dict[str, ClusterNode] = {}
         for render in sorted(renders, key=lambda r: bool(r.peers)):
+            gate = (
+                NodeReadyGate(
+                    self,
+                    f"{render.node.logical_id}Ready",
+                    render=render,
+                    scripts_sha256=scripts.sha256,
+                    timeout_s=config.ready_timeout_s,
+                )
+                if config.wait_for_ready
+                else None
+            )
             nodes[render.node.name] = ClusterNode(
                 self,
                 render.node.logical_id,
@@ -82,13 +97,18 @@ class GptOssClusterStack(Stack):
                 peer_ips={p: nodes[p].private_ip for p in render.peers},
                 scripts_uri=scripts.uri,
                 scripts_sha256=scripts.sha256,
+                signal_url=gate.url if gate else None,
             )
+            if gate:
+                # The gate's clock starts when the instance exists, not when the stack does.
+                gate.condition.add_resource_dependency(nodes[render.node.name].instance)
         ordered = [nodes[r.node.name] for r in renders]
         # The nodes clients reach: the proxies, or the one server of a single-instance recipe.
         proxy_nodes = [nodes[p.node] for p in layout.proxies] or ordered
         endpoint = None
+        balancer = None
         if config.load_balanced:
-            endpoint = ProxyLoadBalancer(
+            balancer = ProxyLoadBalancer(
                 self,
                 "ProxyEndpoint",
                 config=config,
@@ -97,8 +117,19 @@ class GptOssClusterStack(Stack):
                 route_table_id=network.route_table_id,
                 cluster_group=security.group,
                 instances=[n.instance for n in proxy_nodes],
-            ).dns_name
+            )
+            endpoint = balancer.dns_name
         ClusterOutputs(self, "Outputs", config=config, nodes=ordered, proxy_nodes=proxy_nodes, endpoint_dns=endpoint)
+        if config.observability.enabled:
+            FleetObservability(
+                self,
+                "Observability",
+                config=config,
+                role=role.role,
+                load_balancer=(balancer.target_group.target_group_full_name, balancer.nlb.load_balancer_full_name)
+                if balancer
+                else None,
+            )
 
         if not config.termination_protection:
             Validations.of(self).acknowledge(

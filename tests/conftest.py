@@ -135,6 +135,18 @@ def health_server(tmp_path: Path) -> Iterator[str]:
 
 # ---- the node's files, as tests run them -------------------------------------------------
 
+# Values a server may legally be given that every layer (YAML, env file, unit, shell) could mangle.
+ODD_VALUES = [
+    "gpt oss 120b",
+    "prix: 50% off",
+    "cost=$HOME;rm -rf x",
+    "naïve – ünïcode ✓",
+    'say "hi"',
+    "a;b|c&d",
+    "${NOT_EXPANDED}",
+    "%i %n %%",
+]
+
 SCRIPTS_URI = "s3://cdk-hnb659fds-assets-123456789012-us-east-2/scripts.xz"
 SCRIPTS_SHA = "0" * 64
 

@@ -27,6 +27,18 @@ from tests.conftest import CDK, ROOT, STACK, cli_env
 pytestmark = pytest.mark.lifecycle
 
 REGION = "us-east-2"
+# egress none: S3 gateway, SSM for operators, CloudWatch logs and metrics for node telemetry
+EGRESS_NONE_ENDPOINTS = {
+    f"com.amazonaws.{REGION}.{service}": kind
+    for service, kind in {
+        "s3": "Gateway",
+        "ssm": "Interface",
+        "ssmmessages": "Interface",
+        "ec2messages": "Interface",
+        "logs": "Interface",
+        "monitoring": "Interface",
+    }.items()
+}
 ACCOUNT = "123456789012"  # moto's account
 CLUSTER = "gptoss-8k1k"
 LOCAL_CONFIG = """\
@@ -307,12 +319,7 @@ def test_default_two_node_stack_deploys_and_is_destroyed(local_aws: LocalAws) ->
     assert writes == {"arn:aws:s3:::gptoss-local-models/neuron-cache/*"}
     assert not [st for st in seen["role_statements"] if "*" in str(st["Action"]).replace("s3:GetObject", "")]
     assert seen["profile_roles"] == [seen["role_name"]]
-    assert seen["endpoints"] == {
-        f"com.amazonaws.{REGION}.s3": "Gateway",
-        f"com.amazonaws.{REGION}.ssm": "Interface",
-        f"com.amazonaws.{REGION}.ssmmessages": "Interface",
-        f"com.amazonaws.{REGION}.ec2messages": "Interface",
-    }
+    assert seen["endpoints"] == EGRESS_NONE_ENDPOINTS
 
 
 def test_production_three_plus_eight_in_an_existing_vpc_deploys_and_is_destroyed(local_aws: LocalAws) -> None:
@@ -349,9 +356,4 @@ def test_single_instance_recipe_deploys_and_is_destroyed(local_aws: LocalAws) ->
     assert (nic["NetworkCardIndex"], nic.get("InterfaceType", "interface")) == (0, "interface")
     assert data["MetadataOptions"]["HttpTokens"] == "required" and "Placement" not in data
     assert {r for r in seen["rules_in"] if r[0] == "tcp"} == {("tcp", 8000, 8000, "self")}
-    assert seen["endpoints"] == {
-        f"com.amazonaws.{REGION}.s3": "Gateway",
-        f"com.amazonaws.{REGION}.ssm": "Interface",
-        f"com.amazonaws.{REGION}.ssmmessages": "Interface",
-        f"com.amazonaws.{REGION}.ec2messages": "Interface",
-    }
+    assert seen["endpoints"] == EGRESS_NONE_ENDPOINTS

@@ -18,7 +18,12 @@ from tests.stacks.test_template import ingress_rules, normalized, of_type, one
 def _user_data(res: dict[str, Any]) -> str:
     joined = res["Properties"]["UserData"]["Fn::Base64"]
     parts = joined["Fn::Join"][1] if isinstance(joined, dict) else [joined]
-    return "".join(p if isinstance(p, str) else "<" + p.get("Fn::GetAtt", ["bucket"])[0] + ">" for p in parts)
+    return "".join(
+        p
+        if isinstance(p, str)
+        else "<" + (p["Fn::GetAtt"][0] if "Fn::GetAtt" in p else "signal" if "Ref" in p else "bucket") + ">"
+        for p in parts
+    )
 
 
 def test_eleven_instances_three_prefill_eight_decode(fleet_synth: Synth) -> None:
@@ -77,11 +82,11 @@ def test_every_node_runs_what_the_plan_shows(fleet_synth: Synth) -> None:
     for lid, res in of_type(fleet_synth.template, "AWS::EC2::Instance").items():
         r = next(v for k, v in renders.items() if lid.startswith(k + "Instance"))
         text = _user_data(res)
-        peer_ids = [p for p in re.findall(r"<(\w+)>", text) if p != "bucket"]
+        peer_ids = [p for p in re.findall(r"<(\w+)>", text) if p not in ("bucket", "signal")]
         hosts = dict(zip(r.peers, [f"<{p}>" for p in peer_ids], strict=True))
         uri, sha = re.search(r"GPTOSS_SCRIPTS_URI=(\S+)\n.*GPTOSS_SCRIPTS_SHA256=(\w+)", text, re.S).groups()  # type: ignore[union-attr]
-        assert uri.startswith("s3://<bucket>/")
-        assert text == user_data(r, hosts, scripts_uri=uri, scripts_sha256=sha)
+        assert uri.startswith("s3://<bucket>/") and "GPTOSS_SIGNAL_URL=<signal>" in text
+        assert text == user_data(r, hosts, scripts_uri=uri, scripts_sha256=sha, signal_url="<signal>")
 
 
 def test_config_file_gives_the_same_stack_as_context(fleet_synth: Synth, synth_variant: Any, tmp_path: Path) -> None:

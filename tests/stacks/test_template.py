@@ -100,7 +100,10 @@ class TestNetwork:
         assert not of_type(t, "AWS::EC2::InternetGateway")
         assert not of_type(t, "AWS::EC2::Route")
         services = sorted(v["Properties"]["ServiceName"] for v in of_type(t, "AWS::EC2::VPCEndpoint").values())
-        assert services == [f"com.amazonaws.us-east-2.{s}" for s in ("ec2messages", "s3", "ssm", "ssmmessages")]
+        # SSM for the operator, CloudWatch Logs and metrics for the nodes' collector.
+        assert services == [
+            f"com.amazonaws.us-east-2.{s}" for s in ("ec2messages", "logs", "monitoring", "s3", "ssm", "ssmmessages")
+        ]
 
     def test_an_existing_vpc_without_egress_gets_its_s3_and_ssm_endpoints(self, synth_variant: Any) -> None:
         t = synth_variant(
@@ -110,7 +113,9 @@ class TestNetwork:
             examples={"s3_uri": "s3://models-bucket/vllm-neuron"},
         )  # fmt: skip
         eps = {v["Properties"]["ServiceName"]: v["Properties"] for v in of_type(t, "AWS::EC2::VPCEndpoint").values()}
-        assert sorted(eps) == [f"com.amazonaws.us-east-2.{s}" for s in ("ec2messages", "s3", "ssm", "ssmmessages")]
+        assert sorted(eps) == [
+            f"com.amazonaws.us-east-2.{s}" for s in ("ec2messages", "logs", "monitoring", "s3", "ssm", "ssmmessages")
+        ]
         assert eps["com.amazonaws.us-east-2.s3"]["RouteTableIds"] == ["rtb-0123456789abcdef0"]
         assert all(e["SubnetIds"] == ["subnet-0123456789abcdef0"] for n, e in eps.items() if not n.endswith("s3"))
         assert all(e["VpcId"] == "vpc-0123456789abcdef0" for e in eps.values())
@@ -362,7 +367,12 @@ def normalized(template: dict[str, Any]) -> dict[str, Any]:
 
             joined = r["Properties"]["UserData"]["Fn::Base64"]
             parts = joined["Fn::Join"][1] if isinstance(joined, dict) else [joined]
-            text = "".join(p if isinstance(p, str) else "<" + ".".join(p.get("Fn::GetAtt", ["bucket"])) + ">" for p in parts)
+            text = "".join(
+                p
+                if isinstance(p, str)
+                else "<" + (".".join(p["Fn::GetAtt"]) if "Fn::GetAtt" in p else "signal" if "Ref" in p else "bucket") + ">"
+                for p in parts
+            )
             files, deploy, doc = parse_user_data(text)
             r["Properties"]["UserData"] = {
                 "bootcmd": [c[:3] + (["<bundle>"] if c[2].startswith("mkdir") else c[3:]) for c in doc["bootcmd"][:2]]

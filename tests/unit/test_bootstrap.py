@@ -129,9 +129,10 @@ def test_the_node_target_wants_exactly_the_nodes_units() -> None:
         assert set(listed) == set(r.units)
         assert all(u in listed for u in wants)
     prefill, decode = renders("6p1d")
-    assert prefill.wants == ["gptoss-scripts.service", "gptoss-nvme.service", "gptoss-identity.service", "gptoss-stage.service",
-                             "gptoss-prefill.target", "gptoss-proxy.service", "gptoss-group-health.service"]  # fmt: skip
-    assert decode.wants[-1] == "gptoss-decode.service" and "gptoss-proxy.service" not in decode.wants
+    assert prefill.wants == ["gptoss-scripts.service", "gptoss-nvme.service", "gptoss-identity.service", "gptoss-node-check.service",
+                             "gptoss-stage.service", "gptoss-prefill.target", "gptoss-proxy.service", "gptoss-group-health.service",
+                             "gptoss-signal.service", "gptoss-telemetry.service"]  # fmt: skip
+    assert "gptoss-decode.service" in decode.wants and "gptoss-proxy.service" not in decode.wants
 
 
 # ---- user data ------------------------------------------------------------------------------
@@ -249,12 +250,17 @@ def test_stack_embeds_exactly_the_rendered_user_data(default_synth: object) -> N
             elif "Fn::GetAtt" in p:
                 assert p["Fn::GetAtt"][1] == "PrivateIp"
                 text += f"<{next(peers)}>"
+            elif "Ref" in p:
+                assert "Ready" in p["Ref"] and p["Ref"].endswith(tuple("0123456789ABCDEF")), p  # the node's wait condition handle
+                text += "<signal>"
             else:
                 assert p == {"Fn::Sub": "cdk-hnb659fds-assets-${AWS::AccountId}-us-east-2"}, p
                 text += "<bucket>"
         uri, sha = re.search(r"GPTOSS_SCRIPTS_URI=(\S+)\n.*GPTOSS_SCRIPTS_SHA256=([0-9a-f]{64})", text, re.S).groups()  # type: ignore[union-attr]
         assert uri.startswith("s3://<bucket>/") and uri.endswith(".xz")
-        assert text == user_data(node, {p: f"<{p}>" for p in node.peers}, scripts_uri=uri, scripts_sha256=sha)
+        assert text == user_data(
+            node, {p: f"<{p}>" for p in node.peers}, scripts_uri=uri, scripts_sha256=sha, signal_url="<signal>"
+        )
         # The file the CLI packaged under that key is the one the node checks against the sha256.
         packaged = default_synth.outdir / f"asset.{uri.rsplit('/', 1)[1]}"  # type: ignore[attr-defined]
         assert hashlib.sha256(packaged.read_bytes()).hexdigest() == sha
@@ -282,7 +288,8 @@ def test_bootcmd_really_unpacks_the_bundle_and_writes_the_deploy_values(tmp_path
 def test_health_list_names_every_unit_a_ready_node_runs() -> None:
     prefill = renders("6p1d")[0]
     lines = [line.split() for line in prefill.files["/etc/gptoss/health"][0].splitlines()]
-    assert [u for u, *_ in lines] == [u for u in prefill.units if u != "gptoss-prefill.target"]
+    # Every unit that must be running (the signal finishes once it has reported: not listed).
+    assert [u for u, *_ in lines] == [u for u in prefill.units if u not in ("gptoss-prefill.target", "gptoss-signal.service")]
     assert ["gptoss-prefill@3.service", "http://127.0.0.1:8103/health", "prefill_3"] in lines
     assert ["gptoss-group-health.service", "http://127.0.0.1:8001/ready", "-"] in lines
 

@@ -420,8 +420,12 @@ def test_status_reports_state_restarts_phase_and_the_last_log_line_of_what_is_no
               "gptoss-prefill@0.service": "ActiveState=active\nSubState=running\nNRestarts=0\nResult=success",
               "gptoss-prefill@1.service": "ActiveState=active\nSubState=running\nNRestarts=0\nResult=success"}  # fmt: skip
     (tmp_path / "states.json").write_text(json.dumps(states))
-    systemctl = fake_command(tmp_path, "systemctl", f'python3 -c \'import json,sys; print(json.load(open("{tmp_path}/states.json"))[sys.argv[1]])\' "${{@: -1}}"\n')
-    journalctl = fake_command(tmp_path, "journalctl", 'echo "older line"; echo "last line of $2"\n')
+    systemctl = fake_command(
+        tmp_path,
+        "systemctl",
+        f'python3 -c \'import json,sys; print(json.load(open("{tmp_path}/states.json"))[sys.argv[1]])\' "${{@: -1}}"\n',
+    )
+    journalctl = fake_command(tmp_path, "journalctl", 'u=${*: -1}; echo "older line"; echo "last line of ${u#_SYSTEMD_UNIT=}"\n')
     res = subprocess.run(
         [str(USERDATA_DIR / "bin/gptoss-status")], capture_output=True, text=True, check=True,
         env={**os.environ, "GPTOSS_HEALTH_FILE": str(tmp_path / "health"), "GPTOSS_CLUSTER_ENV": str(tmp_path / "cluster.env"),

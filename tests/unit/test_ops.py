@@ -172,7 +172,7 @@ def node_report(cfg: ClusterConfig, node: str, tmp_path: Path, server: str, down
     )
     systemctl.chmod(0o755)
     journalctl = tmp_path / "journalctl"
-    journalctl.write_text('#!/usr/bin/env bash\necho "last line of $2"\n')
+    journalctl.write_text('#!/usr/bin/env bash\nu=${*: -1}; echo "last line of ${u#_SYSTEMD_UNIT=}"\n')
     journalctl.chmod(0o755)
     res = subprocess.run(
         [str(USERDATA_DIR / "bin" / "gptoss-status")],
@@ -239,7 +239,7 @@ def test_status_reports_every_unit_of_every_node(aws: None, tmp_path: Path, heal
                      on_node=lambda node, st: answered.append(f"{node}:{st}"))  # fmt: skip
     assert answered == ["prefill-0:Success", "decode-0:Success"]
     stub.assert_no_pending_responses()
-    assert len(status.units) == 12 + 5
+    assert len(status.units) == 14 + 7
     assert not status.ready
     assert status.failing == ["prefill-0: gptoss-prefill@3.service: retrying (restart 2) - last log: last line of gptoss-prefill@3.service"]
 
@@ -379,7 +379,7 @@ def test_status_command_prints_every_unit_and_exits_0_when_ready(
     monkeypatch.setattr(cli, "Console", lambda *a, **k: __import__("rich.console").console.Console(width=200))
     assert cli.main(["status"]) == 0
     out = capsys.readouterr().out
-    assert out.count("active") == 17 and "gptoss-prefill@5.service" in out and "gptoss-decode.service" in out
+    assert out.count("active") == 21 and "gptoss-prefill@5.service" in out and "gptoss-decode.service" in out
 
 
 def test_save_cache_syncs_from_one_node_of_each_role(aws: None) -> None:

@@ -18,15 +18,18 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from clusterspec import telemetry
 from clusterspec.config import ClusterConfig, load_config
 from clusterspec.render import NodeRender, render_cluster
-from clusterspec.userdata import scripts_asset, user_data
+from clusterspec.userdata import node_digest, scripts_asset, user_data
 from tests.vm.image import Image
 from tests.vm.machine import Vm, free_port
 
 # The guests' addresses in the default subnet_cidr, 10.42.0.0/20.
 ADDRESSES = {"prefill-0": "10.42.0.10", "decode-0": "10.42.0.11"}
 ASSET_BUCKET = "gptoss-vm-assets"
+# The guest's stand-in for the wait condition handle's presigned URL (fake-waitcondition).
+SIGNAL_BASE = "http://127.0.0.1:9901/cloudformation-waitcondition-us-east-2"
 
 
 class VmCluster:
@@ -44,6 +47,8 @@ class VmCluster:
         self.asset = workdir / "scripts.tar.xz"
         self.scripts_uri = ""
         self.fakes: dict[str, Any] = {}
+        self.deploys = 0
+        self.handles: dict[str, tuple[str, str]] = {}
 
     # ---- what a deploy does --------------------------------------------------------------
 
@@ -56,8 +61,22 @@ class VmCluster:
         self.asset.write_bytes(data)
         sha = hashlib.sha256(data).hexdigest()
         self.scripts_uri = f"s3://{ASSET_BUCKET}/{sha}.xz"
+        self.deploys += 1
         for name, r in self.renders.items():
-            self.vms[name].seed(user_data(r, {p: ADDRESSES[p] for p in r.peers}, scripts_uri=self.scripts_uri, scripts_sha256=sha))
+            # The deploy gate's handle, as CloudFormation keeps or makes it: the same URL while
+            # the node's gate (its digest) stays, a new one when the node changes.
+            digest = node_digest(r, sha)
+            if self.handles.get(name, ("",))[0] != digest:
+                self.handles[name] = (
+                    digest,
+                    f"{SIGNAL_BASE}/{name}/{digest}-{self.deploys}?Expires=1900000000&Signature=a%2Fb%3D",
+                )
+            signal = self.handles[name][1] if self.cfg.wait_for_ready else None
+            self.vms[name].seed(
+                user_data(
+                    r, {p: ADDRESSES[p] for p in r.peers}, scripts_uri=self.scripts_uri, scripts_sha256=sha, signal_url=signal
+                )
+            )
 
     def user_data(self, name: str) -> str:
         """The user data the seed of a VM carries."""
@@ -74,7 +93,12 @@ class VmCluster:
 
     def power_on(self, name: str, *, wait: bool = True) -> None:
         """Start one VM with the current seed and fakes (after pull_the_plug, for instance)."""
-        settings = self.fakes | {"s3": {"objects": {self.scripts_uri: "scripts"}}}
+        assert self.cfg is not None
+        # The instance's devices as the instance table says (a fault replaces them).
+        hw = {"devices": {"neuron": self.cfg.hardware.neuron_devices, "efa": self.cfg.hardware.efa_interfaces}}
+        # What the stack makes before the instances: the scripts asset, the log group.
+        made = {"s3": {"objects": {self.scripts_uri: "scripts"}}, "logs": {"groups": [telemetry.log_group(self.cfg)]}}
+        settings = hw | self.fakes | made
         self.vms[name].start(settings, {"scripts": self.asset})
         if wait:
             self.vms[name].wait_ssh(600)
@@ -167,6 +191,18 @@ class VmCluster:
     def journal(self, name: str, unit: str) -> str:
         """A unit's journal of the current boot, messages only."""
         return self.vms[name].ssh(f"journalctl -b -u {unit} -o cat --no-pager", check=False).stdout
+
+    def signals(self, name: str) -> list[dict[str, Any]]:
+        """Every PUT a node made to its deploy gate's handle, oldest first."""
+        out = self.vms[name].ssh("cat /var/lib/fakes/signals.jsonl 2>/dev/null || true").stdout
+        return [json.loads(line) for line in out.splitlines() if line.strip()]
+
+    def guest_aws(self, name: str, command: str, *, until: str | None = None, timeout: float = 180) -> dict[str, Any]:
+        """An AWS CLI call inside a guest, against its moto (what the node's collector wrote)."""
+        cli = f"AWS_ENDPOINT_URL=http://127.0.0.1:5000 aws --region us-east-2 --output json {command}"
+        if until:
+            self.vms[name].wait_until(f"{cli} | grep -q '{until}'", timeout, f"{until} in `aws {command}`")
+        return dict(self.vms[name].json(cli))
 
     def unit_prop(self, name: str, unit: str, prop: str) -> str:
         return self.vms[name].ssh(f"systemctl show -p {prop} --value {unit}").stdout.strip()

@@ -19,6 +19,7 @@ from typing import Any
 
 from clusterspec.paths import MANIFEST
 from clusterspec.render import Service
+from tests.conftest import ODD_VALUES
 from tests.vm.cluster import ADDRESSES, VmCluster
 
 # The fake servers "compile" for COMPILE_S the first time a role runs on a node (blank compile
@@ -146,6 +147,30 @@ def test_first_boot_serves_with_the_plans_commands_in_the_tested_order(cluster: 
     assert cluster.vms["decode-0"].records("vllm-8200.jsonl")[-1]["event"] == "completion"
     assert prefill.json("curl -s localhost:8001/ready")["ready"] is True
 
+    hw = cluster.cfg.hardware if cluster.cfg else None
+    assert hw is not None
+    for node in NODES:
+        vm = cluster.vms[node]
+        # The node check found the instance's devices and NIXL before any server started.
+        check = cluster.journal(node, "gptoss-node-check.service")
+        assert f"Neuron: {hw.neuron_devices} devices" in check and f"EFA: {hw.efa_interfaces} devices" in check, check
+        assert "NIXL importable" in check
+        # The deploy gate: each node told its own handle, once, that it serves.
+        vm.wait_until("test -s /var/lib/fakes/signals.jsonl", 120, "the deploy gate's signal")
+        (signal,) = cluster.signals(node)
+        assert signal["path"].split("/")[2] == node and signal["content_type"] in (None, ""), signal
+        assert (signal["body"]["Status"], signal["body"]["UniqueId"]) == ("SUCCESS", node), signal
+    # The proxy node signals only after a real completion through its proxy.
+    assert "returned 16 tokens" in cluster.signals("prefill-0")[0]["body"]["Reason"]
+
+    # Telemetry: every node's metrics and its units' logs reach CloudWatch (moto in the guest).
+    for node in NODES:
+        names = cluster.guest_aws(node, "cloudwatch list-metrics --namespace GptOss", until="ServerUp")
+        published = {m["MetricName"] for m in names["Metrics"] if {"Name": "Node", "Value": node} in m["Dimensions"]}
+        assert {"ServerUp", "RequestsRunning", "KvCacheUsagePercent"} <= published, published
+        streams = cluster.guest_aws(node, "logs describe-log-streams --log-group-name /gptoss/gptoss-8k1k")
+        assert f"{node}/gptoss-stage.service" in {s["logStreamName"] for s in streams["logStreams"]}
+
 
 def test_reboot_reuses_the_array_the_checkpoint_and_the_compile_cache(cluster: VmCluster) -> None:
     downloads_before = {n: len(cluster.vms[n].records("hub.jsonl")) for n in NODES}
@@ -162,6 +187,10 @@ def test_reboot_reuses_the_array_the_checkpoint_and_the_compile_cache(cluster: V
         ready = [r for r in cluster.this_boot("prefill-0", cluster.vms["prefill-0"].records(f"vllm-{port}.jsonl")) if r["event"] == "ready"]
         assert ready and ready[-1]["compiled"] is False
     assert_runs_the_plan(cluster)
+    # A reboot is not a deploy: nobody waits on the handle any more, and no node signals it again.
+    for node in NODES:
+        assert len(cluster.signals(node)) == 1
+        assert "already signalled" in cluster.journal(node, "gptoss-signal.service")
 
 
 def test_stop_start_restripes_and_restages_through_a_download_cut_half_way(cluster: VmCluster) -> None:
@@ -228,14 +257,27 @@ def test_replicas_are_not_held_hostage_by_a_crash_looping_first_replica(cluster:
 
 
 def test_redeploy_with_a_changed_flag_and_a_seventh_replica(cluster: VmCluster) -> None:
-    cluster.deploy({"prefill_per_decode": "7", "serving": {"decode": {"max_num_seqs": 4}}})
+    # With odd but legal values in decode's environment and flags: the real systemd, bash and
+    # the exec chain must hand each one to the server exactly as written (assert_runs_the_plan).
+    env = {f"ODD_{i}": {"value": v, "reason": "odd but legal"} for i, v in enumerate(ODD_VALUES)}
+    flags = [{"name": f"--odd-{i}", "value": v, "reason": "odd but legal"} for i, v in enumerate(ODD_VALUES)]
+    cluster.deploy({"prefill_per_decode": "7", "serving": {"decode": {"max_num_seqs": 4, "env": env, "extra_flags": flags}}})
     cluster.stop_start(LATER)
     for node in NODES:
         assert_boot_finished(cluster, node)
     cluster.wait_ready(900)
     assert_runs_the_plan(cluster)
-    decode = last_start(cluster, "decode-0", 8200)["argv"]
+    started = last_start(cluster, "decode-0", 8200)
+    decode = started["argv"]
     assert decode[decode.index("--max-num-seqs") + 1] == "4"
+    assert [decode[decode.index(f"--odd-{i}") + 1] for i in range(len(ODD_VALUES))] == ODD_VALUES
+    assert [started["env"][f"ODD_{i}"] for i in range(len(ODD_VALUES))] == ODD_VALUES
+    # Both nodes changed: each had a new handle, and the update waited for a new signal.
+    for node in NODES:
+        vm = cluster.vms[node]
+        vm.wait_until("[ $(wc -l </var/lib/fakes/signals.jsonl) -ge 2 ]", 120, "a signal to the new handle")
+        first, latest = cluster.signals(node)[0], cluster.signals(node)[-1]
+        assert latest["path"] != first["path"] and latest["body"]["Status"] == "SUCCESS"
     assert cluster.status("prefill-0")["gptoss-prefill@6.service"]["healthy"] is True
 
 
@@ -268,3 +310,22 @@ def test_redeploy_from_two_to_one_decode_instance_removes_what_went_away(cluster
     for unit in ("gptoss-proxy.service", "gptoss-group-health.service", "gptoss-bench.service"):
         assert decode.ssh(f"test -e /etc/systemd/system/{unit}", check=False).returncode == 1, unit
     assert cluster.unit_prop("prefill-0", "gptoss-prefill@6.service", "ActiveState") == "inactive"
+
+
+def test_a_node_missing_a_device_fails_the_deploy_gate_naming_it(cluster: VmCluster) -> None:
+    """A Trainium device lost: the node check refuses within its bound, no server starts, and
+    the deploy ends with the reason instead of compiling for hours on a broken node."""
+    assert cluster.cfg is not None
+    hw = cluster.cfg.hardware
+    cluster.deploy({"serving": {"decode": {"max_num_seqs": 2}}})
+    cluster.stop_start(LATER | {"devices": {"neuron": hw.neuron_devices - 1, "efa": hw.efa_interfaces}})
+    for node in NODES:
+        vm = cluster.vms[node]
+        vm.wait_until("tail -n 1 /var/lib/fakes/signals.jsonl | grep -q FAILURE", 300, "a failure signal")
+        body = cluster.signals(node)[-1]["body"]
+        assert body["Reason"].startswith(f"{node}: gptoss-node-check.service failed: "), body
+        assert f"Neuron: {hw.neuron_devices - 1} devices in /dev, the instance table says {hw.neuron_devices}" in body["Reason"]
+        st = cluster.status(node)
+        assert st["gptoss-node-check.service"]["state"] == "failed"
+        server = "gptoss-prefill@0.service" if node == "prefill-0" else "gptoss-decode.service"
+        assert st[server]["state"] == "inactive", f"{node}: {server} must not start on a node missing a device"

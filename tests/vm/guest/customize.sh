@@ -28,6 +28,10 @@ ln -sf /opt/awscli/bin/aws "$root/usr/local/bin/aws"
 in_root python3 -m venv /opt/moto
 in_root /opt/moto/bin/pip install --quiet --no-index --find-links /tmp/wheels "moto[server,s3]"
 rm -rf "$root/tmp/wheels"
+# NIXL, which the DLAMI's vLLM venv ships (the node check imports it before any server starts).
+site=$(in_root "$venv/bin/python3" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+mkdir -p "$root$site/nixl"
+echo '"""Stand-in for NIXL: importable, as on the DLAMI."""' >"$root$site/nixl/__init__.py"
 printf '#!%s/bin/python3\nimport runpy\nrunpy.run_path("/usr/local/lib/fakes/vllm.py", run_name="__main__")\n' "$venv" >"$root$venv/bin/vllm"
 chmod 755 "$root$venv/bin/vllm"
 
@@ -50,6 +54,6 @@ mkdir -p "$root/srv/git"
 git clone -q --bare "$work/repo" "$root/srv/git/vllm-neuron.git"
 rm -rf "$work"
 
-in_root systemctl enable --quiet fake-imds.service fake-hub.service fake-s3.service systemd-networkd.service ssh.service
+in_root systemctl enable --quiet fake-devices.service fake-imds.service fake-hub.service fake-s3.service fake-waitcondition.service systemd-networkd.service ssh.service
 # Nothing the tests need, and each costs seconds of a software-emulated boot.
 in_root systemctl mask --quiet apt-daily.timer apt-daily-upgrade.timer e2scrub_all.timer fstrim.timer 2>/dev/null || true

@@ -2,6 +2,8 @@
 
 "objects": {"s3://bucket/key": "fw_cfg file name"}: the bytes of that fw_cfg file.
 "hub_prefixes": {"s3://bucket/prefix": "org/name"}: the fake Hub's repository, file by file.
+Section "logs", "groups": [...]: CloudWatch Logs groups the stack would have made (moto serves
+CloudWatch and CloudWatch Logs on the same port).
 """
 
 import json
@@ -40,4 +42,13 @@ for prefix, repo in settings.get("hub_prefixes", {}).items():
     for p in sorted(root.rglob("*")):
         if p.is_file():
             put(f"{prefix.rstrip('/')}/{p.relative_to(root)}", p.read_bytes())
+logs = boto3.client(
+    "logs",
+    endpoint_url="http://127.0.0.1:5000",
+    region_name="us-east-2",
+    aws_access_key_id="testing",
+    aws_secret_access_key="testing",
+)
+for group in fakectl.settings("logs").get("groups", []):
+    logs.create_log_group(logGroupName=group)
 print(json.dumps({"seeded": sorted(settings.get("objects", {})) + sorted(settings.get("hub_prefixes", {}))}))

@@ -1,0 +1,29 @@
+"""The deploy gate: `cdk deploy` ends when every node serves, or fails naming what broke."""
+
+from __future__ import annotations
+
+from aws_cdk import CfnWaitCondition, CfnWaitConditionHandle
+from constructs import Construct
+
+from clusterspec.render import NodeRender
+from clusterspec.userdata import node_digest
+
+
+class NodeReadyGate(Construct):
+    """A wait condition for one node, signalled by the node's gptoss-signal with a reason.
+
+    The node PUTs to the handle's presigned URL (no IAM permission; through the S3 gateway
+    endpoint when there is no egress). The logical ids carry a digest of what the node runs:
+    an update that changes the node (which restarts it) makes a new gate the update waits
+    for; an update that leaves the node alone leaves its gate, and the node, alone.
+    """
+
+    def __init__(self, scope: Construct, construct_id: str, *, render: NodeRender, scripts_sha256: str, timeout_s: int) -> None:
+        super().__init__(scope, f"{construct_id}{node_digest(render, scripts_sha256)}")
+        self.handle = CfnWaitConditionHandle(self, "Handle")
+        self.condition = CfnWaitCondition(self, "Condition", handle=self.handle.ref, timeout=str(timeout_s), count=1)
+
+    @property
+    def url(self) -> str:
+        """The handle's presigned URL (a token until deploy)."""
+        return self.handle.ref

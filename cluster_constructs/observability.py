@@ -1,0 +1,215 @@
+"""One log group, one dashboard and the alarms of the fleet, fed by every node's collector."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from aws_cdk import Acknowledgment, Stack, Validations
+from aws_cdk import aws_cloudwatch as cloudwatch
+from aws_cdk import aws_iam as iam
+from aws_cdk import aws_logs as logs
+from constructs import Construct
+
+from clusterspec import telemetry
+from clusterspec.config import ClusterConfig
+
+
+def _search(cfg: ClusterConfig, metric: str, role: str | None, dims: str, stat: str = "Average") -> dict[str, Any]:
+    """A SEARCH over every node/server of the cluster: one widget line per server, any fleet size."""
+    where = f'MetricName="{metric}" Cluster="{cfg.cluster_name}"' + (f' Role="{role}"' if role else "")
+    return {"expression": f"SEARCH('{{{telemetry.NAMESPACE},{dims}}} {where}', '{stat}', {cfg.observability.interval_s})"}
+
+
+def _widget(
+    title: str, metrics: list[Any], *, x: int, y: int, width: int = 8, stat: str = "Average", **props: Any
+) -> dict[str, Any]:
+    return {
+        "type": "metric",
+        "x": x,
+        "y": y,
+        "width": width,
+        "height": 6,
+        "properties": {"title": title, "view": "timeSeries", "stat": stat, "metrics": metrics, "period": 60} | props,
+    }
+
+
+def dashboard_body(cfg: ClusterConfig, *, region: str, lb: tuple[str, str] | None) -> dict[str, Any]:
+    """The dashboard's widgets (tokens for the load balancer's names are resolved by the stack)."""
+    server_dims = "Cluster,Node,Role,Server"
+    roles = (
+        [("decode", "Decode servers"), ("prefill", "Prefill replicas")] if cfg.serving.disaggregated else [("server", "Server")]
+    )
+    widgets: list[dict[str, Any]] = [
+        {
+            "type": "text", "x": 0, "y": 0, "width": 24, "height": 2,
+            "properties": {"markdown": f"# {cfg.cluster_name}: {cfg.recipe} on {cfg.instance_type}\n"
+                           f"{len(cfg.layout.nodes)} nodes. Logs: log group `{telemetry.log_group(cfg)}`, one stream per node and unit."},
+        },
+        _widget(
+            "Fleet: units not ready (worst node), servers down, staging failing",
+            [[telemetry.NAMESPACE, name, "Cluster", cfg.cluster_name] for name in ("UnitsNotReady", "ServersDown", "StagingFailing")],
+            x=0, y=2, stat="Maximum",
+        ),
+    ]  # fmt: skip
+    if lb:
+        tg, nlb = lb
+        widgets.append(
+            _widget(
+                "Load balancer: healthy and unhealthy proxies (group health)",
+                [["AWS/NetworkELB", name, "TargetGroup", tg, "LoadBalancer", nlb] for name in ("HealthyHostCount", "UnHealthyHostCount")],
+                x=8, y=2, stat="Minimum",
+            )
+        )  # fmt: skip
+    y = 8
+    for role, label in roles:
+        for i, (metric, what) in enumerate(
+            [("ServerUp", "up (1) or down (0)"), ("TimeToFirstTokenMs", "time to first token (ms)"),
+             ("TimePerOutputTokenMs", "time per output token (ms)"), ("GenerationTokensPerSecond", "generated tokens/s"),
+             ("PromptTokensPerSecond", "prompt tokens/s"), ("RequestsRunning", "requests running"),
+             ("RequestsWaiting", "requests waiting"), ("KvCacheUsagePercent", "KV cache used (%)")]
+        ):  # fmt: skip
+            widgets.append(
+                _widget(
+                    f"{label}: {what}",
+                    [[_search(cfg, metric, role, server_dims) | {"id": f"e{i}"}]],
+                    x=(i % 3) * 8,
+                    y=y + (i // 3) * 6,
+                )
+            )
+        y += 18
+    node_dims = "Cluster,Node,Role"
+    for i, (metric, what) in enumerate(
+        [("NeuronCoreUtilizationPercent", "NeuronCore utilization (%)"), ("NeuronDeviceMemoryUsedBytes", "Neuron device memory (bytes)"),
+         ("NeuronExecutionErrors", "Neuron execution errors"), ("EfaRxBytesPerSecond", "EFA received (bytes/s)"),
+         ("EfaTxBytesPerSecond", "EFA sent (bytes/s)")]
+    ):  # fmt: skip
+        widgets.append(
+            _widget(
+                f"Per node: {what}",
+                [[_search(cfg, metric, None, node_dims) | {"id": f"n{i}"}]],
+                x=(i % 3) * 8,
+                y=y + (i // 3) * 6,
+            )
+        )
+    for w in widgets:
+        w["properties"].setdefault("region", region)
+    return {"widgets": widgets}
+
+
+class FleetObservability(Construct):
+    """Log group (retention set, removed with the stack), the nodes' rights to publish, dashboard, alarms."""
+
+    def __init__(
+        self,
+        scope: Construct,
+        construct_id: str,
+        *,
+        config: ClusterConfig,
+        role: iam.Role,
+        load_balancer: tuple[str, str] | None,
+    ) -> None:
+        super().__init__(scope, construct_id)
+        stack = Stack.of(self)
+        obs = config.observability
+        group = telemetry.log_group(config)
+        # Encrypted at rest by CloudWatch Logs (always on); kept for the retention given, deleted with the stack.
+        self.log_group = logs.CfnLogGroup(self, "Logs", log_group_name=group, retention_in_days=obs.log_retention_days)
+        group_arn = stack.format_arn(service="logs", resource="log-group", resource_name=f"{group}:*", arn_format=_colon())
+        role.add_to_policy(iam.PolicyStatement(actions=["logs:CreateLogStream", "logs:PutLogEvents"], resources=[group_arn]))
+        metrics = iam.PolicyStatement(actions=["cloudwatch:PutMetricData"], resources=["*"])
+        metrics.add_condition("StringEquals", {"cloudwatch:namespace": telemetry.NAMESPACE})
+        role.add_to_policy(metrics)
+        Validations.of(role).acknowledge(
+            Acknowledgment(
+                id=f"AwsSolutions::AwsSolutions-IAM5[Resource::arn:<AWS::Partition>:logs:{stack.region}:<AWS::AccountId>:log-group:{group}:*]",
+                reason="Nodes create and write their own streams (node/unit) in the cluster's one log group; no other group.",
+            )
+        )
+        Validations.of(role).acknowledge(
+            Acknowledgment(
+                id="AwsSolutions::AwsSolutions-IAM5[Resource::*]",
+                reason="cloudwatch:PutMetricData has no resource-level permission; the policy limits it to the cluster's "
+                f"namespace ({telemetry.NAMESPACE}) with the cloudwatch:namespace condition.",
+            )
+        )
+        body = dashboard_body(config, region=stack.region, lb=load_balancer)
+        self.body = body
+        self.dashboard = cloudwatch.CfnDashboard(
+            self, "Dashboard", dashboard_name=config.cluster_name, dashboard_body=stack.to_json_string(body)
+        )
+        actions = [obs.alarm_topic_arn] if obs.alarm_topic_arn else None
+        period = max(60, obs.interval_s)
+
+        def alarm(name: str, metric: str, threshold: float, periods: int, description: str) -> cloudwatch.CfnAlarm:
+            return cloudwatch.CfnAlarm(
+                self, name, alarm_name=f"{config.cluster_name}-{name}", alarm_description=description,
+                namespace=telemetry.NAMESPACE, metric_name=metric, dimensions=[cloudwatch.CfnAlarm.DimensionProperty(name="Cluster", value=config.cluster_name)],
+                statistic="Maximum", period=period, evaluation_periods=periods, threshold=threshold,
+                comparison_operator="GreaterThanOrEqualToThreshold", treat_missing_data="notBreaching", alarm_actions=actions, ok_actions=actions,
+            )  # fmt: skip
+
+        self.alarms = [
+            alarm(
+                "ServersDown",
+                "ServersDown",
+                1,
+                3,
+                "A server that answered earlier in its boot has stopped answering for 3 minutes.",
+            ),
+            alarm(
+                "StagingFailing",
+                "StagingFailing",
+                1,
+                15,
+                "Staging (checkpoint, examples, caches) has been failing on a node for 15 minutes.",
+            ),
+        ]
+        if load_balancer:
+            tg, nlb = load_balancer
+            dims = [{"Name": "TargetGroup", "Value": tg}, {"Name": "LoadBalancer", "Value": nlb}]
+
+            def query(metric: str, qid: str) -> cloudwatch.CfnAlarm.MetricDataQueryProperty:
+                return cloudwatch.CfnAlarm.MetricDataQueryProperty(
+                    id=qid, return_data=False,
+                    metric_stat=cloudwatch.CfnAlarm.MetricStatProperty(
+                        metric=cloudwatch.CfnAlarm.MetricProperty(namespace="AWS/NetworkELB", metric_name=metric, dimensions=[
+                            cloudwatch.CfnAlarm.DimensionProperty(name=d["Name"], value=d["Value"]) for d in dims]),
+                        period=60, stat="Maximum"),
+                )  # fmt: skip
+
+            # A group out of rotation while others serve; a fleet still compiling (no healthy target yet) is not an alarm.
+            self.alarms.append(
+                cloudwatch.CfnAlarm(
+                    self, "NlbUnhealthyHosts", alarm_name=f"{config.cluster_name}-NlbUnhealthyHosts",
+                    alarm_description="A proxy's group (proxy, decode server, replicas) fails its health check while other groups serve.",
+                    metrics=[query("UnHealthyHostCount", "u"), query("HealthyHostCount", "h"),
+                             cloudwatch.CfnAlarm.MetricDataQueryProperty(id="partial", expression="IF(h >= 1, u, 0)", label="unhealthy while others serve", return_data=True)],
+                    evaluation_periods=3, threshold=1, comparison_operator="GreaterThanOrEqualToThreshold", treat_missing_data="notBreaching",
+                    alarm_actions=actions, ok_actions=actions,
+                )
+            )  # fmt: skip
+
+    @staticmethod
+    def published_names() -> set[str]:
+        """Every metric name a node's collector publishes (the catalog)."""
+        return {m.name for m in telemetry.ALL_METRICS}
+
+    def referenced_names(self) -> set[str]:
+        """Every metric of the project's namespace the dashboard and the alarms refer to."""
+        import re
+
+        text = json.dumps(self.body)
+        names = set(re.findall(r'MetricName=\\\\"(\w+)\\\\"', text))
+        for w in self.body["widgets"]:
+            for m in w.get("properties", {}).get("metrics", []):
+                if isinstance(m, list) and m and m[0] == telemetry.NAMESPACE:
+                    names.add(m[1])
+        names |= {a.metric_name for a in self.alarms if a.metric_name}
+        return names
+
+
+def _colon() -> Any:
+    from aws_cdk import ArnFormat
+
+    return ArnFormat.COLON_RESOURCE_NAME

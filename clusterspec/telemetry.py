@@ -1,0 +1,79 @@
+"""The metrics every node publishes, in one catalog the node's collector and the dashboard share.
+
+A node's collector (userdata/bin/gptoss-telemetry) reads the rendered telemetry.json: the
+servers to scrape and which of these metrics to publish. The stack's dashboard and alarms
+refer to the same names, and a test ties the two, so a renamed metric fails.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+from clusterspec.config import ClusterConfig
+from clusterspec.layout import Node
+
+NAMESPACE = "GptOss"
+
+
+@dataclass(frozen=True)
+class Metric:
+    """One CloudWatch metric a node publishes."""
+
+    name: str
+    unit: str
+    scope: str  # "server": dims Cluster/Node/Role/Server; "node": Cluster/Node/Role; "cluster": Cluster
+    source: str
+
+
+SERVER_METRICS = (
+    Metric("ServerUp", "Count", "server", "1 when the server answers its health route"),
+    Metric("RequestsRunning", "Count", "server", "vllm:num_requests_running"),
+    Metric("RequestsWaiting", "Count", "server", "vllm:num_requests_waiting"),
+    Metric("KvCacheUsagePercent", "Percent", "server", "vllm:kv_cache_usage_perc (vllm:gpu_cache_usage_perc before 0.10)"),
+    Metric("PromptTokensPerSecond", "Count/Second", "server", "rate of vllm:prompt_tokens_total"),
+    Metric("GenerationTokensPerSecond", "Count/Second", "server", "rate of vllm:generation_tokens_total"),
+    Metric("TimeToFirstTokenMs", "Milliseconds", "server", "mean of vllm:time_to_first_token_seconds over the interval"),
+    Metric(
+        "TimePerOutputTokenMs",
+        "Milliseconds",
+        "server",
+        "mean of vllm:inter_token_latency_seconds (vllm:time_per_output_token_seconds before 0.11) over the interval",
+    ),
+)
+NODE_METRICS = (
+    Metric("NeuronCoreUtilizationPercent", "Percent", "node", "neuron-monitor: mean neuroncore_utilization of the cores in use"),
+    Metric("NeuronDeviceMemoryUsedBytes", "Bytes", "node", "neuron-monitor: memory_used.neuron_runtime_used_bytes.neuron_device"),
+    Metric("NeuronExecutionErrors", "Count", "node", "neuron-monitor: execution_stats.error_summary, summed"),
+    Metric("EfaRxBytesPerSecond", "Bytes/Second", "node", "rate of /sys/class/infiniband/*/ports/*/hw_counters/rx_bytes"),
+    Metric("EfaTxBytesPerSecond", "Bytes/Second", "node", "rate of /sys/class/infiniband/*/ports/*/hw_counters/tx_bytes"),
+)
+CLUSTER_METRICS = (
+    Metric("UnitsNotReady", "Count", "cluster", "units of the plan not active or not answering, on the worst node"),
+    Metric("ServersDown", "Count", "cluster", "servers that answered earlier in this boot and no longer do"),
+    Metric("StagingFailing", "Count", "cluster", "1 while gptoss-stage.service has failed or is retrying"),
+)
+ALL_METRICS = SERVER_METRICS + NODE_METRICS + CLUSTER_METRICS
+
+
+def log_group(cfg: ClusterConfig) -> str:
+    """The cluster's CloudWatch Logs group: one stream per node and unit."""
+    return f"/gptoss/{cfg.cluster_name}"
+
+
+def node_config(cfg: ClusterConfig, node: Node, servers: list[dict[str, str]], units: list[str]) -> str:
+    """The collector's telemetry.json for one node."""
+    doc = {
+        "namespace": NAMESPACE,
+        "region": cfg.region,
+        "cluster": cfg.cluster_name,
+        "node": node.name,
+        "role": node.role,
+        "interval_s": cfg.observability.interval_s,
+        "log_group": log_group(cfg),
+        "servers": servers,
+        "units": units,
+        "efa": cfg.serving.disaggregated,
+        "metrics": [m.name for m in ALL_METRICS],
+    }
+    return json.dumps(doc, indent=1) + "\n"

@@ -1,0 +1,160 @@
+"""The deploy gate, the log group, the dashboard and the alarms, as the template provisions them."""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Callable
+from typing import Any
+
+from clusterspec import telemetry
+from tests.conftest import Synth
+from tests.stacks.test_template import of_type
+
+
+def _user_data(resource: dict[str, Any]) -> str:
+    """The instance's user data as text, with each token shown as <Ref:id>."""
+    join = resource["Properties"]["UserData"]["Fn::Base64"]
+    parts = join["Fn::Join"][1] if isinstance(join, dict) else [join]
+    return "".join(p if isinstance(p, str) else f"<Ref:{p.get('Ref', json.dumps(p))}>" for p in parts)
+
+
+def test_each_node_has_its_own_gate_that_waits_for_its_instance(default_synth: Synth) -> None:
+    t = default_synth.template
+    instances = of_type(t, "AWS::EC2::Instance")
+    conditions = of_type(t, "AWS::CloudFormation::WaitCondition")
+    handles = of_type(t, "AWS::CloudFormation::WaitConditionHandle")
+    assert len(instances) == len(conditions) == len(handles) == 2
+    waited_for = set()
+    for c in conditions.values():
+        p = c["Properties"]
+        assert p["Count"] == 1 and p["Timeout"] == "21600"
+        assert p["Handle"]["Ref"] in handles
+        (instance,) = [d for d in c["DependsOn"] if d in instances]
+        waited_for.add(instance)
+        # The instance's user data carries exactly its own gate's handle.
+        ud = _user_data(instances[instance])
+        assert f"<Ref:{p['Handle']['Ref']}>" in ud
+        assert [h for h in handles if f"<Ref:{h}>" in ud] == [p["Handle"]["Ref"]]
+    assert waited_for == set(instances)
+
+
+def test_the_gate_needs_no_iam_permission(default_synth: Synth) -> None:
+    """The node signals through the handle's presigned URL; the role grants nothing of CloudFormation."""
+    policies = json.dumps(of_type(default_synth.template, "AWS::IAM::Policy"))
+    assert "cloudformation:" not in policies
+
+
+def test_the_ready_timeout_is_the_operators(synth_variant: Callable[..., dict[str, Any]]) -> None:
+    t = synth_variant(ready_timeout_s=30000)
+    assert {c["Properties"]["Timeout"] for c in of_type(t, "AWS::CloudFormation::WaitCondition").values()} == {"30000"}
+
+
+def test_without_the_gate_no_wait_condition_and_no_signal_unit(synth_variant: Callable[..., dict[str, Any]]) -> None:
+    t = synth_variant(wait_for_ready=False)
+    assert not of_type(t, "AWS::CloudFormation::WaitCondition") and not of_type(t, "AWS::CloudFormation::WaitConditionHandle")
+    for inst in of_type(t, "AWS::EC2::Instance").values():
+        assert "gptoss-signal" not in _user_data(inst)
+
+
+def _gate_ids(t: dict[str, Any]) -> dict[str, str]:
+    """Gate logical id by the instance it waits for."""
+    out = {}
+    for cid, c in of_type(t, "AWS::CloudFormation::WaitCondition").items():
+        (inst,) = [d for d in c["DependsOn"] if t["Resources"][d]["Type"] == "AWS::EC2::Instance"]
+        out[inst] = cid
+    return out
+
+
+def test_a_change_to_one_role_renews_only_that_roles_gates(synth_variant: Callable[..., dict[str, Any]]) -> None:
+    """An update waits for the nodes it restarts; an untouched node's gate (and node) stays."""
+    before = _gate_ids(synth_variant())
+    after = _gate_ids(synth_variant(**{"serving.prefill.max_num_seqs": 2}))
+    assert before.keys() == after.keys()
+    changed = {inst for inst in before if before[inst] != after[inst]}
+    assert changed == {i for i in before if i.startswith("Prefill")}, changed
+
+
+def test_log_group_has_the_retention_and_the_role_writes_only_there(default_synth: Synth) -> None:
+    t = default_synth.template
+    (group,) = [v for k, v in of_type(t, "AWS::Logs::LogGroup").items() if "FlowLog" not in k]
+    assert (group["Properties"]["LogGroupName"], group["Properties"]["RetentionInDays"]) == ("/gptoss/gptoss-8k1k", 30)
+    statements = [
+        s
+        for p in of_type(t, "AWS::IAM::Policy").values()
+        if "NodeRole" in json.dumps(p["Properties"]["Roles"])
+        for s in p["Properties"]["PolicyDocument"]["Statement"]
+    ]
+    logs = [s for s in statements if any(str(a).startswith("logs:") for a in _list(s["Action"]))]
+    assert len(logs) == 1 and sorted(_list(logs[0]["Action"])) == ["logs:CreateLogStream", "logs:PutLogEvents"]
+    assert "log-group:/gptoss/gptoss-8k1k:*" in json.dumps(logs[0]["Resource"])
+    metrics = [s for s in statements if "cloudwatch:PutMetricData" in _list(s["Action"])]
+    assert len(metrics) == 1
+    assert metrics[0]["Condition"] == {"StringEquals": {"cloudwatch:namespace": telemetry.NAMESPACE}}
+
+
+def _list(v: Any) -> list[Any]:
+    return v if isinstance(v, list) else [v]
+
+
+def _dashboard_text(t: dict[str, Any]) -> str:
+    ((_, dash),) = of_type(t, "AWS::CloudWatch::Dashboard").items()
+    body = dash["Properties"]["DashboardBody"]
+    parts = body["Fn::Join"][1] if isinstance(body, dict) else [body]
+    return "".join(p if isinstance(p, str) else "<token>" for p in parts)
+
+
+def _referenced(t: dict[str, Any]) -> set[str]:
+    """Every metric of the project's namespace the dashboard and the alarms name."""
+    text = _dashboard_text(t)
+    names = set(re.findall(r'MetricName=\\"(\w+)\\"', text))
+    names |= set(re.findall(rf'\["{telemetry.NAMESPACE}","(\w+)"', text))
+    for a in of_type(t, "AWS::CloudWatch::Alarm").values():
+        if a["Properties"].get("Namespace") == telemetry.NAMESPACE:
+            names.add(a["Properties"]["MetricName"])
+    return names
+
+
+def test_the_dashboard_and_alarms_name_only_metrics_the_nodes_publish(default_synth: Synth) -> None:
+    """A metric renamed on one side only fails here: the dashboard would show an empty graph."""
+    referenced = _referenced(default_synth.template)
+    published = {m.name for m in telemetry.ALL_METRICS}
+    assert referenced <= published, referenced - published
+    # ... and the dashboard shows every metric the nodes pay to publish.
+    assert referenced == published, published - referenced
+
+
+def test_the_dashboard_has_a_graph_per_role_and_the_load_balancer(
+    default_synth: Synth, synth_variant: Callable[..., dict[str, Any]]
+) -> None:
+    text = _dashboard_text(default_synth.template)
+    assert 'Role=\\"decode\\"' in text and 'Role=\\"prefill\\"' in text
+    assert "AWS/NetworkELB" not in text  # one proxy: no load balancer
+    assert '"AWS/NetworkELB","HealthyHostCount"' in _dashboard_text(synth_variant(decode_instances=8))
+    single = _dashboard_text(synth_variant(recipe="gptoss-20b-single"))
+    assert 'Role=\\"server\\"' in single and 'Role=\\"prefill\\"' not in single and "AWS/NetworkELB" not in single
+
+
+def test_alarms_notify_the_operators_topic(synth_variant: Callable[..., dict[str, Any]]) -> None:
+    topic = "arn:aws:sns:us-east-2:123456789012:gptoss-pager"
+    alarms = of_type(synth_variant(decode_instances=8, **{"observability.alarm_topic_arn": topic}), "AWS::CloudWatch::Alarm")
+    assert {a["Properties"]["AlarmName"] for a in alarms.values()} == {
+        "gptoss-8k1k-ServersDown",
+        "gptoss-8k1k-StagingFailing",
+        "gptoss-8k1k-NlbUnhealthyHosts",
+    }
+    for a in alarms.values():
+        assert a["Properties"]["AlarmActions"] == [topic] and a["Properties"]["OKActions"] == [topic]
+        assert a["Properties"]["TreatMissingData"] == "notBreaching"
+    nlb = next(a for a in alarms.values() if a["Properties"]["AlarmName"].endswith("NlbUnhealthyHosts"))
+    (expr,) = [m for m in nlb["Properties"]["Metrics"] if "Expression" in m]
+    assert expr["Expression"] == "IF(h >= 1, u, 0)" and expr["ReturnData"] is True
+
+
+def test_observability_off_provisions_none_of_it(synth_variant: Callable[..., dict[str, Any]]) -> None:
+    t = synth_variant(**{"observability.enabled": False})
+    assert not of_type(t, "AWS::CloudWatch::Dashboard") and not of_type(t, "AWS::CloudWatch::Alarm")
+    assert [k for k in of_type(t, "AWS::Logs::LogGroup") if "FlowLog" not in k] == []
+    for inst in of_type(t, "AWS::EC2::Instance").values():
+        assert "gptoss-telemetry" not in _user_data(inst)
+    assert "cloudwatch:PutMetricData" not in json.dumps(of_type(t, "AWS::IAM::Policy"))

@@ -1,0 +1,398 @@
+"""The boot check, the deploy gate's signal and the telemetry collector, run for real as shipped.
+
+Tool outputs are injected (fi_info, /dev/neuron*, the venv's Python, systemctl, journalctl);
+the HTTP peers (the wait condition handle, the proxy, a vLLM /metrics page) are loopback
+servers of the test. The collector's payloads are checked against botocore's own models of
+PutMetricData and PutLogEvents.
+"""
+
+from __future__ import annotations
+
+import http.server
+import importlib.machinery
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import threading
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import botocore.session
+import pytest
+from botocore.validate import validate_parameters
+
+from clusterspec import telemetry
+from clusterspec.paths import USERDATA_DIR
+from tests.conftest import fake_command
+
+Shipped = Callable[[str], Path]
+
+
+# ---- gptoss-node-check --------------------------------------------------------------------------
+
+
+@pytest.fixture
+def node(tmp_path: Path, shipped: Shipped) -> Callable[..., subprocess.CompletedProcess[str]]:
+    """A node with 16 Neuron devices, 16 EFA devices and nixl in its venv; each can be taken away."""
+
+    def run(*, neuron: int = 16, efa: int = 16, provider: bool = True, nixl: bool = True, egress: str = "nat",
+            expect_efa: int = 16) -> subprocess.CompletedProcess[str]:  # fmt: skip
+        dev = tmp_path / "dev"
+        dev.mkdir(exist_ok=True)
+        for p in dev.glob("neuron*"):
+            p.unlink()
+        for i in range(neuron):
+            (dev / f"neuron{i}").touch()
+        fakes = tmp_path / "fakes"
+        domains = "".join(f"provider: efa\\n    domain: rdmap{i}s0-rdm\\n" for i in range(efa))
+        fake_command(fakes, "fi_info", f'{"exit 1" if not provider else ""}\nprintf "{domains}"\n')
+        venv = tmp_path / "venv-vllm"
+        (venv / "bin").mkdir(parents=True, exist_ok=True)
+        state = tmp_path / "nixl-installed"
+        if nixl:
+            state.touch()
+        else:
+            state.unlink(missing_ok=True)
+        fake_command(
+            venv / "bin", "python3",
+            f'if [ "$1 $2" = "-c import nixl" ]; then [ -f "{state}" ]; exit; fi\n'
+            f'if [ "$1 $2 $3" = "-m pip install" ]; then echo "pip $*" >>"{tmp_path}/pip.log"; touch "{state}"; exit 0; fi\nexit 2\n',
+        )  # fmt: skip
+        (tmp_path / "cluster.env").write_text(
+            f"GPTOSS_VENV_GLOB={tmp_path}/venv-vllm*\nGPTOSS_EXPECT_NEURON=16\nGPTOSS_EXPECT_EFA={expect_efa}\nGPTOSS_EGRESS={egress}\n"
+        )
+        env = {**os.environ, "GPTOSS_CLUSTER_ENV": str(tmp_path / "cluster.env"), "GPTOSS_FI_INFO": str(fakes / "fi_info"),
+               "GPTOSS_DEV_DIR": str(dev), "GPTOSS_CHECK_TIMEOUT_S": "1", "GPTOSS_POLL_S": "0.2"}  # fmt: skip
+        return subprocess.run([str(shipped("gptoss-node-check"))], env=env, capture_output=True, text=True, timeout=60)
+
+    run.tmp = tmp_path  # type: ignore[attr-defined]
+    return run
+
+
+def test_node_check_passes_on_a_complete_node(node: Any) -> None:
+    r = node()
+    assert r.returncode == 0, r.stderr
+    assert (
+        "Neuron: 16 devices" in r.stdout
+        and "EFA: 16 devices, libfabric efa provider loads" in r.stdout
+        and "NIXL importable" in r.stdout
+    )
+
+
+def test_node_check_names_missing_efa_devices(node: Any) -> None:
+    r = node(efa=12)
+    assert r.returncode == 1
+    assert "gptoss-node-check: EFA: 12 devices, the instance table says 16 (efa_interfaces)" in r.stderr
+
+
+def test_node_check_refuses_a_node_whose_efa_provider_does_not_load(node: Any) -> None:
+    r = node(provider=False)
+    assert r.returncode == 1 and "libfabric's efa provider does not load" in r.stderr
+
+
+def test_node_check_names_missing_neuron_devices(node: Any) -> None:
+    r = node(neuron=15)
+    assert r.returncode == 1 and "Neuron: 15 devices in" in r.stderr and "the instance table says 16 (neuron_devices)" in r.stderr
+
+
+def test_node_check_installs_nixl_when_it_can_and_names_the_fix_when_it_cannot(node: Any) -> None:
+    r = node(nixl=False, egress="nat")
+    assert r.returncode == 0, r.stderr
+    assert "installing it" in r.stdout and (node.tmp / "pip.log").read_text().strip() == "pip -m pip install --quiet nixl"
+    r = node(nixl=False, egress="none")
+    assert r.returncode == 1
+    assert "NIXL is not importable" in r.stderr and "use a DLAMI whose vLLM venv has nixl, or network.egress=nat" in r.stderr
+
+
+def test_a_single_instance_node_needs_no_efa_and_no_nixl(node: Any) -> None:
+    r = node(efa=0, provider=False, nixl=False, expect_efa=0)
+    assert r.returncode == 0, r.stderr
+    assert "EFA" not in r.stdout and "NIXL" not in r.stdout
+
+
+# ---- gptoss-signal --------------------------------------------------------------------------------
+
+
+class _Recorder(http.server.BaseHTTPRequestHandler):
+    """The handle (PUT), a proxy (POST /v1/completions) and health routes, on loopback."""
+
+    puts: list[dict[str, Any]]
+    completion: dict[str, Any]
+
+    def log_message(self, format: str, *args: Any) -> None:
+        pass
+
+    def _reply(self, status: int, body: bytes = b"") -> None:
+        self.send_response(status)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def do_PUT(self) -> None:
+        body = self.rfile.read(int(self.headers["Content-Length"]))
+        self.puts.append({"content_type": self.headers.get("Content-Type"), "doc": json.loads(body)})
+        self._reply(200)
+
+    def do_POST(self) -> None:
+        self.rfile.read(int(self.headers["Content-Length"]))
+        self._reply(200, json.dumps(self.completion).encode())
+
+    def do_GET(self) -> None:
+        self._reply(200, b"ok")
+
+
+@pytest.fixture
+def peers() -> Iterator[type[_Recorder]]:
+    handler = type(
+        "R", (_Recorder,), {"puts": [], "completion": {"choices": [{"text": " Paris."}], "usage": {"completion_tokens": 16}}}
+    )
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    handler.url = f"http://127.0.0.1:{server.server_address[1]}"  # type: ignore[attr-defined]
+    yield handler
+    server.shutdown()
+
+
+@pytest.fixture
+def signal_node(tmp_path: Path, peers: Any, shipped: Shipped) -> Callable[..., subprocess.CompletedProcess[str]]:
+    etc = tmp_path / "etc"
+    etc.mkdir()
+    (etc / "health").write_text(
+        f"gptoss-node-check.service - -\ngptoss-stage.service - -\ngptoss-proxy.service {peers.url}/healthcheck proxy\n"
+    )
+    (etc / "deploy.env").write_text(f"GPTOSS_SIGNAL_URL={peers.url}/handle?X-Amz-Signature=abc\n")
+    states = tmp_path / "states.json"
+    fake_command(
+        tmp_path,
+        "systemctl",
+        f'python3 -c \'import json,sys; print(json.load(open("{states}")).get(sys.argv[1], "ActiveState=active"))\' "${{@: -1}}"\n',
+    )
+    fake_command(tmp_path, "journalctl", 'u=${*: -1}; echo "last line of ${u#_SYSTEMD_UNIT=}"\n')
+
+    def run(
+        units: dict[str, str] | None = None, *, timeout: int = 21600, completion: bool = True
+    ) -> subprocess.CompletedProcess[str]:
+        states.write_text(json.dumps(units or {}))
+        (etc / "cluster.env").write_text(
+            f"GPTOSS_NODE=prefill-0\nGPTOSS_MODEL_DIR=/opt/dlami/nvme/models/gpt-oss-120b\nGPTOSS_READY_TIMEOUT_S={timeout}\n"
+            + (f"GPTOSS_COMPLETION_URL={peers.url}/v1/completions\n" if completion else "")
+        )
+        env = {**os.environ, "GPTOSS_ETC": str(etc), "GPTOSS_STATE_DIR": str(tmp_path / "state"), "GPTOSS_SYSTEMCTL": str(tmp_path / "systemctl"),
+               "GPTOSS_JOURNALCTL": str(tmp_path / "journalctl"), "GPTOSS_SIGNAL_POLL_S": "0.1"}  # fmt: skip
+        return subprocess.run(
+            [sys.executable, str(shipped("gptoss-signal"))], env=env, capture_output=True, text=True, timeout=60
+        )
+
+    return run
+
+
+def test_signal_succeeds_after_a_real_completion_through_the_proxy_and_only_once(signal_node: Any, peers: Any) -> None:
+    r = signal_node()
+    assert r.returncode == 0, r.stderr
+    (put,) = peers.puts
+    assert put["content_type"] == "", "the presigned URL was signed without a content type"
+    assert put["doc"]["Status"] == "SUCCESS" and put["doc"]["UniqueId"] == "prefill-0"
+    assert put["doc"]["Reason"] == f"prefill-0: a completion through {peers.url}/v1/completions returned 16 tokens"
+    assert signal_node().returncode == 0 and len(peers.puts) == 1, "a reboot does not signal again"
+
+
+def test_signal_waits_while_the_completion_returns_no_tokens(signal_node: Any, peers: Any) -> None:
+    peers.completion = {"choices": [{"text": ""}], "usage": {"completion_tokens": 0}}
+    r = signal_node(timeout=121)
+    assert r.returncode == 0
+    (put,) = peers.puts
+    assert put["doc"]["Status"] == "FAILURE"
+    assert "not ready before the deploy gate's timeout: completion returned no tokens" in put["doc"]["Reason"]
+
+
+def test_signal_fails_naming_the_failed_unit_and_its_last_log_line(signal_node: Any, peers: Any) -> None:
+    r = signal_node({"gptoss-node-check.service": "ActiveState=failed\nNRestarts=0"})
+    assert r.returncode == 0, r.stderr
+    (put,) = peers.puts
+    assert put["doc"] == {"Status": "FAILURE", "UniqueId": "prefill-0",
+                          "Reason": "prefill-0: gptoss-node-check.service failed: last line of gptoss-node-check.service",
+                          "Data": "prefill-0: gptoss-node-check.service failed: last line of gptoss-node-check.service"}  # fmt: skip
+
+
+def test_signal_fails_when_staging_keeps_failing(signal_node: Any, peers: Any) -> None:
+    signal_node({"gptoss-stage.service": "ActiveState=activating\nSubState=auto-restart\nNRestarts=3"})
+    assert (
+        peers.puts[0]["doc"]["Reason"]
+        == "prefill-0: gptoss-stage.service staging keeps failing (3 restarts): last line of gptoss-stage.service"
+    )
+
+
+# ---- gptoss-telemetry -------------------------------------------------------------------------------
+
+
+def _collector() -> ModuleType:
+    loader = importlib.machinery.SourceFileLoader("gptoss_telemetry", str(USERDATA_DIR / "bin" / "gptoss-telemetry"))
+    spec = importlib.util.spec_from_loader(loader.name, loader)
+    assert spec is not None
+    mod = importlib.util.module_from_spec(spec)
+    loader.exec_module(mod)
+    return mod
+
+
+class _VllmMetrics(http.server.BaseHTTPRequestHandler):
+    """A vLLM server's /metrics (0.11 names) whose counters the test advances."""
+
+    n = 0
+
+    def log_message(self, format: str, *args: Any) -> None:
+        pass
+
+    def do_GET(self) -> None:
+        n = type(self).n
+        body = "ok" if self.path == "/health" else (
+            "# HELP vllm:num_requests_running Number of requests in model execution batches.\n"
+            "# TYPE vllm:num_requests_running gauge\n"
+            'vllm:num_requests_running{engine="0",model_name="m"} 3.0\n'
+            'vllm:num_requests_waiting{engine="0",model_name="m"} 1.0\n'
+            'vllm:kv_cache_usage_perc{engine="0",model_name="m"} 0.25\n'
+            f'vllm:prompt_tokens_total{{engine="0",model_name="m"}} {8192.0 * n}\n'
+            f'vllm:generation_tokens_total{{engine="0",model_name="m"}} {1024.0 * n}\n'
+            f'vllm:time_to_first_token_seconds_sum{{engine="0",model_name="m"}} {0.5 * n}\n'
+            f'vllm:time_to_first_token_seconds_count{{engine="0",model_name="m"}} {1.0 * n}\n'
+            f'vllm:inter_token_latency_seconds_sum{{engine="0",model_name="m"}} {0.01 * 1024 * n}\n'
+            f'vllm:inter_token_latency_seconds_count{{engine="0",model_name="m"}} {1024.0 * n}\n'
+        )  # fmt: skip
+        data = body.encode()
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+
+def _validate(operation: str, service: str, params: dict[str, Any]) -> None:
+    model = botocore.session.get_session().get_service_model(service)
+    validate_parameters(params, model.operation_model(operation).input_shape)
+
+
+def test_collector_publishes_every_catalog_metric_in_a_payload_cloudwatch_accepts(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    handler = type("V", (_VllmMetrics,), {"n": 1})
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    base = f"http://127.0.0.1:{server.server_address[1]}"
+    ib = tmp_path / "infiniband"
+    for dev in ("rdmap0s0", "rdmap1s0"):
+        (ib / dev / "ports/1/hw_counters").mkdir(parents=True)
+    report = {"neuron_runtime_data": [{"report": {"neuroncore_counters": {"neuroncores_in_use": {"0": {"neuroncore_utilization": 80.0},
+              "1": {"neuroncore_utilization": 60.0}}}, "memory_used": {"neuron_runtime_used_bytes": {"neuron_device": 2**30}},
+              "execution_stats": {"error_summary": {"generic": 0, "numerical": 1}}}}]}  # fmt: skip
+    fake_command(tmp_path, "neuron-monitor", f"echo '{json.dumps(report)}'\nsleep 30\n")
+    fake_command(
+        tmp_path,
+        "systemctl",
+        'for a; do u=$a; done\n[ "$u" = gptoss-stage.service ] && { echo ActiveState=activating; echo SubState=auto-restart; exit; }\necho ActiveState=active\n',
+    )
+    for k, v in {"GPTOSS_SYS_INFINIBAND": str(ib), "GPTOSS_NEURON_MONITOR": str(tmp_path / "neuron-monitor"),
+                 "GPTOSS_SYSTEMCTL": str(tmp_path / "systemctl")}.items():  # fmt: skip
+        monkeypatch.setenv(k, v)
+    mod = _collector()
+    cfg = {"namespace": telemetry.NAMESPACE, "region": "us-east-2", "cluster": "c1", "node": "decode-0", "role": "decode", "interval_s": 60,
+           "log_group": "/gptoss/c1", "efa": True, "metrics": [m.name for m in telemetry.ALL_METRICS],
+           "servers": [{"name": "decode-0/decode", "unit": "gptoss-decode.service", "health_url": f"{base}/health", "metrics_url": f"{base}/metrics"}],
+           "units": ["gptoss-stage.service", "gptoss-decode.service"]}  # fmt: skip
+    try:
+        for dev in ("rdmap0s0", "rdmap1s0"):
+            (ib / dev / "ports/1/hw_counters/rx_bytes").write_text("1000\n")
+            (ib / dev / "ports/1/hw_counters/tx_bytes").write_text("500\n")
+        c = mod.Collector(cfg)
+        import time
+
+        for _ in range(50):
+            if c.neuron.report:
+                break
+            time.sleep(0.1)
+        c.collect(1000.0)
+        handler.n = 11  # ten more requests in 60 s
+        for dev in ("rdmap0s0", "rdmap1s0"):
+            (ib / dev / "ports/1/hw_counters/rx_bytes").write_text(str(1000 + 6_000_000) + "\n")
+            (ib / dev / "ports/1/hw_counters/tx_bytes").write_text(str(500 + 600_000) + "\n")
+        data = c.collect(1060.0)
+    finally:
+        server.shutdown()
+        if c.neuron and c.neuron.proc:
+            c.neuron.proc.kill()
+    values = {d["MetricName"]: d["Value"] for d in data}
+    assert values["PromptTokensPerSecond"] == pytest.approx(8192 * 10 / 60)
+    assert values["GenerationTokensPerSecond"] == pytest.approx(1024 * 10 / 60)
+    assert values["TimeToFirstTokenMs"] == pytest.approx(500.0) and values["TimePerOutputTokenMs"] == pytest.approx(10.0)
+    assert (values["RequestsRunning"], values["RequestsWaiting"], values["KvCacheUsagePercent"], values["ServerUp"]) == (
+        3,
+        1,
+        25,
+        1,
+    )
+    assert (
+        values["NeuronCoreUtilizationPercent"] == 70
+        and values["NeuronDeviceMemoryUsedBytes"] == 2**30
+        and values["NeuronExecutionErrors"] == 1
+    )
+    assert values["EfaRxBytesPerSecond"] == pytest.approx(2 * 6_000_000 / 60) and values["EfaTxBytesPerSecond"] == pytest.approx(
+        2 * 600_000 / 60
+    )
+    assert (values["UnitsNotReady"], values["StagingFailing"], values["ServersDown"]) == (1, 1, 0)
+    # Every metric of the catalog comes out, with its dimensions, in a payload the API accepts.
+    assert set(values) == {m.name for m in telemetry.ALL_METRICS}
+    by_name = {d["MetricName"]: {x["Name"] for x in d["Dimensions"]} for d in data}
+    assert by_name["TimeToFirstTokenMs"] == {"Cluster", "Node", "Role", "Server"} and by_name["UnitsNotReady"] == {"Cluster"}
+    _validate("PutMetricData", "cloudwatch", {"Namespace": telemetry.NAMESPACE, "MetricData": data})
+
+
+def test_collector_ships_each_units_journal_to_its_own_stream(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    entries = [{"__CURSOR": f"c{i}", "_SYSTEMD_UNIT": u, "__REALTIME_TIMESTAMP": str(1_700_000_000_000_000 + i), "MESSAGE": m}
+               for i, (u, m) in enumerate([("gptoss-decode.service", "fake vllm: compiling"), ("gptoss-stage.service", "staged"),
+                                           ("gptoss-decode.service", [104, 105])])]  # fmt: skip
+    journal = tmp_path / "journal.jsonl"
+    journal.write_text("".join(json.dumps(e) + "\n" for e in entries))
+    fake_command(tmp_path, "journalctl", f'echo "$*" >>"{tmp_path}/journalctl.args"\ncat "{journal}"\n')
+    fake_command(
+        tmp_path,
+        "aws",
+        f'echo "$*" >>"{tmp_path}/aws.log"\nfor a; do case $a in file://*) cp "${{a#file://}}" "{tmp_path}/payload-$(date +%s%N).json";; esac; done\n',
+    )
+    monkeypatch.setenv("GPTOSS_JOURNALCTL", str(tmp_path / "journalctl"))
+    monkeypatch.setenv("GPTOSS_AWS", str(tmp_path / "aws"))
+    monkeypatch.setenv("GPTOSS_STATE_DIR", str(tmp_path / "state"))
+    mod = _collector()
+    cfg = {
+        "region": "us-east-2",
+        "node": "decode-0",
+        "log_group": "/gptoss/c1",
+        "units": ["gptoss-decode.service", "gptoss-stage.service"],
+    }
+    mod.ship_logs(cfg, set())
+    calls = (tmp_path / "aws.log").read_text().splitlines()
+    assert [c.split(" --log-stream-name ")[1].split()[0] for c in calls if "put-log-events" in c] == [
+        "decode-0/gptoss-decode.service",
+        "decode-0/gptoss-stage.service",
+    ]
+    assert sum("create-log-stream" in c for c in calls) == 2
+    payloads = [json.loads(p.read_text()) for p in sorted(tmp_path.glob("payload-*.json"))]
+    assert [e["message"] for e in payloads[0]] == ["fake vllm: compiling", "hi"]
+    for events in payloads:
+        _validate("PutLogEvents", "logs", {"logGroupName": "/gptoss/c1", "logStreamName": "decode-0/x", "logEvents": events})
+    assert (tmp_path / "state/telemetry.cursor").read_text() == "c2"
+    mod.ship_logs(cfg, {"decode-0/gptoss-decode.service"})
+    assert "--after-cursor c2" in (tmp_path / "journalctl.args").read_text().splitlines()[-1]
+
+
+def test_a_burst_of_journal_lines_is_shipped_in_calls_within_cloudwatch_limits() -> None:
+    """A crash-looping server can write megabytes between two rounds: no call may exceed 1 MB or 10,000 events."""
+    mod = _collector()
+    big = [{"timestamp": i, "message": "x" * 150_000} for i in range(20)]
+    many = [{"timestamp": i, "message": "y"} for i in range(25_000)]
+    for events in (big, many):
+        batches = mod.log_batches(events)
+        assert [e for b in batches for e in b] == events
+        for b in batches:
+            assert len(b) <= 10_000 and sum(len(e["message"]) + 26 for e in b) <= 1_048_576
+    assert len(mod.log_batches(big)) == 4 and len(mod.log_batches(many)) == 3
