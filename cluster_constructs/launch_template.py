@@ -44,6 +44,30 @@ def network_interfaces(
     return nics
 
 
+def capacity_options(
+    config: ClusterConfig, role: str
+) -> tuple[ec2.CfnLaunchTemplate.CapacityReservationSpecificationProperty | None, ec2.CfnLaunchTemplate.InstanceMarketOptionsProperty | None]:
+    """The role's reservation targeting and market (capacity section; README 'Capacity').
+
+    on-demand: neither (EC2's default, preference open). odcr targeted: the reservation or
+    group as target; odcr open: preference open. capacity-block: the block as target and market
+    type capacity-block (a block's launches must say both).
+    """
+    cap = config.capacity
+    if cap.type == "on-demand":
+        return None, None
+    if cap.type == "odcr" and cap.preference == "open":
+        return ec2.CfnLaunchTemplate.CapacityReservationSpecificationProperty(capacity_reservation_preference="open"), None
+    rid, group = cap.target(role)
+    spec = ec2.CfnLaunchTemplate.CapacityReservationSpecificationProperty(
+        capacity_reservation_target=ec2.CfnLaunchTemplate.CapacityReservationTargetProperty(
+            capacity_reservation_id=rid, capacity_reservation_resource_group_arn=group
+        )
+    )
+    market = ec2.CfnLaunchTemplate.InstanceMarketOptionsProperty(market_type="capacity-block") if cap.type == "capacity-block" else None
+    return spec, market
+
+
 class EfaLaunchTemplate(Construct):
     """Launch template shared by every node of one role."""
 
@@ -72,15 +96,7 @@ class EfaLaunchTemplate(Construct):
             )
             for kind in ("volume", "network-interface")
         ]
-        reservation = (
-            ec2.CfnLaunchTemplate.CapacityReservationSpecificationProperty(
-                capacity_reservation_target=ec2.CfnLaunchTemplate.CapacityReservationTargetProperty(
-                    capacity_reservation_id=config.capacity_reservation_id
-                )
-            )
-            if config.capacity_reservation_id
-            else None
-        )
+        reservation, market = capacity_options(config, role)
         self.template = ec2.CfnLaunchTemplate(
             self,
             "Template",
@@ -104,6 +120,7 @@ class EfaLaunchTemplate(Construct):
                 monitoring=ec2.CfnLaunchTemplate.MonitoringProperty(enabled=config.detailed_monitoring),
                 disable_api_termination=config.termination_protection,
                 capacity_reservation_specification=reservation,
+                instance_market_options=market,
                 tag_specifications=tags,
             ),
         )

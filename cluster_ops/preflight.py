@@ -18,6 +18,7 @@ class Check:
     ok: bool
     detail: str
     fix: str = ""
+    warn: bool = False  # passes, with something the operator should know (a block ending soon)
 
 
 def _quota_name(family: str) -> str:
@@ -122,39 +123,22 @@ def check_quota(cfg: ClusterConfig, quotas: Any) -> Check:
     )
 
 
-def check_reservation(cfg: ClusterConfig, ec2: Any) -> Check:
-    """The capacity reservation, when one is configured, is active in the AZ with enough instances."""
-    assert cfg.capacity_reservation_id
-    try:
-        (cr,) = ec2.describe_capacity_reservations(CapacityReservationIds=[cfg.capacity_reservation_id])["CapacityReservations"]
-    except ClientError as e:
-        return Check("capacity reservation", False, e.response["Error"]["Message"], "check capacity_reservation_id")
-    need = len(cfg.layout.nodes)
-    problems = []
-    if cr["State"] != "active":
-        problems.append(f"state {cr['State']}")
-    if cr["AvailabilityZone"] != cfg.availability_zone:
-        problems.append(f"in {cr['AvailabilityZone']}, not {cfg.availability_zone}")
-    if cr["InstanceType"] != cfg.instance_type:
-        problems.append(f"for {cr['InstanceType']}, not {cfg.instance_type}")
-    if cr["AvailableInstanceCount"] < need:
-        problems.append(f"{cr['AvailableInstanceCount']} instances available, {need} needed")
-    if problems:
-        return Check(
-            "capacity reservation",
-            False,
-            f"{cfg.capacity_reservation_id}: " + "; ".join(problems),
-            "use a reservation that matches, or set availability_zone/instance_type to the reservation's",
-        )
-    return Check("capacity reservation", True, f"{cfg.capacity_reservation_id}: {cr['AvailableInstanceCount']} available")
-
-
 def run(cfg: ClusterConfig, session: Any) -> list[Check]:
     """Every preflight check for this config."""
     ec2 = session.client("ec2", region_name=cfg.region)
     checks = [check_offered(cfg, ec2), *check_hardware(cfg, ec2)]
     checks.append(check_ami(cfg, session.client("ssm", region_name=cfg.region), ec2))
     checks.append(check_quota(cfg, session.client("service-quotas", region_name=cfg.region)))
-    if cfg.capacity_reservation_id:
-        checks.append(check_reservation(cfg, ec2))
+    groups = cfg.capacity.reservation_group_arn or any(r.reservation_group_arn for r in cfg.capacity.roles.values())
+    checks += check_capacity(cfg, ec2, session.client("resource-groups", region_name=cfg.region) if groups else None)
     return checks
+
+
+def check_capacity(cfg: ClusterConfig, ec2: Any, rg: Any, *, now: Any = None) -> list[Check]:
+    """One check per reservation the fleet launches into (cluster_ops.capacity)."""
+    from cluster_ops import capacity
+
+    return [
+        Check(f"capacity {r.reservation} ({r.roles})", r.verdict != "FAIL", r.detail, r.fix, warn=r.verdict == "warn")
+        for r in capacity.check(cfg, ec2, rg, now=now)
+    ]

@@ -20,6 +20,8 @@ class NodeInstance:
     instance_id: str
     private_ip: str
     state: str
+    state_reason: str = ""  # EC2's StateReason message (why a node is still pending)
+    reservation_id: str = ""  # the capacity reservation or block it runs in
 
 
 def find_nodes(ec2: Any, cluster: str) -> dict[str, NodeInstance]:
@@ -36,7 +38,10 @@ def find_nodes(ec2: Any, cluster: str) -> dict[str, NodeInstance]:
             for i in res["Instances"]:
                 tags = {t["Key"]: t["Value"] for t in i.get("Tags", [])}
                 name = tags.get("gptoss:node", i["InstanceId"])
-                out[name] = NodeInstance(name, tags.get("gptoss:role", "?"), i["InstanceId"], i.get("PrivateIpAddress", ""), i["State"]["Name"])
+                out[name] = NodeInstance(
+                    name, tags.get("gptoss:role", "?"), i["InstanceId"], i.get("PrivateIpAddress", ""), i["State"]["Name"],
+                    state_reason=i.get("StateReason", {}).get("Message", ""), reservation_id=i.get("CapacityReservationId", ""),
+                )  # fmt: skip
     return out
 
 

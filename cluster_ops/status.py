@@ -53,16 +53,19 @@ class ClusterStatus:
 
     units: list[UnitStatus] = field(default_factory=list)
     missing_nodes: list[str] = field(default_factory=list)
+    pending_nodes: dict[str, str] = field(default_factory=dict)  # node -> EC2's reason
+    notes: list[str] = field(default_factory=list)  # e.g. how long a Capacity Block has left
 
     @property
     def ready(self) -> bool:
-        """Every node present and every unit ready."""
-        return not self.missing_nodes and bool(self.units) and all(u.ready for u in self.units)
+        """Every node present and running, and every unit ready."""
+        return not self.missing_nodes and not self.pending_nodes and bool(self.units) and all(u.ready for u in self.units)
 
     @property
     def failing(self) -> list[str]:
         """`node: unit: why` for every unit that is not ready (with its last log line), and every missing node."""
         out = [f"{n}: no running instance" for n in self.missing_nodes]
+        out += [f"{n}: instance pending" + (f" ({why})" if why else "") for n, why in self.pending_nodes.items()]
         out += [f"{u.node}: {u.unit}: {u.problem}" + (f" - last log: {u.last_log}" if u.last_log else "") for u in self.units if not u.ready]
         return out
 
@@ -84,7 +87,13 @@ def collect(
     expected = expected_units(cfg)
     nodes = find_nodes(ec2, cfg.cluster_name)
     status = ClusterStatus(missing_nodes=[n for n in expected if n not in nodes])
-    present = [n for n in expected if n in nodes]
+    # A pending instance cannot answer SSM yet: its reason is what there is to say.
+    status.pending_nodes = {n: nodes[n].state_reason for n in expected if n in nodes and nodes[n].state == "pending"}
+    present = [n for n in expected if n in nodes and n not in status.pending_nodes]
+    if cfg.capacity.type == "capacity-block":
+        from cluster_ops.capacity import block_clock
+
+        status.notes = block_clock(cfg, ec2, [nodes[n].reservation_id for n in nodes if nodes[n].reservation_id])
     by_id = {nodes[n].instance_id: n for n in present}
     results = run_on_all(
         ssm, list(by_id), [f"{BIN}/gptoss-status"], timeout_s=60, sleep=sleep, on_done=lambda iid, st: on_node(by_id[iid], st)

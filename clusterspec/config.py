@@ -207,6 +207,99 @@ class ObservabilityConfig(_Frozen):
         return v
 
 
+CR_ID = r"^cr-[0-9a-f]{8,17}$"
+CR_GROUP_ARN = r"^arn:(aws[a-z-]*):resource-groups:([a-z0-9-]+):\d{12}:group/[A-Za-z0-9_.-]{1,300}$"
+
+
+class RoleCapacity(_Frozen):
+    """The reservation one role launches into, when it is not the section's."""
+
+    reservation_id: str | None = Field(None, pattern=CR_ID)
+    reservation_group_arn: str | None = Field(None, pattern=CR_GROUP_ARN)
+
+
+class CapacityConfig(_Frozen):
+    """Where the instances' capacity comes from: On-Demand, a reservation (ODCR), or a Capacity Block for ML."""
+
+    type: Literal["on-demand", "odcr", "capacity-block"] = Field(
+        "on-demand",
+        description="on-demand: whatever EC2 has. odcr: On-Demand Capacity Reservations. capacity-block: a Capacity Block "
+        "for ML (launched with market type capacity-block, no placement group: the block places its instances together).",
+    )
+    reservation_id: str | None = Field(None, pattern=CR_ID, description="The reservation (cr-...) every role launches into.")
+    reservation_group_arn: str | None = Field(
+        None, pattern=CR_GROUP_ARN, description="Or a capacity-reservation resource group (odcr; UltraServer blocks)."
+    )
+    preference: Literal["targeted", "open"] = Field(
+        "targeted",
+        description="odcr: targeted launches into the reservation named; open uses any matching open reservation "
+        "(reservation_id then only tells preflight which one to check).",
+    )
+    placement_group: str | None = Field(
+        None,
+        pattern=r"^[A-Za-z0-9._-]{1,255}$",
+        description="odcr: the cluster placement group the reservation was made in; the nodes launch in it "
+        "instead of a group of the stack's.",
+    )
+    roles: dict[Literal["prefill", "decode", "server"], RoleCapacity] = Field(
+        default_factory=dict, description="Per-role reservation, over the section's (e.g. a block for decode, another for prefill)."
+    )
+    min_hours_left: float = Field(
+        0, ge=0, le=24 * 182, description="capacity-block: preflight fails when the block has fewer usable hours left than this."
+    )
+
+    def target(self, role: str) -> tuple[str | None, str | None]:
+        """(reservation id, group ARN) the role's instances launch into."""
+        over = self.roles.get(role)  # type: ignore[call-overload]
+        if over and (over.reservation_id or over.reservation_group_arn):
+            return over.reservation_id, over.reservation_group_arn
+        return self.reservation_id, self.reservation_group_arn
+
+    @model_validator(mode="after")
+    def _rules(self) -> CapacityConfig:
+        given = [k for k in ("reservation_id", "reservation_group_arn", "placement_group") if getattr(self, k) is not None]
+        if self.type == "on-demand":
+            extra = given + (["roles"] if self.roles else [])
+            if extra:
+                raise rule_error(
+                    f"capacity.{extra[0]}", getattr(self, extra[0]), "names a reservation, but capacity.type is on-demand",
+                    "set capacity.type to odcr or capacity-block, or remove it",
+                )  # fmt: skip
+            return self
+        if self.type == "capacity-block":
+            if self.preference != "targeted":
+                raise rule_error(
+                    "capacity.preference", self.preference, "a Capacity Block is used only by launches that target it",
+                    "remove capacity.preference (targeted)",
+                )  # fmt: skip
+            if self.placement_group:
+                raise rule_error(
+                    "capacity.placement_group", self.placement_group,
+                    "a Capacity Block places its instances close together itself; a placement group of ours could conflict with it",
+                    "remove capacity.placement_group",
+                )  # fmt: skip
+        if self.type == "odcr" and self.preference == "open":
+            targets = [k for k in ("reservation_group_arn",) if getattr(self, k)] + (["roles"] if self.roles else [])
+            if targets:
+                raise rule_error(
+                    f"capacity.{targets[0]}", getattr(self, targets[0]),
+                    "preference open launches into any matching open reservation, never into a named target",
+                    "set capacity.preference=targeted, or remove the target",
+                )  # fmt: skip
+            return self
+        for role in ("prefill", "decode", "server", None):
+            if role is not None and role not in self.roles:
+                continue
+            rid, group = self.target(role) if role else (self.reservation_id, self.reservation_group_arn)
+            where = f"capacity.roles.{role}" if role else "capacity"
+            if rid and group:
+                raise rule_error(
+                    f"{where}.reservation_group_arn", group, "a launch targets one reservation or one group, not both",
+                    f"remove {where}.reservation_id or {where}.reservation_group_arn",
+                )  # fmt: skip
+        return self
+
+
 RecipeName = Literal["gptoss-120b-8k1k", "gptoss-120b-single", "gptoss-20b-single", "gptoss-120b-di", "gptoss-20b-di"]
 
 
@@ -226,7 +319,7 @@ class ClusterConfig(_Frozen):
     ami_id: str | None = Field(None, pattern=r"^ami-[0-9a-f]{8,17}$")
     root_volume_gb: int = Field(512, description="The Neuron setup guide asks for at least 512 GB; gp3 holds up to 16,384 GiB.")
     stage_timeout_s: int = Field(7200, ge=600, le=86400, description="Longest one staging attempt may take at boot.")
-    capacity_reservation_id: str | None = Field(None, pattern=r"^cr-[0-9a-f]{8,17}$")
+    capacity: CapacityConfig = Field(default_factory=CapacityConfig)
     termination_protection: bool = False
     detailed_monitoring: bool = True
     wait_for_ready: bool = Field(
@@ -396,6 +489,7 @@ class ClusterConfig(_Frozen):
                     f"the nodes ask Secrets Manager in their own region ({self.region}, partition {partition})",
                     f"replicate the secret to {self.region} and give that ARN",
                 )  # fmt: skip
+        _check_capacity(self, partition)
         needs = self.stage_timeout_s + self.serving.engine_ready_timeout_s
         if self.wait_for_ready and self.ready_timeout_s < needs:
             fix = (
@@ -523,6 +617,37 @@ def _check_ports(cfg: ClusterConfig) -> None:
                 )
 
 
+def _check_capacity(self: ClusterConfig, partition: str | None) -> None:  # the config's own check, kept out of the class for length
+    """The reservations name this stack's roles, region and partition, and every role has one when it must."""
+    cap = self.capacity
+    roles: tuple[str, ...] = ("prefill", "decode") if self.serving.disaggregated else ("server",)
+    for role in cap.roles:
+        if role not in roles:
+            raise rule_error(
+                f"capacity.roles.{role}", cap.roles[role].model_dump(exclude_none=True),
+                f"recipe {self.recipe} has no {role} instances (its roles: {', '.join(roles)})",
+                f"use capacity.roles.{' or capacity.roles.'.join(roles)}",
+            )  # fmt: skip
+    groups = {"capacity": cap.reservation_group_arn} | {f"capacity.roles.{r}": c.reservation_group_arn for r, c in cap.roles.items()}
+    for where, group in groups.items():
+        m = re.match(CR_GROUP_ARN, group or "")
+        if m and (m.group(1), m.group(2)) != (partition, self.region):
+            raise rule_error(
+                f"{where}.reservation_group_arn", group, f"instances in {self.region} launch into reservations of {self.region}",
+                f"give a resource group of {self.region}",
+            )  # fmt: skip
+    if cap.type == "on-demand" or (cap.type == "odcr" and cap.preference == "open"):
+        return
+    for name in roles:
+        if cap.target(name) == (None, None):
+            kind = "a Capacity Block is used only by launches that name it" if cap.type == "capacity-block" else (
+                "a targeted launch names its reservation")
+            raise rule_error(
+                "capacity.reservation_id", None, f"{kind}, and the {name} instances have none",
+                f"set capacity.reservation_id=cr-... (or capacity.roles.{name}.reservation_id)"
+                + (", or capacity.preference=open to use any matching open reservation" if cap.type == "odcr" else ""),
+            )  # fmt: skip
+
 _CONTEXT_KEYS = set(ClusterConfig.model_fields)
 _SECTIONS = {k for k, f in ClusterConfig.model_fields.items() if isinstance(f.default_factory, type) and issubclass(f.default_factory, BaseModel)}
 _JSON_FIX = (
@@ -624,7 +749,7 @@ def load_config(context: dict[str, Any]) -> ClusterConfig:
         if key == "config" or key.startswith(("@aws-cdk", "aws-cdk", "cdk-", "acknowledged-issue")) or ":" in key:
             continue
         top = key.split(".", 1)[0]
-        if top not in _CONTEXT_KEYS:
+        if top not in _CONTEXT_KEYS and top != "capacity_reservation_id":
             raise SpecError(
                 [
                     f"{key}={value!r}: is not a known setting. Fix: remove -c {key} or check its spelling "
@@ -638,6 +763,15 @@ def load_config(context: dict[str, Any]) -> ClusterConfig:
             _set_dotted(data, key, parsed)
         else:
             data[key] = parsed
+    if "capacity_reservation_id" in data:
+        rid = data["capacity_reservation_id"]
+        raise SpecError(
+            [
+                f"capacity_reservation_id={rid!r}: moved into the capacity section (it also takes Capacity Blocks and groups). "
+                f"Fix: -c capacity='{{\"type\": \"odcr\", \"reservation_id\": \"{rid}\"}}' "
+                "(or capacity.type: capacity-block for a Capacity Block for ML)."
+            ]
+        )
     data = _with_recipe(data)
     try:
         cfg = ClusterConfig.model_validate(data)

@@ -127,7 +127,7 @@ def cmd_preflight(args: argparse.Namespace) -> int:
     for col in ("check", "result", "detail", "fix"):
         t.add_column(col, overflow="fold")
     for c in checks:
-        t.add_row(c.name, "[green]pass[/]" if c.ok else "[red]FAIL[/]", c.detail, c.fix)
+        t.add_row(c.name, "[red]FAIL[/]" if not c.ok else "[yellow]warn[/]" if c.warn else "[green]pass[/]", c.detail, c.fix)
     Console(width=args.width or max(Console().width, 160)).print(t)
     return 0 if all(c.ok for c in checks) else 1
 
@@ -142,6 +142,10 @@ def _status_table(status: Any) -> Table:
         t.add_row(u.node, u.unit, state, health)
     for n in status.missing_nodes:
         t.add_row(n, "-", "[red]no running instance[/]", "-")
+    for n, why in status.pending_nodes.items():
+        t.add_row(n, "-", f"[yellow]instance pending[/] {why}", "-")
+    if status.notes:
+        t.caption = "\n".join(status.notes)
     return t
 
 

@@ -45,8 +45,7 @@ class GptOssClusterStack(Stack):
             # Without a route out, the collector reaches CloudWatch through endpoints too.
             extra = ("logs", "monitoring") if config.observability.enabled else ()
             network.add_ssm_endpoints(security_group_id=security.group.security_group_id, extra=extra)
-        # EFA peers share one cluster placement group; a single server needs none.
-        placement = ec2.CfnPlacementGroup(self, "PlacementGroup", strategy="cluster") if config.serving.disaggregated else None
+        placement = _placement_group(self, config)
         role = NodeRole(self, "NodeRole", config=config)
         image_id = config.ami_id or CfnParameter(
             self,
@@ -65,7 +64,7 @@ class GptOssClusterStack(Stack):
                 subnet_id=network.subnet_id,
                 security_group_id=security.group.security_group_id,
                 instance_profile_arn=role.profile.attr_arn,
-                placement_group=placement.ref if placement else None,
+                placement_group=placement,
             ).template
             for r in dict.fromkeys(n.role for n in layout.nodes)
         }
@@ -147,3 +146,18 @@ class GptOssClusterStack(Stack):
                     "preflight checks that the type is offered in the AZ.",
                 )
             )
+
+
+def _placement_group(stack: Stack, config: ClusterConfig) -> str | None:
+    """The cluster placement group the EFA peers launch in, by name (README 'Capacity').
+
+    A single server needs none. A Capacity Block places its instances together itself (EC2:
+    "there is no need to use a cluster placement group with a Capacity Block"): none. A
+    reservation made in a cluster placement group is used only from that group: the operator's
+    group (capacity.placement_group). Otherwise, a group of the stack's.
+    """
+    if not config.serving.disaggregated or config.capacity.type == "capacity-block":
+        return None
+    if config.capacity.placement_group:
+        return config.capacity.placement_group
+    return ec2.CfnPlacementGroup(stack, "PlacementGroup", strategy="cluster").ref

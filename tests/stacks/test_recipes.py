@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.conftest import CDK, OTHER_RECIPES, ROOT, cli_env
+from tests.conftest import CDK, OTHER_RECIPES, ROOT, cfn_lint, cli_env
 from tests.stacks.test_template import launch_templates, normalized, of_type
 
 
@@ -53,13 +52,7 @@ def test_every_recipe_is_cdk_nag_clean_with_reasons(recipe_synth: dict[str, Any]
 
 
 def test_every_recipe_is_cfn_lint_clean(recipe_synth: dict[str, Any]) -> None:
-    paths = [str(p) for p in recipe_synth["paths"].values()]
-    # E3628 (unknown instance type) only: cfn-lint's data has no trn3 type yet.
-    r = subprocess.run(
-        [str(Path(sys.executable).parent / "cfn-lint"), "--regions", "us-east-2", "--ignore-checks", "E3628", "--", *paths],
-        capture_output=True,
-        text=True,
-    )
+    r = cfn_lint(list(recipe_synth["paths"].values()))
     assert r.returncode == 0, (r.stdout + r.stderr)[:4000]
 
 

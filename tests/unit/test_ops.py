@@ -97,24 +97,6 @@ def test_preflight_fails_for_an_unknown_type_a_missing_dlami_and_a_small_quota(a
     assert not quota.ok and quota.detail == "Running On-Demand Trn instances: 192 vCPUs < 384 for 2 x trn3.48xlarge"
 
 
-def _reservation(**over: Any) -> Any:
-    ec2 = boto3.client("ec2", region_name=REGION)
-    stub = Stubber(ec2)
-    cr = {"CapacityReservationId": "cr-0123456789abcdef0", "State": "active", "AvailabilityZone": "us-east-2a",
-          "InstanceType": "trn2.48xlarge", "AvailableInstanceCount": 2} | over  # fmt: skip
-    stub.add_response("describe_capacity_reservations", {"CapacityReservations": [cr]}, {"CapacityReservationIds": ["cr-0123456789abcdef0"]})
-    stub.activate()
-    return ec2
-
-
-def test_capacity_reservation_must_match_zone_type_and_size() -> None:
-    cfg = load_config(TRN2 | {"capacity_reservation_id": "cr-0123456789abcdef0"})
-    assert preflight.check_reservation(cfg, _reservation()).ok
-    bad = preflight.check_reservation(cfg, _reservation(AvailabilityZone="us-east-2b", AvailableInstanceCount=1))
-    assert not bad.ok
-    assert bad.detail == "cr-0123456789abcdef0: in us-east-2b, not us-east-2a; 1 instances available, 2 needed"
-
-
 def _load_cli() -> Any:
     spec = importlib.util.spec_from_file_location("cluster_cli", ROOT / "scripts" / "cluster.py")
     assert spec and spec.loader
