@@ -2,15 +2,22 @@
 SHELL := /bin/bash
 PY := .venv/bin/python
 CDK := node_modules/.bin/cdk
-# Quiet, offline CLI: no telemetry, no notices, no Node end-of-life banner.
-export JSII_SILENCE_WARNING_END_OF_LIFE_NODE_VERSION := $(shell node -p 'process.versions.node.split(".")[0]' 2>/dev/null)
+# cdk.json runs `python3 app.py`: the project venv comes first on PATH, then the project's own
+# Node.js LTS (package.json pins it: Node 20 reached its end of life on 2026-10-30).
+export PATH := $(CURDIR)/.venv/bin:$(CURDIR)/node_modules/.bin:$(PATH)
+# Quiet, offline CLI: no telemetry, no notices.
 export AWS_SDK_JS_NODE_VERSION_SUPPORT_WARNING_DISABLED := true
 export CDK_DISABLE_CLI_TELEMETRY := true
 # The CLI ignores CDK_DEFAULT_REGION without credentials; AWS_REGION is what it reads.
 export AWS_REGION ?= us-east-2
-# cdk.json runs `python3 app.py`: the project venv must come first on PATH.
-export PATH := $(CURDIR)/.venv/bin:$(PATH)
+GPTOSS := .venv/bin/gptoss
+# The cluster a target acts on: CDK_ARGS="-c config=examples/production-3p8d.yaml" (or -c KEY=VALUE ...).
 CDK_ARGS ?=
+# deploy keeps CDK's approval prompt for IAM and security-group changes; CI passes
+# DEPLOY_ARGS="--require-approval never". destroy asks unless YES=1.
+DEPLOY_ARGS ?=
+YES ?=
+NODE_MAJOR := 22
 
 .PHONY: setup synth plan test test-vm lint bootstrap deploy destroy diff bench-scale diagrams clean
 
@@ -26,6 +33,8 @@ setup: .make/python .make/node .make/system .make/hf-clients
 .make/node: package.json package-lock.json
 	@mkdir -p .make
 	npm ci --no-audit --no-fund --loglevel=error
+	@v=$$(node_modules/.bin/node -p 'process.versions.node.split(".")[0]'); \
+	if [ "$$v" -lt $(NODE_MAJOR) ]; then echo "node_modules/.bin/node is Node $$v; the CDK needs Node $(NODE_MAJOR) or 24 LTS (npm ci installs it from package.json)"; exit 1; fi
 	@touch $@
 
 # The staging tests run the node's download against each huggingface_hub major release the
@@ -60,23 +69,23 @@ synth: setup
 	rm -rf cdk.out
 	$(CDK) synth --no-notices --quiet $(CDK_ARGS)
 	@echo "templates:" && ls -1 $(CURDIR)/cdk.out/*.template.json
-	$(PY) scripts/cluster.py plan $(CDK_ARGS)
+	$(GPTOSS) plan $(CDK_ARGS)
 
 plan: setup
-	$(PY) scripts/cluster.py plan $(CDK_ARGS)
+	$(GPTOSS) plan $(CDK_ARGS)
 
 # Against AWS (your credentials) or, with AWS_ENDPOINT_URL set, a local endpoint.
 bootstrap: setup
 	$(CDK) bootstrap --no-notices $(CDK_ARGS)
 
 deploy: setup
-	$(CDK) deploy --no-notices --require-approval never $(CDK_ARGS)
+	$(GPTOSS) deploy $(CDK_ARGS) $(DEPLOY_ARGS)
 
 diff: setup
-	$(CDK) diff --no-notices $(CDK_ARGS)
+	$(GPTOSS) diff $(CDK_ARGS)
 
 destroy: setup
-	$(CDK) destroy --no-notices --force $(CDK_ARGS)
+	$(GPTOSS) destroy $(CDK_ARGS) $(if $(YES),--yes)
 
 test: setup
 	$(PY) -m pytest $(PYTEST_ARGS)
@@ -93,8 +102,8 @@ bench-scale: setup
 	$(PY) scripts/bench_scale.py
 
 diagrams: setup
-	$(PY) scripts/cluster.py plan --diagram docs/layout-6p1d.png > /dev/null
-	$(PY) scripts/cluster.py plan --decode-instances 8 --diagram docs/layout-3p8d.png > /dev/null
+	$(GPTOSS) plan --diagram docs/layout-6p1d.png > /dev/null
+	$(GPTOSS) plan --decode-instances 8 --diagram docs/layout-3p8d.png > /dev/null
 
 clean:
-	rm -rf cdk.out .make .pytest_cache
+	rm -rf cdk.out .make .pytest_cache .gptoss

@@ -10,9 +10,6 @@ from constructs import Construct
 
 from clusterspec.config import ClusterConfig
 
-# Interface endpoints that let SSM reach nodes without any route to the internet.
-SSM_ENDPOINTS = ("ssm", "ssmmessages", "ec2messages")
-
 
 class ClusterNetwork(Construct):
     """VPC, private subnet, egress (NAT or none) and the S3 gateway endpoint.
@@ -114,10 +111,10 @@ class ClusterNetwork(Construct):
                 deliver_logs_permission_arn=role.role_arn,
             )
 
-    def add_ssm_endpoints(self, *, security_group_id: str, extra: tuple[str, ...] = ()) -> None:
-        """Interface endpoints for SSM (and `extra` services) when the nodes have no route out (egress 'none')."""
+    def add_interface_endpoints(self, services: tuple[str, ...], *, security_group_id: str) -> None:
+        """Interface endpoints (SSM; CloudWatch Logs and metrics) when the nodes have no route out (egress 'none')."""
         region = Stack.of(self).region
-        for name in (*SSM_ENDPOINTS, *extra):
+        for name in services:
             self.interface_endpoints.append(
                 ec2.CfnVPCEndpoint(
                     self,

@@ -575,7 +575,8 @@ def _check_subnet_size(cfg: ClusterConfig) -> None:
         layout = cfg.layout
     except SpecError:
         return  # the fleet's own errors are reported by the layout
-    need = len(layout.nodes) + (NLB_FREE_IPS if cfg.load_balanced else 0) + (3 if cfg.network.wants_ssm_endpoints else 0)
+    endpoints = len(interface_endpoints(cfg))
+    need = len(layout.nodes) + (NLB_FREE_IPS if cfg.load_balanced else 0) + endpoints
     net = ipaddress.ip_network(cfg.network.subnet_cidr)
     usable = net.num_addresses - AWS_RESERVED_IPS
     if usable < need:
@@ -584,7 +585,7 @@ def _check_subnet_size(cfg: ClusterConfig) -> None:
             "network.subnet_cidr", cfg.network.subnet_cidr,
             f"holds {usable} usable addresses; the fleet needs {need} ({len(layout.nodes)} nodes"
             + (f", {NLB_FREE_IPS} for the load balancer" if cfg.load_balanced else "")
-            + (", 3 for the SSM endpoints" if cfg.network.wants_ssm_endpoints else "") + ")",
+            + (f", {endpoints} for the interface endpoints" if endpoints else "") + ")",
             f"use a /{min(prefix, 28)} or larger subnet",
         )  # fmt: skip
 
@@ -647,6 +648,13 @@ def _check_capacity(self: ClusterConfig, partition: str | None) -> None:  # the 
                 f"set capacity.reservation_id=cr-... (or capacity.roles.{name}.reservation_id)"
                 + (", or capacity.preference=open to use any matching open reservation" if cap.type == "odcr" else ""),
             )  # fmt: skip
+
+def interface_endpoints(cfg: ClusterConfig) -> tuple[str, ...]:
+    """The interface endpoints the stack makes (one ENI each in the subnet): SSM, and CloudWatch without egress."""
+    if not cfg.network.wants_ssm_endpoints:
+        return ()
+    return ("ssm", "ssmmessages", "ec2messages") + (("logs", "monitoring") if cfg.observability.enabled else ())
+
 
 _CONTEXT_KEYS = set(ClusterConfig.model_fields)
 _SECTIONS = {k for k, f in ClusterConfig.model_fields.items() if isinstance(f.default_factory, type) and issubclass(f.default_factory, BaseModel)}
@@ -739,6 +747,25 @@ def _with_recipe(data: dict[str, Any]) -> dict[str, Any]:
     return deep_merge(RECIPES[name].defaults(), data)
 
 
+def pin_key(region: str) -> str:
+    """The context key `gptoss pin-ami` records a region's image under (cdk.context.json)."""
+    return f"gptoss:pinned-ami:{region}"
+
+
+def _apply_pin(data: dict[str, Any], context: dict[str, Any]) -> None:
+    """Use the pinned image while the config names the pinned parameter and no ami_id of its own."""
+    region = data.get("region") or ClusterConfig.model_fields["region"].default
+    parameter = data.get("ami_ssm_parameter", DEFAULT_AMI_PARAMETER)
+    pin = context.get(pin_key(str(region)))
+    if isinstance(pin, str):
+        try:
+            pin = json.loads(pin)
+        except ValueError:
+            pin = None
+    if isinstance(pin, dict) and data.get("ami_id") is None and parameter and pin.get("parameter") == parameter:
+        data["ami_id"], data["ami_ssm_parameter"] = pin.get("ami_id"), None
+
+
 def load_config(context: dict[str, Any]) -> ClusterConfig:
     """Build the config from a `config` file (YAML/JSON) and CDK context keys; context wins."""
     data: dict[str, Any] = {}
@@ -773,6 +800,7 @@ def load_config(context: dict[str, Any]) -> ClusterConfig:
             ]
         )
     data = _with_recipe(data)
+    _apply_pin(data, context)
     try:
         cfg = ClusterConfig.model_validate(data)
         cfg.layout  # noqa: B018 - validates the fleet too

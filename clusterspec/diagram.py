@@ -28,47 +28,50 @@ def draw(cfg: ClusterConfig, path: Path) -> Path:
         filename=str(path.with_suffix("")),
         outformat=fmt,
         show=False,
-        direction="LR",
-        graph_attr={"fontsize": "18", "pad": "0.4", "nodesep": "0.25", "ranksep": "1.2"},
+        # Top to bottom: requests enter at the top, the decode servers (and their proxies) form
+        # one row, the prefill instances the row below, so a fleet grows sideways and the
+        # picture of 3 + 8 reads on one screen.
+        direction="TB",
+        graph_attr={"fontsize": "20", "pad": "0.4", "nodesep": "0.7", "ranksep": "1.0"},
     ):
         client = Client(f"client\n(SSM port forward :{s.proxy.port})")
+        entry = NLB(f"internal NLB :{s.proxy.port}\nhealth {s.proxy.health_path}") if cfg.load_balanced else None
+        if entry is not None:
+            client >> entry
+        # One icon per decode instance; a proxy on it is named in the label.
+        targets: dict[int, object] = {}
+        decode: dict[int, object] = {}
+        for node in layout.decode_nodes:
+            proxied = bool(layout.proxies_on(node.name))
+            decode[node.index] = ElasticInference(
+                f"{node.name}\nTP{s.decode.tensor_parallel} DP{s.decode.data_parallel} :{s.decode.http_port}"
+                + (f"\n+ proxy :{s.proxy.port}" if proxied else "")
+            )
+            for p in layout.proxies_on(node.name):
+                targets[p.decode_server] = decode[node.index]
         groups: dict[int, list[object]] = {}
-        decode_nodes: dict[int, object] = {}
-        proxies: dict[int, object] = {}
         for node in layout.prefill_nodes:
             with Cluster(f"{node.name}  ({node.idle_cores} idle cores)"):
+                for p in layout.proxies_on(node.name):
+                    targets[p.decode_server] = EC2Instance(f"proxy :{s.proxy.port}")
                 for d, group in groupby(node.replicas, key=lambda r: r.decode_server):
                     reps = list(group)
                     label = (
-                        f"replicas {reps[0].index}-{reps[-1].index}\n"
-                        f"HTTP {reps[0].http_port}-{reps[-1].http_port}\n"
+                        f"replicas {reps[0].index}-{reps[-1].index}\n:{reps[0].http_port}-{reps[-1].http_port}\n"
                         f"cores {reps[0].first_core}-{reps[-1].last_core}"
                     )
                     groups.setdefault(d, []).append(ElasticInference(label))
-                for p in layout.proxies_on(node.name):
-                    proxies[p.decode_server] = EC2Instance(f"proxy :{s.proxy.port}")
-        for node in layout.decode_nodes:
-            with Cluster(node.name):
-                decode_nodes[node.index] = ElasticInference(
-                    f"decode TP{s.decode.tensor_parallel} DP{s.decode.data_parallel}\nHTTP {s.decode.http_port}"
-                )
-                for p in layout.proxies_on(node.name):
-                    proxies[p.decode_server] = EC2Instance(f"proxy :{s.proxy.port}")
-        # Only the KV flow (prefill -> decode) ranks the columns; request edges would fold
-        # the picture back on itself, so they do not constrain the layout.
-        free = {"constraint": "false"}
-        if cfg.load_balanced:
-            lb = NLB(f"internal NLB :{s.proxy.port}\nhealth {s.proxy.health_path}")
-            client >> lb
-            for proxy_node in proxies.values():
-                lb >> Edge(color="gray40", **free) >> proxy_node
-        else:
-            client >> Edge(**free) >> proxies[0]
+        for d, target in targets.items():
+            (entry or client) >> Edge(color="gray40") >> target
+            if target is not decode[d]:  # a proxy of its own (on a prefill instance): requests to both
+                target >> Edge(color="darkgreen", style="dashed") >> decode[d]
+                for g in groups.get(d, []):
+                    target >> Edge(color="darkgreen", style="dashed", constraint="false") >> g
         first = True
-        for d, proxy in proxies.items():
-            for g in groups[d]:
-                proxy >> Edge(color="darkgreen", label="prefill" if first else "", **free) >> g
-                g >> Edge(color="firebrick", style="bold", label="KV over NIXL/EFA" if first else "") >> decode_nodes[d]
+        for d, gs in groups.items():
+            for g in gs:
+                # Ranked from decode down to the replicas, drawn pointing up: the KV cache flows
+                # from each prefill replica group to its decode server.
+                decode[d] << Edge(color="firebrick", style="bold", label="KV (NIXL/EFA)" if first else "") << g
                 first = False
-            proxy >> Edge(color="darkgreen", style="dashed", **free) >> decode_nodes[d]
     return path

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from aws_cdk import Acknowledgment, CfnParameter, Environment, Stack, Tags, Validations
+from aws_cdk import Acknowledgment, Annotations, CfnParameter, Environment, Stack, Tags, Validations
 from aws_cdk import aws_ec2 as ec2
 from constructs import Construct
 
@@ -17,7 +17,7 @@ from cluster_constructs.outputs import ClusterOutputs
 from cluster_constructs.scripts import NodeScripts
 from cluster_constructs.security_group import ClusterSecurityGroup
 from clusterspec.commands import model_name
-from clusterspec.config import ClusterConfig
+from clusterspec.config import ClusterConfig, interface_endpoints
 from clusterspec.render import render_cluster
 
 
@@ -43,9 +43,16 @@ class GptOssClusterStack(Stack):
         security = ClusterSecurityGroup(self, "SecurityGroup", config=config, layout=layout, vpc=network.vpc)
         if config.network.wants_ssm_endpoints:
             # Without a route out, the collector reaches CloudWatch through endpoints too.
-            extra = ("logs", "monitoring") if config.observability.enabled else ()
-            network.add_ssm_endpoints(security_group_id=security.group.security_group_id, extra=extra)
+            network.add_interface_endpoints(interface_endpoints(config), security_group_id=security.group.security_group_id)
         placement = _placement_group(self, config)
+        if config.ami_ssm_parameter:
+            # CloudFormation resolves an SSM-typed parameter at every deploy: once AWS publishes a
+            # new DLAMI, a one-flag redeploy replaces every instance (instance store, compiles).
+            Annotations.of(self).add_warning_v2(
+                "gptoss:unpinned-ami",
+                f"the image resolves from {config.ami_ssm_parameter} at every deploy; a redeploy after a new DLAMI "
+                "replaces every instance. Pin it: gptoss pin-ami (records it in cdk.context.json).",
+            )
         role = NodeRole(self, "NodeRole", config=config)
         image_id = config.ami_id or CfnParameter(
             self,

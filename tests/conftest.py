@@ -19,16 +19,14 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 CDK = ROOT / "node_modules" / ".bin" / "cdk"
 STACK = "GptOss8k1kStack"
+# The project's Node.js LTS (package.json) for the CDK CLI and the jsii runtime, as `make` sets it.
+os.environ["PATH"] = f"{ROOT / 'node_modules' / '.bin'}{os.pathsep}{os.environ.get('PATH', '')}"
 
 
 def cli_env(**extra: str) -> dict[str, str]:
     """Environment of every CDK CLI call: quiet, offline, no credentials needed."""
-    node_major = subprocess.run(
-        ["node", "-p", "process.versions.node.split('.')[0]"], capture_output=True, text=True, check=True
-    ).stdout.strip()
     env = {
         **os.environ,
-        "JSII_SILENCE_WARNING_END_OF_LIFE_NODE_VERSION": node_major,
         "AWS_SDK_JS_NODE_VERSION_SUPPORT_WARNING_DISABLED": "true",
         "CDK_DISABLE_CLI_TELEMETRY": "true",
         "AWS_REGION": "us-east-2",

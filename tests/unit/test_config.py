@@ -378,12 +378,8 @@ def _as_cli_args(context: dict[str, Any]) -> list[str]:
 
 def test_plan_answers_every_bad_input_with_one_message_and_exit_2(capsys: Any) -> None:
     """The tried-as-a-new-user sweep: every row of the table through `cluster.py plan`."""
-    import importlib.util
+    from cluster_ops import cli
 
-    spec = importlib.util.spec_from_file_location("cluster_cli", ROOT / "scripts" / "cluster.py")
-    assert spec and spec.loader
-    cli = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(cli)
     for case, context, (_field_value, _, _) in BAD_INPUTS:
         code = cli.main(["plan", "--json", *_as_cli_args(context)])
         out, err = capsys.readouterr()

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import re
@@ -22,7 +21,6 @@ from cluster_ops.status import collect, wait_ready
 from clusterspec.config import ClusterConfig, load_config
 from clusterspec.paths import USERDATA_DIR
 from clusterspec.render import health_file, render_cluster
-from tests.conftest import ROOT
 
 REGION = "us-east-2"
 TRN2 = {"instance_type": "trn2.48xlarge", "serving": {"shape": {"quantization": "bf16"}}, "ami_ssm_parameter": "/test/dlami"}
@@ -98,11 +96,9 @@ def test_preflight_fails_for_an_unknown_type_a_missing_dlami_and_a_small_quota(a
 
 
 def _load_cli() -> Any:
-    spec = importlib.util.spec_from_file_location("cluster_cli", ROOT / "scripts" / "cluster.py")
-    assert spec and spec.loader
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    from cluster_ops import cli
+
+    return cli
 
 
 def test_preflight_command_prints_a_table_and_exits_non_zero_on_failure(aws: None, monkeypatch: pytest.MonkeyPatch, capsys: Any) -> None:

@@ -37,11 +37,10 @@ def test_json_schema_of_the_default_two_node_plan() -> None:
     assert "gptoss-proxy.service" in units
 
 
-def test_table_names_every_node_unit_and_command() -> None:
-    r = plan("--width", "250")
+def test_details_name_every_node_unit_and_command() -> None:
+    r = plan("--details", "--width", "250")
     assert r.returncode == 0, r.stderr
     out = r.stdout
-    assert "1 prefill + 1 decode = 2 x trn3.48xlarge, 6 prefill replicas, 1 proxy" in out
     for text in ("gptoss-prefill@5.service", "gptoss-decode.service", "NEURON_VISIBLE_DEVICES=20-23", "--port 8105", "toy_proxy_server.py"):
         assert text in out, text
 
@@ -73,9 +72,36 @@ def test_production_plan_is_three_plus_eight() -> None:
     for n in nodes[3:]:
         units = [s["unit"] for s in n["services"]]
         assert units[:2] == ["gptoss-decode.service", "gptoss-proxy.service"]
-    r = plan("--decode-instances", "8", "--width", "250")
-    assert "3 prefill + 8 decode = 11 x trn3.48xlarge, 48 prefill replicas, 8 proxies behind an internal NLB" in r.stdout
-    assert "0 idle cores" in r.stdout
+    assert doc["totals"] == {"nodes": 11, "prefill_nodes": 3, "decode_nodes": 8, "prefill_replicas": 48, "proxies": 8, "idle_cores": 0}
+    assert doc["load_balancer"] == {"internal_nlb": True, "port": 8000}
+    assert doc["feeds"]["decode-2"] == [f"prefill-0:{i}" for i in (12, 13, 14, 15)] + ["prefill-1:0", "prefill-1:1"]
+    assert (doc["stack"], doc["region"], doc["cluster_tag"]) == ("GptOss8k1kStack", "us-east-2", {"gptoss:cluster": "gptoss-8k1k"})
+    assert doc["billable"][0] == {"item": "trn3.48xlarge (on-demand)", "count": 11, "unit": "hour", "note": ""}
+    assert [n["feeds"] for n in nodes[:3]] == [["decode-0", "decode-1", "decode-2"], ["decode-2", "decode-3", "decode-4", "decode-5"],
+                                                ["decode-5", "decode-6", "decode-7"]]  # fmt: skip
+    out = plan("--decode-instances", "8").stdout
+    assert "  11 x trn3.48xlarge: 3 prefill + 8 decode\n  48 prefill replicas (TP4), 8 decode servers (TP8 DP16), 8 proxies" in out
+    assert "endpoint: internal NLB on :8000" in out and "idle cores: 0" in out
+    assert "  decode-0..7          decode          0 128/128  -" in out
+
+
+def test_the_summary_fits_80_columns_and_says_what_it_acts_on() -> None:
+    for args in ((), ("--decode-instances", "8"), ("--decode-instances", "40"), ("-c", "recipe=gptoss-20b-single"),
+                 ("-c", "config=examples/private-no-egress.yaml")):  # fmt: skip
+        r = plan(*args)
+        assert r.returncode == 0, r.stderr
+        assert max(map(len, r.stdout.splitlines())) <= 80, (args, r.stdout)
+        assert len(r.stdout.splitlines()) <= 40, args
+        assert r.stderr.splitlines()[0].startswith("stack GptOss"), r.stderr
+    r = plan("-c", "config=examples/production-3p8d.yaml")
+    assert r.stderr.splitlines()[0] == "stack GptOss8k1kProd · region us-east-2 · cluster tag gptoss:cluster=gptoss-prod"
+
+
+def test_node_shows_one_nodes_units() -> None:
+    r = plan("--node", "decode-0", "--width", "200")
+    assert r.returncode == 0 and "gptoss-decode.service" in r.stdout and "gptoss-prefill@0" not in r.stdout
+    r = plan("--node", "decode-9")
+    assert r.returncode == 2 and "--node decode-9: no such node in GptOss8k1kStack. Fix: one of prefill-0, decode-0." in r.stderr
 
 
 def test_partial_last_instance_shows_idle_cores() -> None:

@@ -6,7 +6,8 @@ has no graph for its role yet (writing one that later servers find), "loads" for
 seconds, then answers GET /health, POST /v1/completions and GET /metrics on P until SIGINT.
 Every start, readiness and stop is recorded with argv and environment in
 /var/lib/fakes/vllm-P.jsonl. Settings (fw_cfg section "vllm"): compile_s, load_s,
-crash_ports (servers on these ports exit 1 after crash_after_s seconds).
+crash_ports (servers on these ports exit 1 after crash_after_s seconds), hold_compile (a compile
+does not end while it is true: the harness releases it through /run/fakes/vllm.json).
 """
 
 from __future__ import annotations
@@ -57,6 +58,8 @@ def serve(argv: list[str]) -> None:
     if not cache.is_file():
         print(f"fake vllm: compiling the {role} graph", flush=True)
         time.sleep(float(s.get("compile_s", 0)))
+        while fakectl.settings("vllm").get("hold_compile"):
+            time.sleep(1)
         cache.parent.mkdir(parents=True, exist_ok=True)
         cache.write_text(f"compiled by the server on port {port}\n")
         compiled = True

@@ -1,0 +1,721 @@
+"""gptoss: the operator's commands for a gpt-oss cluster on Trainium.
+
+Every command acts on the cluster its parameters name (`-c KEY=VALUE`, `--config FILE`, or
+`--stack NAME` of a stack deployed from this checkout) and says which in its first line
+(stack, region, cluster tag). Commands that talk to AWS turn every AWS error into one line
+and exit 2; invalid parameters exit 2 with the field, value, rule and fix.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from clusterspec.config import ClusterConfig, load_config
+from clusterspec.errors import SpecError
+from clusterspec.render import NodeRender, plan_json, render_cluster
+
+ROOT = Path(__file__).resolve().parent.parent
+CDK = ROOT / "node_modules" / ".bin" / "cdk"
+_REGION = ""  # the region of the config loaded, for error messages
+DEPLOYED = ".gptoss/deployed.json"  # stacks deployed from this checkout, with the parameters they were deployed with
+
+
+class CliError(Exception):
+    """A condition the operator must act on: printed as one line, exit code attached."""
+
+    def __init__(self, message: str, code: int = 2) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+# ---- which cluster ------------------------------------------------------------------------
+
+
+def _checkout() -> Path:
+    """Where cdk.json, cdk.context.json and the deploy records are: the current directory if it
+    holds the app, else this installation's checkout."""
+    return Path.cwd() if (Path.cwd() / "cdk.json").exists() else ROOT
+
+
+def deployed() -> dict[str, dict[str, Any]]:
+    """Stacks deployed from this checkout: name -> {"context": [...], "region": ...}."""
+    path = _checkout() / DEPLOYED
+    try:
+        return dict(json.loads(path.read_text())) if path.exists() else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def _record(cfg: ClusterConfig, context: list[str], *, remove: bool = False) -> None:
+    path = _checkout() / DEPLOYED
+    doc = deployed()
+    if remove:
+        doc.pop(cfg.stack_name, None)
+    else:
+        doc[cfg.stack_name] = {"context": context, "region": cfg.region, "cluster": cfg.cluster_name}
+    path.parent.mkdir(exist_ok=True)
+    path.write_text(json.dumps(doc, indent=2, sort_keys=True) + "\n")
+
+
+def _context_args(args: argparse.Namespace) -> list[str]:
+    """The parameters as `-c KEY=VALUE` strings (what cdk receives too)."""
+    items = list(args.context or [])
+    if getattr(args, "stack", None):
+        record = deployed().get(args.stack)
+        if record is None:
+            from clusterspec.recipes import RECIPES
+
+            by_stack = {r.stack_name: r.name for r in RECIPES.values()}
+            if args.stack not in by_stack:
+                known = ", ".join(sorted(deployed())) or "none recorded"
+                raise SpecError([f"--stack {args.stack}: no stack of that name was deployed from this checkout (recorded: {known}). "
+                                 "Fix: name its parameters instead (-c config=FILE or -c KEY=VALUE)."])  # fmt: skip
+            items = [f"recipe={by_stack[args.stack]}", *items]
+        else:
+            items = [*record["context"], *items]
+    if getattr(args, "config", None):
+        items.append(f"config={args.config}")
+    for name in ("decode_instances", "prefill_per_decode", "replicas_per_prefill_instance", "instance_type"):
+        value = getattr(args, name, None)
+        if value is not None:
+            items.append(f"{name}={value}")
+    return items
+
+
+def _context(items: list[str]) -> dict[str, Any]:
+    ctx: dict[str, Any] = {}
+    path = _checkout() / "cdk.context.json"
+    if path.exists():  # what the CDK reads too: the pinned image among them
+        try:
+            ctx.update({k: v for k, v in json.loads(path.read_text()).items() if k.startswith("gptoss:")})
+        except ValueError:
+            raise SpecError([f"{path}: is not valid JSON. Fix: correct it, or delete it and run gptoss pin-ami again."]) from None
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise SpecError([f"-c {item!r}: context must be KEY=VALUE. Fix: e.g. -c decode_instances=8."])
+        ctx[key] = value
+    return ctx
+
+
+def load(args: argparse.Namespace) -> ClusterConfig:
+    """Validate the same parameters `cdk synth` takes, and the limits of one stack."""
+    from clusterspec import limits
+
+    global _REGION
+    cfg = load_config(_context(_context_args(args)))
+    limits.check(cfg)
+    _REGION = cfg.region
+    return cfg
+
+
+def target_line(cfg: ClusterConfig) -> str:
+    """The first line of every command: what it acts on."""
+    return f"stack {cfg.stack_name} · region {cfg.region} · cluster tag gptoss:cluster={cfg.cluster_name}"
+
+
+def _announce(cfg: ClusterConfig) -> None:
+    print(target_line(cfg), file=sys.stderr, flush=True)
+
+
+def _session(cfg: ClusterConfig) -> Any:
+    import boto3
+
+    return boto3.Session(region_name=cfg.region)
+
+
+def _console(args: argparse.Namespace, default: int = 160) -> Console:
+    return Console(width=getattr(args, "width", None) or max(Console().width, default))
+
+
+# ---- plan ---------------------------------------------------------------------------------
+
+
+def _groups(renders: list[NodeRender]) -> list[tuple[str, list[NodeRender]]]:
+    """Consecutive nodes that look alike in the summary, as 'decode-0..7'."""
+    out: list[tuple[str, list[NodeRender]]] = []
+    for r in renders:
+        feeds = sorted({rep.decode_server for rep in r.node.replicas})
+        key = (r.node.role, len(r.node.replicas), r.node.used_cores, len(r.services), len(feeds))
+        if out and out[-1][1][-1].node.role == r.node.role and _key(out[-1][1][-1]) == key:
+            out[-1][1].append(r)
+        else:
+            out.append((r.node.role, [r]))
+    return out
+
+
+def _key(r: NodeRender) -> tuple[Any, ...]:
+    feeds = sorted({rep.decode_server for rep in r.node.replicas})
+    return (r.node.role, len(r.node.replicas), r.node.used_cores, len(r.services), len(feeds))
+
+
+def _span(names: list[str]) -> str:
+    if len(names) == 1:
+        return names[0]
+    return f"{names[0]}..{names[-1].rsplit('-', 1)[1]}"
+
+
+def _feeds(rs: list[NodeRender]) -> str:
+    feeds = sorted({rep.decode_server for r in rs for rep in r.node.replicas})
+    if not feeds:
+        return "-"
+    return f"decode-{feeds[0]}" if len(feeds) == 1 else f"decode-{feeds[0]}..{feeds[-1]}"
+
+
+def summary(cfg: ClusterConfig, renders: list[NodeRender]) -> str:
+    """The plan in 80 columns: what is deployed, where the endpoint is, what bills."""
+    from cluster_ops import cost
+
+    layout = cfg.layout
+    s = cfg.serving
+    lines = [f"{cfg.stack_name}: recipe {cfg.recipe}, {cfg.availability_zone}"]
+    if s.disaggregated:
+        lines += [
+            f"  {len(layout.nodes)} x {cfg.instance_type}: {len(layout.prefill_nodes)} prefill + {len(layout.decode_nodes)} decode",
+            f"  {len(layout.replicas)} prefill replicas (TP{s.prefill.tensor_parallel}), {len(layout.decode_nodes)} decode "
+            f"server{'s' if len(layout.decode_nodes) != 1 else ''} (TP{s.decode.tensor_parallel} DP{s.decode.data_parallel}), "
+            f"{len(layout.proxies)} prox{'y' if len(layout.proxies) == 1 else 'ies'}",
+        ]
+    else:
+        lines.append(f"  1 x {cfg.instance_type}: one server (TP{s.server.tensor_parallel})")
+    port = s.proxy.port if s.disaggregated else s.server.port
+    lines.append(
+        f"  endpoint: internal NLB on :{port}" if cfg.load_balanced else f"  endpoint: {renders[0].node.name if not s.disaggregated else layout.proxies[0].node}:{port} (SSM port forward)"
+    )
+    lines.append(f"  idle cores: {sum(n.idle_cores for n in layout.nodes)}")
+    lines.append("")
+    lines.append(f"  {'nodes':<20} {'role':<8} {'replicas':>8} {'cores':>7}  {'feeds':<16} {'servers':>7}")
+    for role, rs in _groups(renders):
+        n = rs[0].node
+        reps = f"{len(n.replicas)} each" if len(rs) > 1 and n.replicas else str(len(n.replicas))
+        lines.append(
+            f"  {_span([r.node.name for r in rs]):<20} {role:<8} {reps:>8} {f'{n.used_cores}/{n.cores}':>7}  {_feeds(rs):<16} {len(rs[0].services):>7}"
+        )
+    lines.append("")
+    billable = [f"{i.count:g} x {i.name}" if i.unit == "hour" else f"{i.name} x {len(layout.nodes)}" for i in cost.items(cfg)]
+    lines.append("  billed by the hour: " + billable[0])
+    lines += [f"    {b}" for b in billable[1:]]
+    lines.append("  prices: --cost (AWS credentials)   every unit: --details, --node NAME, --json")
+    return "\n".join(lines)
+
+
+def plan_document(cfg: ClusterConfig, renders: list[NodeRender]) -> dict[str, Any]:
+    """`plan --json`: everything the summary and the detail tables show."""
+    from cluster_ops import cost
+
+    layout = cfg.layout
+    doc = json.loads(plan_json(renders))
+    feeds: dict[str, list[str]] = {}
+    for rep in layout.replicas:
+        feeds.setdefault(f"decode-{rep.decode_server}", []).append(rep.unit.replace("gptoss-prefill@", f"{rep.node}:").removesuffix(".service"))
+    for node in doc["nodes"]:
+        r = next(r for r in renders if r.node.name == node["name"])
+        node["cores"] = {"used": r.node.used_cores, "total": r.node.cores}
+        node["feeds"] = sorted({f"decode-{rep.decode_server}" for rep in r.node.replicas})
+    return {
+        "stack": cfg.stack_name,
+        "region": cfg.region,
+        "availability_zone": cfg.availability_zone,
+        "cluster_tag": {"gptoss:cluster": cfg.cluster_name},
+        "recipe": cfg.recipe,
+        "instance_type": cfg.instance_type,
+        "capacity": cfg.capacity.model_dump(exclude_defaults=True) or {"type": "on-demand"},
+        "ami": {"id": cfg.ami_id} if cfg.ami_id else {"ssm_parameter": cfg.ami_ssm_parameter, "pinned": False},
+        "totals": {
+            "nodes": len(layout.nodes), "prefill_nodes": len(layout.prefill_nodes), "decode_nodes": len(layout.decode_nodes),
+            "prefill_replicas": len(layout.replicas), "proxies": len(layout.proxies), "idle_cores": sum(n.idle_cores for n in layout.nodes),
+        },
+        "load_balancer": {"internal_nlb": cfg.load_balanced, "port": cfg.serving.proxy.port if cfg.serving.disaggregated else cfg.serving.server.port},
+        "feeds": feeds,
+        "billable": [{"item": i.name, "count": i.count, "unit": i.unit, "note": i.note} for i in cost.items(cfg)],
+        "nodes": doc["nodes"],
+    }
+
+
+def _detail_tables(console: Console, renders: list[NodeRender]) -> None:
+    for r in renders:
+        t = Table(title=f"{r.node.name} ({r.node.role}, {r.instance_type})", show_lines=True, expand=True)
+        t.add_column("unit", overflow="fold")
+        t.add_column("environment", overflow="fold")
+        t.add_column("command line", overflow="fold")
+        for s in r.services:
+            env = "\n".join(f"{k}={v}" for k, v in s.environment.items())
+            t.add_row(s.unit + (f"\n({s.step} leg)" if s.step else ""), env, shlex.join(s.argv))
+        console.print(t)
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    """What runs where: a summary; with --details or --node, each unit's environment and command line."""
+    cfg = load(args)
+    _announce(cfg)
+    renders = render_cluster(cfg)
+    if args.node:
+        chosen = [r for r in renders if r.node.name == args.node]
+        if not chosen:
+            raise SpecError([f"--node {args.node}: no such node in {cfg.stack_name}. Fix: one of {', '.join(r.node.name for r in renders)}."])
+        renders_shown = chosen
+    else:
+        renders_shown = renders
+    if args.json:
+        doc = plan_document(cfg, renders)
+        if args.node:
+            doc["nodes"] = [n for n in doc["nodes"] if n["name"] == args.node]
+        if args.cost:
+            doc["cost"] = _cost_rows(cfg)
+        print(json.dumps(doc, indent=2))
+        return 0
+    if args.details or args.node:
+        _detail_tables(_console(args), renders_shown)
+    else:
+        print(summary(cfg, renders))
+    if args.cost:
+        _print_cost(cfg)
+    if args.diagram:
+        from clusterspec.diagram import draw
+
+        print(f"diagram written to {draw(cfg, Path(args.diagram))}")
+    return 0
+
+
+def _cost_rows(cfg: ClusterConfig) -> list[dict[str, Any]]:
+    from cluster_ops import cost
+
+    pricing = _session(cfg).client("pricing", region_name="us-east-1")  # the Price List API's endpoint
+    return [{"item": i.name, "count": i.count, "unit": i.unit, "usd_per_unit": i.usd, "usd_per_hour": i.per_hour, "note": i.note}
+            for i in cost.priced(cfg, pricing)]  # fmt: skip
+
+
+def _print_cost(cfg: ClusterConfig) -> None:
+    from cluster_ops import cost
+
+    rows = _cost_rows(cfg)
+    t = Table(title=f"{cfg.stack_name}: billed by the hour in {cfg.region} (AWS Price List, On-Demand USD)")
+    for col in ("item", "count", "unit price", "per hour", "note"):
+        t.add_column(col, justify="right" if col in ("count", "unit price", "per hour") else "left")
+    for r in rows:
+        unit = "-" if r["usd_per_unit"] is None else f"${r['usd_per_unit']:,.4f}/{'h' if r['unit'] == 'hour' else 'GB-mo'}"
+        t.add_row(r["item"], f"{r['count']:g}", unit, "-" if r["usd_per_hour"] is None else f"${r['usd_per_hour']:,.2f}", r["note"])
+    known = [r["usd_per_hour"] for r in rows if r["usd_per_hour"] is not None]
+    missing = [r["item"] for r in rows if r["usd_per_hour"] is None and not r["note"].startswith("paid up front")]
+    t.caption = (f"total ${sum(known):,.2f} per hour, ${sum(known) * 24:,.0f} per day"
+                 + (f" without {', '.join(missing)} (not in the Price List here)" if missing else "")
+                 + "; also by use: " + "; ".join(cost.usage_priced(cfg)))  # fmt: skip
+    Console(width=max(Console().width, 120)).print(t)
+
+
+# ---- commands that need AWS ------------------------------------------------------------------
+
+
+def cmd_recipes(args: argparse.Namespace) -> int:
+    """List the documented deployments: name, reference, what each deploys, its stack."""
+    from clusterspec.recipes import DEFAULT_RECIPE, RECIPES
+
+    if args.json:
+        print(json.dumps([{"name": r.name, "reference": r.reference, "deploys": r.deploys, "stack_name": r.stack_name,
+                           "default": r.name == DEFAULT_RECIPE} for r in RECIPES.values()], indent=2))  # fmt: skip
+        return 0
+    t = Table(title="recipes (-c recipe=NAME)", show_lines=True)
+    for col in ("recipe", "reference", "deploys", "stack"):
+        t.add_column(col, overflow="fold")
+    for r in RECIPES.values():
+        t.add_row(r.name + (" (default)" if r.name == DEFAULT_RECIPE else ""), r.reference, r.deploys, r.stack_name)
+    _console(args, 120).print(t)
+    return 0
+
+
+def cmd_preflight(args: argparse.Namespace) -> int:
+    """Check the account against what the stack assumes; non-zero when any check fails."""
+    from cluster_ops import preflight
+
+    cfg = load(args)
+    _announce(cfg)
+    checks = preflight.run(cfg, _session(cfg))
+    t = Table(title=f"preflight: {cfg.stack_name} ({len(cfg.layout.nodes)} x {cfg.instance_type} in {cfg.availability_zone})")
+    for col in ("check", "result", "detail", "fix"):
+        t.add_column(col, overflow="fold")
+    for c in checks:
+        t.add_row(c.name, "[red]FAIL[/]" if not c.ok else "[yellow]warn[/]" if c.warn else "[green]pass[/]", c.detail, c.fix)
+    _console(args).print(t)
+    if not cfg.ami_id:
+        print(f"note: the image resolves from {cfg.ami_ssm_parameter} at every deploy; pin it: gptoss pin-ami", file=sys.stderr)
+    if args.cost:
+        _print_cost(cfg)
+    return 0 if all(c.ok for c in checks) else 1
+
+
+def _status_table(cfg: ClusterConfig, status: Any) -> Table:
+    t = Table(title=f"{cfg.stack_name}: cluster status")
+    for col in ("node", "unit", "state", "health"):
+        t.add_column(col)
+    for u in status.units:
+        health = "-" if not u.needs_health else ("[green]ok[/]" if u.healthy else "[red]no answer[/]")
+        state = f"[green]{u.state}[/]" if u.state == "active" else f"[yellow]{u.state}[/]"
+        t.add_row(u.node, u.unit, state, health)
+    for n in status.missing_nodes:
+        t.add_row(n, "-", "[red]no running instance[/]", "-")
+    for n, why in status.pending_nodes.items():
+        t.add_row(n, "-", f"[yellow]instance pending[/] {why}", "-")
+    if status.notes:
+        t.caption = "\n".join(status.notes)
+    return t
+
+
+def _no_instances_hint(cfg: ClusterConfig, status: Any) -> None:
+    """When nothing of this cluster runs, say which stacks this checkout did deploy."""
+    if status.units or status.pending_nodes:
+        return
+    others = {k: v for k, v in deployed().items() if k != cfg.stack_name}
+    hint = "; ".join(f"{k} (gptoss status --stack {k})" for k in sorted(others))
+    print(f"no instance tagged gptoss:cluster={cfg.cluster_name} runs in {cfg.region}"
+          + (f". Deployed from this checkout: {hint}" if hint else ""), file=sys.stderr)  # fmt: skip
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    """Report every unit's state and health on every node; 0 when all are ready."""
+    from rich.progress import BarColumn, Progress, TextColumn
+
+    from cluster_ops.status import collect
+
+    cfg = load(args)
+    _announce(cfg)
+    session = _session(cfg)
+    console = Console()
+    with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total} nodes"),
+                  console=console, transient=True) as progress:  # fmt: skip
+        task = progress.add_task("asking every node (SSM Run Command)", total=len(cfg.layout.nodes))
+        status = collect(cfg, session.client("ec2"), session.client("ssm"),
+                         on_node=lambda node, st: progress.update(task, advance=1, description=f"{node}: {st}"))  # fmt: skip
+    console.print(_status_table(cfg, status))
+    _no_instances_hint(cfg, status)
+    return 0 if status.ready else 1
+
+
+def cmd_wait_ready(args: argparse.Namespace) -> int:
+    """Wait until every server answers; on timeout exit 1 naming the failing units."""
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from cluster_ops.status import wait_ready
+
+    cfg = load(args)
+    _announce(cfg)
+    session = _session(cfg)
+    console = Console()
+    with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total} units ready"),
+                  TimeElapsedColumn(), console=console) as progress:  # fmt: skip
+        task = progress.add_task("waiting for the cluster", total=None)
+
+        def on_poll(status: Any, elapsed: float) -> None:
+            ready = sum(u.ready for u in status.units)
+            waiting = list(status.failing)[:3]
+            progress.update(task, total=len(status.units) + len(status.missing_nodes) + len(status.pending_nodes), completed=ready,
+                            description="waiting: " + ("; ".join(waiting) if waiting else "all ready"))  # fmt: skip
+
+        status = wait_ready(cfg, session.client("ec2"), session.client("ssm"), timeout_s=args.timeout, interval_s=args.interval,
+                            on_poll=on_poll)  # fmt: skip
+    if status.ready:
+        console.print(f"[green]ready[/]: {len(status.units)} units on {len(cfg.layout.nodes)} nodes")
+        return 0
+    console.print(_status_table(cfg, status))
+    print(f"not ready after {args.timeout:.0f}s:\n" + "\n".join(f"  - {f}" for f in status.failing), file=sys.stderr)
+    return 1
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    """Run the reference's benchmark on a proxy node and print its key metrics."""
+    from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+    from cluster_ops import bench
+
+    cfg = load(args)
+    _announce(cfg)
+    session = _session(cfg)
+    console = Console()
+    with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), console=console) as progress:
+        task = progress.add_task("gptoss-bench.service: starting", total=None)
+        try:
+            metrics = bench.run(cfg, session.client("ec2"), session.client("ssm"), node=args.node, poll_s=args.interval,
+                                on_poll=lambda state, t: progress.update(task, description=f"gptoss-bench.service: {state}"))  # fmt: skip
+        except bench.BenchError as e:
+            raise CliError(f"bench failed: {e}", 1) from None
+    t = Table(title=f"{cfg.serving.bench.result_file} (measured leg, {cfg.serving.bench.measured_prompts} prompts)")
+    t.add_column("metric")
+    t.add_column("value", justify="right")
+    for key, label in bench.METRICS:
+        value = metrics.get(key)
+        t.add_row(label, "-" if value is None else f"{value:,.2f}")
+    console.print(t)
+    return 0
+
+
+def cmd_save_cache(args: argparse.Namespace) -> int:
+    """Copy the compile caches of one prefill and one decode node to compile_cache_s3_uri."""
+    from cluster_ops import cache
+
+    cfg = load(args)
+    _announce(cfg)
+    session = _session(cfg)
+    try:
+        done = cache.save(cfg, session.client("ec2"), session.client("ssm"))
+    except cache.CacheError as e:
+        raise CliError(f"save-cache failed: {e}", 1) from None
+    print(f"saved to {cfg.compile_cache_s3_uri} from {', '.join(sorted(done))}; new nodes restore it before compiling")
+    return 0
+
+
+def cmd_pin_ami(args: argparse.Namespace) -> int:
+    """Resolve the DLAMI parameter once and record the image in cdk.context.json."""
+    from cluster_ops import ami
+    from clusterspec.config import pin_key
+
+    ctx = _context(_context_args(args))
+    current = load_config(ctx)
+    _announce(current)
+    ctx.pop(pin_key(current.region), None)
+    cfg = load_config(ctx)
+    if cfg.ami_id:
+        print(f"ami_id is given in the parameters ({cfg.ami_id}): it is pinned already")
+        return 0
+    if current.ami_id and not args.upgrade:
+        print(f"already pinned: {current.ami_id}. To move to the image {cfg.ami_ssm_parameter} names today: "
+              "gptoss pin-ami --upgrade, review, commit cdk.context.json, deploy")  # fmt: skip
+        return 0
+    session = _session(cfg)
+    pin = ami.resolve(cfg, session.client("ssm"), session.client("ec2"))
+    path = _checkout() / "cdk.context.json"
+    previous = ami.write(path, cfg.region, pin)
+    print(f"pinned {pin['ami_id']} ({pin['name']}, created {pin['created']}) from {pin['parameter']} in {path.name}")
+    if previous and previous.get("ami_id") != pin["ami_id"]:
+        print(f"was {previous.get('ami_id')} ({previous.get('name')}): the next deploy replaces every instance "
+              "(instance store and compiled graphs lost; save-cache first)")  # fmt: skip
+    return 0
+
+
+# ---- deploy and destroy -------------------------------------------------------------------
+
+
+def _cdk(verb: str, cfg: ClusterConfig, context: list[str], extra: list[str]) -> int:
+    """Run the pinned CDK CLI on exactly this stack, with these parameters."""
+    if not CDK.exists():
+        raise CliError(f"the CDK CLI is not installed ({CDK}). Fix: make setup")
+    cmd = [str(CDK), verb, cfg.stack_name, "--no-notices", *(a for c in context for a in ("-c", c)), *extra]
+    print("$ " + shlex.join(["cdk", *cmd[1:]]), file=sys.stderr, flush=True)
+    env = {**os.environ, "PATH": f"{ROOT / 'node_modules' / '.bin'}{os.pathsep}{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
+    env.setdefault("AWS_REGION", cfg.region)
+    env.setdefault("CDK_DISABLE_CLI_TELEMETRY", "true")
+    return subprocess.run(cmd, cwd=_checkout(), env=env).returncode
+
+
+def _failure_line(cfg: ClusterConfig) -> str | None:
+    """Why the stack's last operation failed, from its events (capacity first), or None."""
+    from cluster_ops.capacity import explain_launch_failure
+
+    try:
+        cfn = _session(cfg).client("cloudformation")
+        events = cfn.describe_stack_events(StackName=cfg.stack_name)["StackEvents"]
+    except Exception:  # the deploy's own error stands; this is a best effort
+        return None
+    line = explain_launch_failure(cfg, events)
+    if line:
+        return line
+    failed = [e for e in events if e.get("ResourceStatus", "").endswith("FAILED") and "cancelled" not in (e.get("ResourceStatusReason") or "")]
+    if failed:
+        e = failed[-1]
+        return f"{e['LogicalResourceId']}: {e['ResourceStatus']}: {(e.get('ResourceStatusReason') or '').strip()[:300]}"
+    return None
+
+
+def cmd_deploy(args: argparse.Namespace, extra: list[str]) -> int:
+    """`cdk deploy` of the named stack (CDK's approval prompt kept); a failure explained in one line."""
+    from cluster_ops import cost
+
+    cfg = load(args)
+    _announce(cfg)
+    billable = ", ".join(f"{i.count:g} x {i.name}" if i.unit == "hour" else i.name for i in cost.items(cfg))
+    print(f"billed by the hour once deployed: {billable} (prices: gptoss plan --cost)", file=sys.stderr)
+    if not cfg.ami_id:
+        print(f"warning: unpinned image ({cfg.ami_ssm_parameter}); pin it before a production deploy: gptoss pin-ami", file=sys.stderr)
+    context = _context_args(args)
+    _record(cfg, context)
+    code = _cdk("deploy", cfg, context, extra)
+    if code != 0:
+        line = _failure_line(cfg)
+        if line:
+            print(f"deploy failed: {line}", file=sys.stderr)
+    return code
+
+
+def _what_goes(cfg: ClusterConfig) -> str:
+    """What a destroy deletes: the plan's instances, and the live ones when AWS can be asked."""
+    from cluster_ops.awserrors import explain
+    from cluster_ops.remote import find_nodes
+
+    layout = cfg.layout
+    roles: dict[str, int] = {}
+    for n in layout.nodes:
+        roles[n.role] = roles.get(n.role, 0) + 1
+    text = (f"{len(layout.nodes)} x {cfg.instance_type} ({', '.join(f'{c} {r}' for r, c in roles.items())})"
+            + (", the internal NLB" if cfg.load_balanced else "")
+            + (", the VPC and its NAT gateway" if cfg.network.vpc_id is None and cfg.network.egress == "nat" else
+               ", the VPC" if cfg.network.vpc_id is None else "")
+            + f", the log group /gptoss/{cfg.cluster_name}" * cfg.observability.enabled)  # fmt: skip
+    try:
+        live = find_nodes(_session(cfg).client("ec2"), cfg.cluster_name)
+        text += f"; running now: {len(live)} instance{'s' if len(live) != 1 else ''} tagged gptoss:cluster={cfg.cluster_name}"
+    except Exception as e:
+        reason = explain(e, region=cfg.region) or f"{type(e).__name__}"
+        text += f"; could not list the running instances ({reason.split('. Fix')[0]})"
+    return text
+
+
+def cmd_destroy(args: argparse.Namespace, extra: list[str]) -> int:
+    """Delete the named stack after confirmation (or --yes); never the default one by omission."""
+    if not (args.context or args.config or args.stack):
+        recorded = ", ".join(f"--stack {k}" for k in sorted(deployed())) or "none recorded"
+        raise CliError("destroy deletes a cluster: name it (-c config=FILE, -c KEY=VALUE or --stack NAME; "
+                       f"deployed from this checkout: {recorded}). Nothing was deleted.")  # fmt: skip
+    cfg = load(args)
+    _announce(cfg)
+    goes = _what_goes(cfg)
+    print(f"destroy {cfg.stack_name} in {cfg.region} deletes: {goes}", file=sys.stderr)
+    if not args.yes:
+        if not sys.stdin.isatty():
+            raise CliError(f"refusing to destroy {cfg.stack_name} without confirmation (no terminal). "
+                           "Fix: run it in a terminal, or pass --yes (make destroy YES=1).", 1)  # fmt: skip
+        answer = input(f"type the stack name ({cfg.stack_name}) to delete it: ").strip()
+        if answer != cfg.stack_name:
+            raise CliError(f"not confirmed ({answer!r} is not {cfg.stack_name}): nothing was deleted.", 1)
+    context = _context_args(args)
+    code = _cdk("destroy", cfg, context, ["--force", *extra])
+    if code == 0:
+        _record(cfg, context, remove=True)
+    return code
+
+
+def cmd_diff(args: argparse.Namespace, extra: list[str]) -> int:
+    """`cdk diff` of the named stack."""
+    cfg = load(args)
+    _announce(cfg)
+    return _cdk("diff", cfg, _context_args(args), extra)
+
+
+# ---- the parser ---------------------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The command-line interface."""
+    p = argparse.ArgumentParser(prog="gptoss", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="command", required=True)
+
+    def common(sp: argparse.ArgumentParser) -> None:
+        sp.add_argument("-c", "--context", action="append", metavar="KEY=VALUE", help="the same keys as `cdk -c`")
+        sp.add_argument("--config", help="YAML or JSON config file (as `cdk -c config=FILE`)")
+        sp.add_argument("--stack", help="a stack deployed from this checkout (its recorded parameters), or a recipe's stack")
+        sp.add_argument("--decode-instances", type=int, help="decode instances (default 1: the tested 6P1D)")
+        sp.add_argument("--prefill-per-decode", type=int, help="prefill replicas per decode server (default 6)")
+        sp.add_argument("--replicas-per-prefill-instance", type=int, help="default: fill each prefill instance")
+        sp.add_argument("--instance-type", help="default trn3.48xlarge")
+
+    plan = sub.add_parser("plan", help="what runs where (80-column summary; --details for every unit)")
+    common(plan)
+    plan.add_argument("--details", action="store_true", help="every unit's environment and command line")
+    plan.add_argument("--node", help="the detail of one node")
+    plan.add_argument("--json", action="store_true", help="machine-readable plan (everything the tables show)")
+    plan.add_argument("--cost", action="store_true", help="prices per hour from the AWS Price List API (needs credentials)")
+    plan.add_argument("--diagram", metavar="FILE", help="also draw the layout (PNG or SVG by extension)")
+    plan.add_argument("--width", type=int, default=None, help="console width of the detail tables")
+    plan.set_defaults(func=cmd_plan)
+
+    rec = sub.add_parser("recipes", help="list the documented deployments (-c recipe=NAME)")
+    rec.add_argument("--json", action="store_true")
+    rec.add_argument("--width", type=int, default=None)
+    rec.set_defaults(func=cmd_recipes)
+
+    pre = sub.add_parser("preflight", help="check the account: type offered, hardware, DLAMI, quota, capacity")
+    common(pre)
+    pre.add_argument("--cost", action="store_true", help="also the prices per hour (AWS Price List API)")
+    pre.add_argument("--width", type=int, default=None)
+    pre.set_defaults(func=cmd_preflight)
+
+    pin = sub.add_parser("pin-ami", help="resolve the DLAMI parameter once and record the image (cdk.context.json)")
+    common(pin)
+    pin.add_argument("--upgrade", action="store_true", help="re-resolve a pinned image (a deliberate upgrade)")
+    pin.set_defaults(func=cmd_pin_ami)
+
+    dep = sub.add_parser("deploy", help="cdk deploy of the named stack (extra arguments go to cdk)")
+    common(dep)
+    dep.set_defaults(func=cmd_deploy, passthrough=True)
+
+    des = sub.add_parser("destroy", help="cdk destroy of the named stack, after confirmation")
+    common(des)
+    des.add_argument("--yes", action="store_true", help="delete without asking (CI)")
+    des.set_defaults(func=cmd_destroy, passthrough=True)
+
+    dif = sub.add_parser("diff", help="cdk diff of the named stack")
+    common(dif)
+    dif.set_defaults(func=cmd_diff, passthrough=True)
+
+    st = sub.add_parser("status", help="every unit's state and health on every node (SSM)")
+    common(st)
+    st.set_defaults(func=cmd_status)
+
+    wr = sub.add_parser("wait-ready", help="wait until every server answers its health route")
+    common(wr)
+    wr.add_argument("--timeout", type=float, default=6 * 3600, help="seconds (first compiles take hours)")
+    wr.add_argument("--interval", type=float, default=60, help="seconds between polls")
+    wr.set_defaults(func=cmd_wait_ready)
+
+    be = sub.add_parser("bench", help="run the benchmark on a proxy node and print its metrics")
+    common(be)
+    be.add_argument("--node", help="proxy node to run it on (default: the first)")
+    be.add_argument("--interval", type=float, default=60, help="seconds between polls")
+    be.set_defaults(func=cmd_bench)
+
+    sc = sub.add_parser("save-cache", help="upload the compile caches to compile_cache_s3_uri (after the first compile)")
+    common(sc)
+    sc.set_defaults(func=cmd_save_cache)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run one command: exit 0 done, 1 not done (checks failed, not ready, not confirmed), 2 cannot run."""
+    from cluster_ops.awserrors import explain
+
+    # Throttled calls are retried with client-side rate limiting before an error reaches anyone.
+    os.environ.setdefault("AWS_RETRY_MODE", "adaptive")
+    os.environ.setdefault("AWS_MAX_ATTEMPTS", "8")
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra and not getattr(args, "passthrough", False):
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    try:
+        if getattr(args, "passthrough", False):
+            return int(args.func(args, [a for a in extra if a != "--"]))
+        return int(args.func(args))
+    except SpecError as e:
+        print(f"invalid deployment parameters:\n{e}", file=sys.stderr)
+        return 2
+    except CliError as e:
+        print(f"gptoss {args.command}: {e}", file=sys.stderr)
+        return e.code
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    except Exception as e:
+        line = explain(e, region=_REGION or os.environ.get("AWS_REGION", "the configured region"))
+        if line:
+            print(f"gptoss {args.command}: {line}", file=sys.stderr)
+            return 2
+        if os.environ.get("GPTOSS_DEBUG"):
+            raise
+        print(f"gptoss {args.command}: internal error: {type(e).__name__}: {e} (set GPTOSS_DEBUG=1 for the traceback)", file=sys.stderr)
+        return 2

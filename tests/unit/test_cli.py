@@ -1,0 +1,276 @@
+"""`gptoss`: what an operator sees. The cluster each command acts on, one line per AWS error,
+destroy that asks, deploy that keeps CDK's approval, cost, and the pinned image."""
+
+from __future__ import annotations
+
+import datetime as dt
+import io
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import boto3
+import pytest
+from botocore.config import Config
+from botocore.stub import Stubber
+from moto import mock_aws
+
+from cluster_ops import cli, cost
+from clusterspec.config import load_config
+from tests.conftest import ROOT
+
+REGION = "us-east-2"
+GPTOSS = Path(sys.executable).parent / "gptoss"
+PROD = ["-c", "config=examples/production-3p8d.yaml"]
+
+
+def no_credentials(tmp_path: Path) -> dict[str, str]:
+    """An environment where boto3 finds no credentials and never asks the instance metadata service."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
+    return env | {"HOME": str(tmp_path), "AWS_CONFIG_FILE": str(tmp_path / "none"), "AWS_SHARED_CREDENTIALS_FILE": str(tmp_path / "none"),
+                  "AWS_EC2_METADATA_DISABLED": "true", "AWS_REGION": REGION}  # fmt: skip
+
+
+@pytest.fixture
+def checkout(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A checkout of our own: cdk.context.json and the deploy records go here."""
+    monkeypatch.setattr(cli, "_checkout", lambda: tmp_path)
+    return tmp_path
+
+
+class Session:
+    def __init__(self, **clients: Any) -> None:
+        self.clients = clients
+
+    def client(self, name: str, region_name: str | None = None) -> Any:
+        return self.clients[name]
+
+
+def failing(service: str, operation: str, code: str, message: str = "") -> Any:
+    client = boto3.client(service, region_name=REGION, aws_access_key_id="x", aws_secret_access_key="x",
+                          config=Config(retries={"max_attempts": 1}))  # fmt: skip
+    stub = Stubber(client)
+    stub.add_client_error(operation, code, message or code)
+    stub.activate()
+    return client
+
+
+# ---- one line for every AWS error -----------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "command", [["status"], ["wait-ready", "--timeout", "1"], ["bench"], ["preflight"], ["save-cache", "-c", "compile_cache_s3_uri=s3://gptoss-cache/n"], ["pin-ami"]]
+)
+def test_without_credentials_every_aws_command_says_so_in_one_line(command: list[str], tmp_path: Path) -> None:
+    r = subprocess.run([str(GPTOSS), *command], capture_output=True, text=True, env=no_credentials(tmp_path), cwd=ROOT, timeout=120)
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 2, r.stderr
+    assert lines[0] == "stack GptOss8k1kStack · region us-east-2 · cluster tag gptoss:cluster=gptoss-8k1k"
+    assert lines[1:] == [f"gptoss {command[0]}: no AWS credentials found. Fix: configure credentials for the account "
+                         "(aws configure, aws sso login, or AWS_PROFILE / AWS_ACCESS_KEY_ID), then run the command again."]  # fmt: skip
+    assert "Traceback" not in r.stderr + r.stdout
+
+
+@pytest.mark.parametrize(
+    ("code", "expected"),
+    [
+        ("ExpiredToken", "gptoss status: the AWS credentials have expired (ExpiredToken). Fix: refresh them"),
+        ("UnauthorizedOperation", "gptoss status: access denied: the caller may not ec2:DescribeInstances in us-east-2"),
+        ("RequestLimitExceeded", "gptoss status: AWS throttled ec2:DescribeInstances after every retry (RequestLimitExceeded)"),
+        ("InvalidClientTokenId", "gptoss status: AWS does not accept these credentials (InvalidClientTokenId"),
+    ],
+)
+def test_expired_denied_and_throttled_are_one_line_naming_the_action(
+    code: str, expected: str, monkeypatch: pytest.MonkeyPatch, capsys: Any
+) -> None:
+    monkeypatch.setattr(cli, "_session", lambda cfg: Session(ec2=failing("ec2", "describe_instances", code), ssm=None))
+    assert cli.main(["status"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 2 and err[1].startswith(expected), err
+    if code == "UnauthorizedOperation":
+        assert err[1].endswith("Fix: grant ec2:DescribeInstances to the role or user you run as.")
+
+
+# ---- destroy asks; deploy keeps the approval ------------------------------------------------
+
+
+def test_destroy_without_a_named_cluster_deletes_nothing(checkout: Path, capsys: Any) -> None:
+    assert cli.main(["destroy", "--yes"]) == 2
+    err = capsys.readouterr().err
+    assert "destroy deletes a cluster: name it (-c config=FILE, -c KEY=VALUE or --stack NAME" in err and "Nothing was deleted." in err
+
+
+def test_make_destroy_without_yes_and_without_a_terminal_refuses_naming_what_it_would_delete(tmp_path: Path) -> None:
+    r = subprocess.run(["make", "-s", "destroy", "CDK_ARGS=-c config=examples/production-3p8d.yaml"], cwd=ROOT, capture_output=True,
+                       text=True, stdin=subprocess.DEVNULL, env=no_credentials(tmp_path), timeout=600)  # fmt: skip
+    assert r.returncode != 0
+    assert "stack GptOss8k1kProd · region us-east-2 · cluster tag gptoss:cluster=gptoss-prod" in r.stderr
+    assert ("destroy GptOss8k1kProd in us-east-2 deletes: 11 x trn3.48xlarge (3 prefill, 8 decode), the internal NLB, "
+            "the VPC and its NAT gateway, the log group /gptoss/gptoss-prod; could not list the running instances "
+            "(no AWS credentials found)") in r.stderr  # fmt: skip
+    assert "refusing to destroy GptOss8k1kProd without confirmation (no terminal). Fix: run it in a terminal, or pass --yes (make destroy YES=1)." in r.stderr
+    assert "cdk destroy" not in r.stderr
+
+
+def test_destroy_asks_for_the_stack_name_and_runs_cdk_only_when_it_is_typed(
+    checkout: Path, monkeypatch: pytest.MonkeyPatch, capsys: Any, tmp_path: Path
+) -> None:
+    ran: list[tuple[str, str, list[str], list[str]]] = []
+    monkeypatch.setattr(cli, "_cdk", lambda verb, cfg, context, extra: ran.append((verb, cfg.stack_name, context, extra)) or 0)
+    monkeypatch.setattr(cli, "_what_goes", lambda cfg: "11 x trn3.48xlarge")
+
+    class Tty(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    monkeypatch.setattr(sys, "stdin", Tty("GptOss8k1kStack\n"))
+    assert cli.main(["destroy", *PROD]) == 1
+    assert "not confirmed ('GptOss8k1kStack' is not GptOss8k1kProd): nothing was deleted." in capsys.readouterr().err
+    assert ran == []
+    monkeypatch.setattr(sys, "stdin", Tty("GptOss8k1kProd\n"))
+    assert cli.main(["destroy", *PROD]) == 0
+    assert ran == [("destroy", "GptOss8k1kProd", ["config=examples/production-3p8d.yaml"], ["--force"])]
+
+
+def test_make_deploy_keeps_cdks_approval_prompt() -> None:
+    r = subprocess.run(["make", "-n", "deploy", "CDK_ARGS=-c config=examples/production-3p8d.yaml"], cwd=ROOT, capture_output=True, text=True)
+    (line,) = [x for x in r.stdout.splitlines() if "gptoss deploy" in x]
+    assert line.strip() == ".venv/bin/gptoss deploy -c config=examples/production-3p8d.yaml"
+    assert "never" not in r.stdout
+    ci = subprocess.run(["make", "-n", "deploy", "DEPLOY_ARGS=--require-approval never"], cwd=ROOT, capture_output=True, text=True)
+    assert ".venv/bin/gptoss deploy  --require-approval never" in ci.stdout
+
+
+def test_deploy_names_the_stack_records_it_and_later_commands_find_it(checkout: Path, monkeypatch: pytest.MonkeyPatch, capsys: Any) -> None:
+    ran: list[tuple[str, str, list[str], list[str]]] = []
+    monkeypatch.setattr(cli, "_cdk", lambda verb, cfg, context, extra: ran.append((verb, cfg.stack_name, context, extra)) or 0)
+    assert cli.main(["deploy", *PROD, "--require-approval", "never"]) == 0
+    assert ran == [("deploy", "GptOss8k1kProd", ["config=examples/production-3p8d.yaml"], ["--require-approval", "never"])]
+    err = capsys.readouterr().err
+    assert err.splitlines()[0].startswith("stack GptOss8k1kProd")
+    assert "billed by the hour once deployed: 11 x trn3.48xlarge (on-demand)" in err
+    assert "warning: unpinned image" in err
+    # Later commands can name the cluster by its stack alone.
+    assert cli.main(["plan", "--stack", "GptOss8k1kProd", "--json"]) == 0
+    out, err = capsys.readouterr()
+    assert json.loads(out)["totals"]["nodes"] == 11 and err.startswith("stack GptOss8k1kProd")
+    assert cli.main(["plan", "--stack", "GptOssNope"]) == 2
+    assert "--stack GptOssNope: no stack of that name was deployed from this checkout (recorded: GptOss8k1kProd)" in capsys.readouterr().err
+
+
+def test_a_failed_deploy_is_explained_in_one_line(checkout: Path, monkeypatch: pytest.MonkeyPatch, capsys: Any) -> None:
+    monkeypatch.setattr(cli, "_cdk", lambda verb, cfg, context, extra: 1)
+    cfn = boto3.client("cloudformation", region_name=REGION, aws_access_key_id="x", aws_secret_access_key="x")
+    stub = Stubber(cfn)
+    now = dt.datetime(2026, 11, 30, tzinfo=dt.UTC)
+    stub.add_response("describe_stack_events", {"StackEvents": [
+        {"StackId": "s", "EventId": "1", "StackName": "GptOss8k1kProd", "Timestamp": now, "LogicalResourceId": "Decode5InstanceA1B2C3D4",
+         "ResourceStatus": "CREATE_FAILED", "ResourceStatusReason": "Insufficient capacity. (InsufficientInstanceCapacity)"}]},
+        {"StackName": "GptOss8k1kProd"})  # fmt: skip
+    stub.activate()
+    monkeypatch.setattr(cli, "_session", lambda cfg: Session(cloudformation=cfn))
+    assert cli.main(["deploy", *PROD]) == 1
+    err = capsys.readouterr().err.splitlines()
+    assert err[-1].startswith("deploy failed: no capacity for decode (trn3.48xlarge in us-east-2a, on-demand)")
+
+
+@mock_aws
+def test_status_with_nothing_running_names_the_stacks_this_checkout_deployed(checkout: Path, capsys: Any) -> None:
+    os.environ.setdefault("AWS_DEFAULT_REGION", REGION)
+    (checkout / ".gptoss").mkdir()
+    (checkout / ".gptoss/deployed.json").write_text(json.dumps({"GptOss8k1kProd": {"context": ["config=examples/production-3p8d.yaml"]}}))
+    assert cli.main(["status"]) == 1
+    err = capsys.readouterr().err
+    assert "no instance tagged gptoss:cluster=gptoss-8k1k runs in us-east-2. Deployed from this checkout: GptOss8k1kProd (gptoss status --stack GptOss8k1kProd)" in err
+
+
+# ---- the pinned image ---------------------------------------------------------------------
+
+
+@pytest.fixture
+def moto_aws() -> Iterator[None]:
+    with mock_aws():
+        yield
+
+
+def test_pin_ami_records_the_image_and_the_config_uses_it(moto_aws: None, checkout: Path, capsys: Any) -> None:
+    ec2 = boto3.client("ec2", region_name=REGION)
+    ssm = boto3.client("ssm", region_name=REGION)
+    first, second = [i["ImageId"] for i in ec2.describe_images(Owners=["amazon"])["Images"][:2]]
+    ssm.put_parameter(Name="/test/dlami", Value=first, Type="String")
+    args = ["-c", "ami_ssm_parameter=/test/dlami"]
+    assert cli.main(["pin-ami", *args]) == 0
+    assert f"pinned {first} (" in capsys.readouterr().out
+    pin = json.loads((checkout / "cdk.context.json").read_text())["gptoss:pinned-ami:us-east-2"]
+    assert pin["ami_id"] == first and pin["parameter"] == "/test/dlami" and pin["name"] and pin["created"]
+    # Every command now uses the recorded image, not the parameter.
+    assert cli.main(["plan", "--json", *args]) == 0
+    assert json.loads(capsys.readouterr().out)["ami"] == {"id": first}
+    # AWS publishes a new image: nothing moves until the operator asks.
+    ssm.put_parameter(Name="/test/dlami", Value=second, Type="String", Overwrite=True)
+    assert cli.main(["pin-ami", *args]) == 0
+    assert f"already pinned: {first}" in capsys.readouterr().out
+    assert cli.main(["pin-ami", "--upgrade", *args]) == 0
+    out = capsys.readouterr().out
+    assert f"pinned {second}" in out and f"was {first}" in out and "replaces every instance" in out
+    # A config that names another parameter is not affected by this pin.
+    assert load_config({"ami_ssm_parameter": "/other/param", "gptoss:pinned-ami:us-east-2": pin}).ami_id is None
+
+
+def test_an_unpinned_stack_warns_at_synth_and_a_pinned_one_does_not() -> None:
+    import aws_cdk as cdk
+    from aws_cdk.assertions import Annotations, Match
+
+    from stacks.cluster_stack import GptOssClusterStack
+
+    app = cdk.App()
+    unpinned = GptOssClusterStack(app, "A", config=load_config({}))
+    pinned = GptOssClusterStack(app, "B", config=load_config({"ami_id": "ami-0123456789abcdef0", "ami_ssm_parameter": "null"}))
+    Annotations.from_stack(unpinned).has_warning("*", Match.string_like_regexp("Pin it: gptoss pin-ami"))
+    Annotations.from_stack(pinned).has_no_warning("*", Match.string_like_regexp("pin-ami"))
+
+
+# ---- cost ----------------------------------------------------------------------------------
+
+
+def price_list(unit: str, usd: str, *extra: tuple[str, str]) -> str:
+    dims = {"d1": {"unit": unit, "pricePerUnit": {"USD": usd}}}
+    dims.update({f"d{i + 2}": {"unit": u, "pricePerUnit": {"USD": p}} for i, (u, p) in enumerate(extra)})
+    return json.dumps({"product": {}, "terms": {"OnDemand": {"t": {"priceDimensions": dims}}}})
+
+
+def test_cost_prices_each_item_from_the_price_list(monkeypatch: pytest.MonkeyPatch, capsys: Any) -> None:
+    cfg = load_config({"decode_instances": "8"})
+    pricing = boto3.client("pricing", region_name="us-east-1", aws_access_key_id="x", aws_secret_access_key="x")
+    stub = Stubber(pricing)
+    for item, answer in zip(cost.items(cfg), [price_list("Hrs", "40.0"), price_list("GB-Mo", "0.08"),
+                                              price_list("GB", "0.045", ("Hrs", "0.045")), price_list("LCU-Hrs", "0.006", ("Hrs", "0.0225"))], strict=True):  # fmt: skip
+        stub.add_response("get_products", {"PriceList": [answer]},
+                          {"ServiceCode": item.service, "Filters": [{"Type": "TERM_MATCH", "Field": k, "Value": v} for k, v in item.filters],
+                           "MaxResults": 100})  # fmt: skip
+    stub.activate()
+    priced = {i.name: i for i in cost.priced(cfg, pricing)}
+    assert priced["trn3.48xlarge (on-demand)"].per_hour == pytest.approx(440.0)
+    assert priced["root volumes, gp3 512 GB"].per_hour == pytest.approx(11 * 512 * 0.08 / 730)
+    assert priced["NAT gateway"].usd == 0.045 and priced["internal Network Load Balancer"].usd == 0.0225
+    stub.assert_no_pending_responses()
+
+
+def test_a_capacity_block_is_not_priced_by_the_hour() -> None:
+    """A block is paid when bought: the Price List is not asked for its instances, the rest is priced."""
+    cfg = load_config({"capacity": {"type": "capacity-block", "reservation_id": "cr-0123456789abcdef0"}})
+    pricing = boto3.client("pricing", region_name="us-east-1", aws_access_key_id="x", aws_secret_access_key="x")
+    stub = Stubber(pricing)
+    for item, answer in zip(cost.items(cfg)[1:], [price_list("GB-Mo", "0.08"), price_list("Hrs", "0.045")], strict=True):
+        stub.add_response("get_products", {"PriceList": [answer]},
+                          {"ServiceCode": item.service, "Filters": [{"Type": "TERM_MATCH", "Field": k, "Value": v} for k, v in item.filters],
+                           "MaxResults": 100})  # fmt: skip
+    stub.activate()
+    instances, volumes, nat = cost.priced(cfg, pricing)
+    assert (instances.usd, instances.note) == (None, "paid up front when the block was bought")
+    assert volumes.usd == 0.08 and nat.usd == 0.045
+    stub.assert_no_pending_responses()
