@@ -19,7 +19,7 @@ DEPLOY_ARGS ?=
 YES ?=
 NODE_MAJOR := 22
 
-.PHONY: setup synth plan test test-vm lint bootstrap deploy destroy diff bench-scale diagrams clean
+.PHONY: setup synth plan test test-vm lint bootstrap deploy destroy diff bench-scale bench-synth diagrams clean
 
 setup: .make/python .make/node .make/system .make/hf-clients
 
@@ -100,6 +100,9 @@ lint: setup
 
 bench-scale: setup
 	$(PY) scripts/bench_scale.py
+
+bench-synth: setup
+	$(PY) scripts/bench_synth.py
 
 diagrams: setup
 	$(GPTOSS) plan --diagram docs/layout-6p1d.png > /dev/null

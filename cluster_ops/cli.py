@@ -27,7 +27,7 @@ from clusterspec.render import NodeRender, plan_json, render_cluster
 ROOT = Path(__file__).resolve().parent.parent
 CDK = ROOT / "node_modules" / ".bin" / "cdk"
 _REGION = ""  # the region of the config loaded, for error messages
-DEPLOYED = ".gptoss/deployed.json"  # stacks deployed from this checkout, with the parameters they were deployed with
+DEPLOYED = "deployed.json"  # stacks deployed from this checkout, with the parameters they were deployed with
 
 
 class CliError(Exception):
@@ -47,9 +47,14 @@ def _checkout() -> Path:
     return Path.cwd() if (Path.cwd() / "cdk.json").exists() else ROOT
 
 
+def _state() -> Path:
+    """The checkout's records (.gptoss/, ignored by git); GPTOSS_STATE_DIR elsewhere."""
+    return Path(os.environ.get("GPTOSS_STATE_DIR") or _checkout() / ".gptoss")
+
+
 def deployed() -> dict[str, dict[str, Any]]:
     """Stacks deployed from this checkout: name -> {"context": [...], "region": ...}."""
-    path = _checkout() / DEPLOYED
+    path = _state() / DEPLOYED
     try:
         return dict(json.loads(path.read_text())) if path.exists() else {}
     except (OSError, ValueError):
@@ -57,13 +62,13 @@ def deployed() -> dict[str, dict[str, Any]]:
 
 
 def _record(cfg: ClusterConfig, context: list[str], *, remove: bool = False) -> None:
-    path = _checkout() / DEPLOYED
+    path = _state() / DEPLOYED
     doc = deployed()
     if remove:
         doc.pop(cfg.stack_name, None)
     else:
         doc[cfg.stack_name] = {"context": context, "region": cfg.region, "cluster": cfg.cluster_name}
-    path.parent.mkdir(exist_ok=True)
+    path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(doc, indent=2, sort_keys=True) + "\n")
 
 

@@ -21,6 +21,9 @@ CDK = ROOT / "node_modules" / ".bin" / "cdk"
 STACK = "GptOss8k1kStack"
 # The project's Node.js LTS (package.json) for the CDK CLI and the jsii runtime, as `make` sets it.
 os.environ["PATH"] = f"{ROOT / 'node_modules' / '.bin'}{os.pathsep}{os.environ.get('PATH', '')}"
+# As app.py does: CDK's built-in CloudFormation validator off in the in-process synths (the
+# tests run cfn-lint on the templates instead); set before aws_cdk starts its runtime.
+os.environ.setdefault("CDK_VALIDATION", "false")
 
 
 def cli_env(**extra: str) -> dict[str, str]:

@@ -11,6 +11,7 @@ import base64
 import hashlib
 import socket
 import subprocess
+import sys
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -74,6 +75,18 @@ class LocalAws:
             text=True,
         )
         assert r.returncode == 0, f"cdk {' '.join(args)} failed:\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
+        return r
+
+    def gptoss(self, command: str, *args: str, timeout: int = 300) -> subprocess.CompletedProcess[str]:
+        """The operator CLI as installed (it runs the same pinned cdk), records kept out of the checkout."""
+        r = subprocess.run(
+            ["timeout", str(timeout), str(Path(sys.executable).parent / "gptoss"), command, "-c", f"config={self.config}", *args],
+            cwd=ROOT,
+            env=self.env | {"GPTOSS_STATE_DIR": str(self.config.parent / "gptoss-state")},
+            capture_output=True,
+            text=True,
+        )
+        assert r.returncode == 0, f"gptoss {command} failed:\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
         return r
 
 
@@ -178,11 +191,17 @@ def remove_what_moto_cannot_delete(aws: LocalAws, resources: list[dict[str, Any]
         ec2.delete_route_table(RouteTableId=table["RouteTableId"])
 
 
-def deploy_check_destroy(aws: LocalAws, *context: str, stack: str = STACK, cluster: str = CLUSTER) -> dict[str, Any]:
+def deploy_check_destroy(
+    aws: LocalAws, *context: str, stack: str = STACK, cluster: str = CLUSTER, via_gptoss: bool = False
+) -> dict[str, Any]:
     """Deploy, collect what was created, destroy, and prove nothing created remains."""
     before = inventory(aws)
     ctx = [a for c in context for a in ("-c", c)]
-    aws.cdk("deploy", stack, "--require-approval", "never", *ctx)
+    if via_gptoss:
+        out = aws.gptoss("deploy", *ctx, "--require-approval", "never")
+        assert out.stderr.splitlines()[0].startswith(f"stack {stack} · region {REGION}"), out.stderr
+    else:
+        aws.cdk("deploy", stack, "--require-approval", "never", *ctx)
     cf, ec2, iam = aws.client("cloudformation"), aws.client("ec2"), aws.client("iam")
     # A deploy can report success while a resource failed: read every resource's status.
     resources = cf.list_stack_resources(StackName=stack)["StackResourceSummaries"]
@@ -248,7 +267,10 @@ def deploy_check_destroy(aws: LocalAws, *context: str, stack: str = STACK, clust
     }
 
     remove_what_moto_cannot_delete(aws, resources)
-    aws.cdk("destroy", stack, "--force", *ctx)
+    if via_gptoss:
+        aws.gptoss("destroy", "--yes", *ctx)
+    else:
+        aws.cdk("destroy", stack, "--force", *ctx)
     stacks = [s for s in cf.list_stacks()["StackSummaries"] if s["StackName"] == stack]
     assert all(s["StackStatus"] == "DELETE_COMPLETE" for s in stacks)
     after = inventory(aws)
@@ -348,8 +370,10 @@ def test_production_three_plus_eight_in_an_existing_vpc_deploys_and_is_destroyed
 
 
 def test_single_instance_recipe_deploys_and_is_destroyed(local_aws: LocalAws) -> None:
-    """`cdk deploy GptOss20bSingleStack -c recipe=gptoss-20b-single`: one server, one interface, port 8000."""
-    seen = deploy_check_destroy(local_aws, "recipe=gptoss-20b-single", stack="GptOss20bSingleStack", cluster="gptoss-20b-single")
+    """`gptoss deploy -c recipe=gptoss-20b-single` (the CLI, as an operator runs it): one server, one interface, port 8000."""
+    seen = deploy_check_destroy(
+        local_aws, "recipe=gptoss-20b-single", stack="GptOss20bSingleStack", cluster="gptoss-20b-single", via_gptoss=True
+    )
     assert _roles(seen["instances"]) == ["server"]
     (data,) = seen["templates"].values()
     (nic,) = data["NetworkInterfaces"]

@@ -1,0 +1,91 @@
+"""Every command the README shows works as written on a checkout.
+
+```bash blocks need no AWS account: each command runs and must succeed. ```console blocks
+need an account: each `gptoss` subcommand answers `--help` and each make target dry-runs
+(`make -n`). ```text blocks of `-c` parameters are parsed by `gptoss plan`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import ROOT
+
+README = (ROOT / "README.md").read_text()
+
+
+def blocks(language: str) -> list[list[str]]:
+    """Each block of that language as its commands (continuations joined, comments dropped)."""
+    out = []
+    for body in re.findall(rf"```{language}\n(.*?)```", README, re.S):
+        commands = []
+        for line in body.replace("\\\n", " ").splitlines():
+            line = re.sub(r"\s+#.*$", "", line).strip()
+            if line and not line.startswith("#"):
+                commands.append(line)
+        out.append(commands)
+    return out
+
+
+def offline_env(tmp: Path) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
+    return env | {"AWS_EC2_METADATA_DISABLED": "true", "AWS_CONFIG_FILE": str(tmp / "none"), "AWS_SHARED_CREDENTIALS_FILE": str(tmp / "none")}
+
+
+def run(command: str, tmp: Path) -> subprocess.CompletedProcess[str]:
+    # The runbook's later lines name the stack its `make deploy` recorded: the record it writes.
+    state = tmp / "gptoss-state"
+    state.mkdir(exist_ok=True)
+    (state / "deployed.json").write_text(json.dumps({"GptOss8k1kProd": {"context": ["config=examples/production-3p8d.yaml"]}}))
+    env = offline_env(tmp) | {"GPTOSS_STATE_DIR": str(state)}
+    return subprocess.run(["bash", "-c", command], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+
+
+OFFLINE = [c for b in blocks("bash") for c in b]
+ONLINE = [c for b in blocks("console") for c in b]
+
+
+def test_the_readme_shows_commands_of_both_kinds() -> None:
+    assert "make synth" in OFFLINE and "make test" in OFFLINE
+    assert any(c.startswith(".venv/bin/gptoss preflight") for c in ONLINE)
+
+
+@pytest.mark.parametrize("command", [c for c in OFFLINE if c != "make test"])
+def test_offline_commands_run_as_written(command: str, tmp_path: Path) -> None:
+    r = run(command, tmp_path)
+    assert r.returncode == 0, f"{command}\n{r.stdout[-2000:]}\n{r.stderr[-2000:]}"
+
+
+def test_make_test_is_what_ci_runs(tmp_path: Path) -> None:
+    """`make test` itself is this suite: its recipe must parse, and .ci/run must call it."""
+    assert run("make -n test", tmp_path).returncode == 0
+    assert "\nmake test\n" in (ROOT / ".ci" / "run").read_text()
+
+
+@pytest.mark.parametrize("command", [c for c in ONLINE if not c.startswith("export ")])
+def test_commands_that_need_aws_exist_as_written(command: str, tmp_path: Path) -> None:
+    words = shlex.split(command)
+    if words[0] == ".venv/bin/gptoss":
+        r = run(shlex.join([words[0], words[1], "--help"]), tmp_path)
+        assert r.returncode == 0, r.stderr
+        # ... and its parameters parse (everything but talking to AWS).
+        params = [w for w in words[2:] if w not in ("--cost", "--upgrade")]
+        r = run(shlex.join([words[0], "plan", *params]), tmp_path)
+        assert r.returncode == 0, (command, r.stderr[-2000:])
+    else:
+        assert words[0] == "make", command
+        r = run(shlex.join(["make", "-n", *words[1:]]), tmp_path)
+        assert r.returncode == 0, (command, r.stderr[-2000:])
+
+
+@pytest.mark.parametrize("line", [c for b in blocks("text") for c in b if c.startswith("-c ")])
+def test_parameter_examples_are_accepted(line: str, tmp_path: Path) -> None:
+    r = run(f".venv/bin/gptoss plan {line}", tmp_path)
+    assert r.returncode == 0, (line, r.stderr[-2000:])
