@@ -87,12 +87,13 @@ diff: setup
 destroy: setup
 	$(GPTOSS) destroy $(CDK_ARGS) $(if $(YES),--yes)
 
+# Independent test files run in parallel, one worker per core; the 15 slowest tests are printed.
 test: setup
-	$(PY) -m pytest $(PYTEST_ARGS)
+	$(PY) -m pytest -n auto --dist loadfile --durations=15 $(PYTEST_ARGS)
 
 # Boots the default layout's nodes in QEMU guests from the project's own user data (tests/vm).
 test-vm: setup .make/vm-system
-	$(PY) -m pytest -m vm tests/vm $(PYTEST_ARGS)
+	$(PY) -m pytest -p no:xdist -m vm tests/vm $(PYTEST_ARGS)
 
 lint: setup
 	$(PY) -m ruff check .

@@ -34,9 +34,30 @@ def _widget(
     }
 
 
+SERVER_GRAPHS = (
+    ("ServerUp", "up (1) or down (0)"), ("TimeToFirstTokenMs", "time to first token (ms)"),
+    ("TimePerOutputTokenMs", "time per output token (ms)"), ("GenerationTokensPerSecond", "generated tokens/s"),
+    ("PromptTokensPerSecond", "prompt tokens/s"), ("RequestsRunning", "requests running"),
+    ("RequestsWaiting", "requests waiting"), ("KvCacheUsagePercent", "KV cache used (%)"),
+)  # fmt: skip
+NODE_GRAPHS = (
+    ("NeuronCoreUtilizationPercent", "NeuronCore utilization (%)"), ("NeuronDeviceMemoryUsedBytes", "Neuron device memory (bytes)"),
+    ("NeuronExecutionErrors", "Neuron execution errors"), ("EfaRxBytesPerSecond", "EFA received (bytes/s)"),
+    ("EfaTxBytesPerSecond", "EFA sent (bytes/s)"),
+)  # fmt: skip
+
+
+def _grid(widgets: list[dict[str, Any]], cfg: ClusterConfig, label: str, graphs: tuple[tuple[str, str], ...],
+          role: str | None, dims: str, y: int) -> int:  # fmt: skip
+    """One graph per metric, three to a row, each a SEARCH over every server or node; returns the next row."""
+    for i, (metric, what) in enumerate(graphs):
+        expr = _search(cfg, metric, role, dims) | {"id": f"m{i}"}
+        widgets.append(_widget(f"{label}: {what}", [[expr]], x=(i % 3) * 8, y=y + (i // 3) * 6))
+    return y + ((len(graphs) + 2) // 3) * 6
+
+
 def dashboard_body(cfg: ClusterConfig, *, region: str, lb: tuple[str, str] | None) -> dict[str, Any]:
     """The dashboard's widgets (tokens for the load balancer's names are resolved by the stack)."""
-    server_dims = "Cluster,Node,Role,Server"
     roles = (
         [("decode", "Decode servers"), ("prefill", "Prefill replicas")] if cfg.serving.disaggregated else [("server", "Server")]
     )
@@ -63,35 +84,8 @@ def dashboard_body(cfg: ClusterConfig, *, region: str, lb: tuple[str, str] | Non
         )  # fmt: skip
     y = 8
     for role, label in roles:
-        for i, (metric, what) in enumerate(
-            [("ServerUp", "up (1) or down (0)"), ("TimeToFirstTokenMs", "time to first token (ms)"),
-             ("TimePerOutputTokenMs", "time per output token (ms)"), ("GenerationTokensPerSecond", "generated tokens/s"),
-             ("PromptTokensPerSecond", "prompt tokens/s"), ("RequestsRunning", "requests running"),
-             ("RequestsWaiting", "requests waiting"), ("KvCacheUsagePercent", "KV cache used (%)")]
-        ):  # fmt: skip
-            widgets.append(
-                _widget(
-                    f"{label}: {what}",
-                    [[_search(cfg, metric, role, server_dims) | {"id": f"e{i}"}]],
-                    x=(i % 3) * 8,
-                    y=y + (i // 3) * 6,
-                )
-            )
-        y += 18
-    node_dims = "Cluster,Node,Role"
-    for i, (metric, what) in enumerate(
-        [("NeuronCoreUtilizationPercent", "NeuronCore utilization (%)"), ("NeuronDeviceMemoryUsedBytes", "Neuron device memory (bytes)"),
-         ("NeuronExecutionErrors", "Neuron execution errors"), ("EfaRxBytesPerSecond", "EFA received (bytes/s)"),
-         ("EfaTxBytesPerSecond", "EFA sent (bytes/s)")]
-    ):  # fmt: skip
-        widgets.append(
-            _widget(
-                f"Per node: {what}",
-                [[_search(cfg, metric, None, node_dims) | {"id": f"n{i}"}]],
-                x=(i % 3) * 8,
-                y=y + (i // 3) * 6,
-            )
-        )
+        y = _grid(widgets, cfg, label, SERVER_GRAPHS, role, "Cluster,Node,Role,Server", y)
+    _grid(widgets, cfg, "Per node", NODE_GRAPHS, None, "Cluster,Node,Role", y)
     for w in widgets:
         w["properties"].setdefault("region", region)
     return {"widgets": widgets}

@@ -61,6 +61,10 @@ class LocalAws:
     env: dict[str, str]
     config: Path
 
+    @property
+    def outdir(self) -> Path:
+        return self.config.parent / "cdk.out"
+
     def client(self, name: str) -> Any:
         return boto3.client(
             name, endpoint_url=self.endpoint, region_name=REGION, aws_access_key_id="testing", aws_secret_access_key="testing"
@@ -68,7 +72,8 @@ class LocalAws:
 
     def cdk(self, *args: str, timeout: int = 300) -> subprocess.CompletedProcess[str]:
         r = subprocess.run(
-            ["timeout", str(timeout), str(CDK), *args, "--no-notices", "-c", f"config={self.config}"],
+            # Its own cloud assembly directory: other tests synthesize into the checkout's cdk.out.
+            ["timeout", str(timeout), str(CDK), *args, "--no-notices", "-c", f"config={self.config}", "--output", str(self.outdir)],
             cwd=ROOT,
             env=self.env,
             capture_output=True,
@@ -79,8 +84,9 @@ class LocalAws:
 
     def gptoss(self, command: str, *args: str, timeout: int = 300) -> subprocess.CompletedProcess[str]:
         """The operator CLI as installed (it runs the same pinned cdk), records kept out of the checkout."""
+        gptoss = str(Path(sys.executable).parent / "gptoss")
         r = subprocess.run(
-            ["timeout", str(timeout), str(Path(sys.executable).parent / "gptoss"), command, "-c", f"config={self.config}", *args],
+            ["timeout", str(timeout), gptoss, command, "-c", f"config={self.config}", *args, "--output", str(self.outdir)],
             cwd=ROOT,
             env=self.env | {"GPTOSS_STATE_DIR": str(self.config.parent / "gptoss-state")},
             capture_output=True,

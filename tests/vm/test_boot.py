@@ -170,7 +170,9 @@ def test_first_boot_serves_with_the_plans_commands_in_the_tested_order(cluster: 
     for node in NODES:
         names = cluster.guest_aws(node, "cloudwatch list-metrics --namespace GptOss", until="ServerUp")
         published = {m["MetricName"] for m in names["Metrics"] if {"Name": "Node", "Value": node} in m["Dimensions"]}
-        assert {"ServerUp", "RequestsRunning", "KvCacheUsagePercent"} <= published, published
+        assert {"ServerUp", "RequestsRunning", "KvCacheUsagePercent", "PromptTokensPerSecond", "GenerationTokensPerSecond",
+                "EfaRxBytesPerSecond"} - published == set(), published  # fmt: skip
+        assert {"UnitsNotReady", "ServersDown", "StagingFailing"} <= {m["MetricName"] for m in names["Metrics"]}
         streams = cluster.guest_aws(node, "logs describe-log-streams --log-group-name /gptoss/gptoss-8k1k")
         assert f"{node}/gptoss-stage.service" in {s["logStreamName"] for s in streams["logStreams"]}
 

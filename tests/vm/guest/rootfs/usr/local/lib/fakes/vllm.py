@@ -65,6 +65,8 @@ def serve(argv: list[str]) -> None:
         compiled = True
     time.sleep(float(s.get("load_s", 0)))
 
+    served = {"requests": 0, "prompt": 0, "generated": 0, "ttft": 0.0}
+
     class Handler(http.server.BaseHTTPRequestHandler):
         def log_message(self, format: str, *args: object) -> None:
             pass
@@ -81,11 +83,20 @@ def serve(argv: list[str]) -> None:
             if self.path == "/health":
                 return self._json({})
             if self.path == "/metrics":
-                body = (
-                    "# TYPE vllm:num_requests_running gauge\n"
-                    f'vllm:num_requests_running{{model_name="{model}"}} 0.0\n'
-                    "# TYPE vllm:num_requests_waiting gauge\n"
-                    f'vllm:num_requests_waiting{{model_name="{model}"}} 0.0\n'
+                # The series of vLLM's /metrics the node's collector reads, counting what this
+                # server has served.
+                labels = f'{{model_name="{model}"}}'
+                body = "".join(
+                    f"vllm:{name}{labels} {value}\n"
+                    for name, value in (
+                        ("num_requests_running", 0.0),
+                        ("num_requests_waiting", 0.0),
+                        ("kv_cache_usage_perc", 0.05 if served["requests"] else 0.0),
+                        ("prompt_tokens_total", float(served["prompt"])),
+                        ("generation_tokens_total", float(served["generated"])),
+                        ("time_to_first_token_seconds_sum", served["ttft"]),
+                        ("time_to_first_token_seconds_count", float(served["requests"])),
+                    )
                 ).encode()
                 self.send_response(200)
                 self.send_header("Content-Type", "text/plain; version=0.0.4")
@@ -101,10 +112,14 @@ def serve(argv: list[str]) -> None:
             if self.path != "/v1/completions":
                 return self._json({"error": "not found"}, 404)
             fakectl.record(log, {"event": "completion", "time": time.time(), "request": req})
+            served["requests"] += 1
+            served["prompt"] += 6
+            served["ttft"] += 0.05
             if role == "prefill":
                 return self._json({"id": "cmpl-prefill", "choices": [{"text": "", "index": 0, "finish_reason": "length"}],
                                    "kv_transfer_params": {"remote_port": port, "remote_block_ids": [0]}})
             tokens = int(req.get("max_tokens", 16))
+            served["generated"] += tokens
             self._json({"id": "cmpl-fake", "object": "text_completion", "model": model,
                         "choices": [{"index": 0, "text": " Paris. It is the capital", "finish_reason": "length"}],
                         "usage": {"prompt_tokens": 6, "completion_tokens": tokens, "total_tokens": 6 + tokens}})
