@@ -19,7 +19,7 @@ DEPLOY_ARGS ?=
 YES ?=
 NODE_MAJOR := 22
 
-.PHONY: setup synth plan test test-vm lint bootstrap deploy destroy diff bench-scale bench-synth diagrams clean
+.PHONY: setup synth plan test test-vm lint bootstrap deploy destroy diff bench-scale bench-synth bench-ready diagrams clean
 
 setup: .make/python .make/node .make/system .make/hf-clients
 
@@ -87,9 +87,11 @@ diff: setup
 destroy: setup
 	$(GPTOSS) destroy $(CDK_ARGS) $(if $(YES),--yes)
 
-# Independent test files run in parallel, one worker per core; the 15 slowest tests are printed.
+# Test files run in parallel (a file's fixtures stay in one worker). Three workers even on two
+# cores: tests that wait on a subprocess or a timeout would leave a core idle. The 15 slowest
+# tests are printed.
 test: setup
-	$(PY) -m pytest -n auto --dist loadfile --durations=15 $(PYTEST_ARGS)
+	$(PY) -m pytest -n 3 --dist loadfile --durations=15 $(PYTEST_ARGS)
 
 # Boots the default layout's nodes in QEMU guests from the project's own user data (tests/vm).
 test-vm: setup .make/vm-system
@@ -104,6 +106,10 @@ bench-scale: setup
 
 bench-synth: setup
 	$(PY) scripts/bench_synth.py
+
+# Time to ready: the default layout's nodes booted in VMs with fake servers of known compile and load times.
+bench-ready: setup .make/vm-system
+	$(PY) -m tests.vm.bench_ready $(BENCH_ARGS)
 
 diagrams: setup
 	$(GPTOSS) plan --diagram docs/layout-6p1d.png > /dev/null

@@ -119,9 +119,16 @@ def bundle(files: Mapping[str, tuple[str, int]]) -> bytes:
             info = tarfile.TarInfo(path.lstrip("/"))
             info.size, info.mode, info.mtime = len(data), mode, 0
             tar.addfile(info, io.BytesIO(data))
+    return _xz(raw.getvalue())
+
+
+@functools.lru_cache(maxsize=128)
+def _xz(raw: bytes) -> bytes:
+    """xz of a tarball, once per content: synth needs each node's bundle twice (user data and
+    gate digest), and the size checks estimate nearby fleets whose nodes mostly repeat."""
     # A 1 MiB dictionary holds the whole tarball; preset 9's 64 MiB would only cost time.
     filters = [{"id": lzma.FILTER_LZMA2, "preset": 9 | lzma.PRESET_EXTREME, "dict_size": 1 << 20}]
-    return lzma.compress(raw.getvalue(), format=lzma.FORMAT_XZ, filters=filters)
+    return lzma.compress(raw, format=lzma.FORMAT_XZ, filters=filters)
 
 
 def node_digest(render: NodeRender, scripts_sha256: str) -> str:

@@ -8,7 +8,6 @@ with the reason, which pytest's summary (-ra) prints.
 from __future__ import annotations
 
 import os
-import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -16,6 +15,7 @@ import pytest
 
 from tests.vm import image as vm_image
 from tests.vm.cluster import VmCluster
+from tests.vm.machine import accelerator
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -23,21 +23,6 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if here in Path(str(item.fspath)).parents:
             item.add_marker(pytest.mark.vm)
-
-
-def _boots(img: vm_image.Image, accel: str) -> bool:
-    """Can QEMU run the guest kernel to its end with this accelerator? (It panics: no init, no root.)"""
-    args = ["-accel", "kvm", "-cpu", "host"] if accel == "kvm" else ["-accel", "tcg", "-cpu", "max"]
-    try:
-        r = subprocess.run(
-            ["qemu-system-x86_64", *args, "-m", "512", "-kernel", str(img.kernel), "-initrd", str(img.initrd),
-             "-append", "console=ttyS0 panic=-1 rdinit=/nonexistent", "-display", "none", "-monitor", "none",
-             "-serial", "stdio", "-no-reboot"],
-            capture_output=True, text=True, timeout=90,
-        )  # fmt: skip
-    except subprocess.TimeoutExpired:
-        return False
-    return "Kernel panic - not syncing" in r.stdout
 
 
 @pytest.fixture(scope="session")
@@ -53,11 +38,10 @@ def guest_image() -> vm_image.Image:
 @pytest.fixture(scope="session")
 def accel(guest_image: vm_image.Image) -> str:
     """KVM when it runs the guest kernel, else TCG software emulation (slower, always there)."""
-    if os.access("/dev/kvm", os.R_OK | os.W_OK) and _boots(guest_image, "kvm"):
-        return "kvm"
-    if _boots(guest_image, "tcg"):
-        return "tcg"
-    pytest.skip("QEMU can start the guest kernel with neither KVM nor TCG on this machine")
+    found = accelerator(guest_image)
+    if found is None:
+        pytest.skip("QEMU can start the guest kernel with neither KVM nor TCG on this machine")
+    return found
 
 
 @pytest.fixture(scope="module")

@@ -32,6 +32,30 @@ NVME_SIZE = 2 << 30
 MEMORY_MB = 1536
 
 
+def _boots(img: Image, accel: str) -> bool:
+    """Can QEMU run the guest kernel to its end with this accelerator? (It panics: no init, no root.)"""
+    args = ["-accel", "kvm", "-cpu", "host"] if accel == "kvm" else ["-accel", "tcg", "-cpu", "max"]
+    try:
+        r = subprocess.run(
+            ["qemu-system-x86_64", *args, "-m", "512", "-kernel", str(img.kernel), "-initrd", str(img.initrd),
+             "-append", "console=ttyS0 panic=-1 rdinit=/nonexistent", "-display", "none", "-monitor", "none",
+             "-serial", "stdio", "-no-reboot"],
+            capture_output=True, text=True, timeout=90,
+        )  # fmt: skip
+    except subprocess.TimeoutExpired:
+        return False
+    return "Kernel panic - not syncing" in r.stdout
+
+
+def accelerator(img: Image) -> str | None:
+    """KVM when it runs the guest kernel, else TCG software emulation, else None."""
+    if os.access("/dev/kvm", os.R_OK | os.W_OK) and _boots(img, "kvm"):
+        return "kvm"
+    if _boots(img, "tcg"):
+        return "tcg"
+    return None
+
+
 def free_port(kind: int = socket.SOCK_STREAM) -> int:
     """A loopback port nothing listens on."""
     with socket.socket(socket.AF_INET, kind) as s:
