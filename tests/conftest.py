@@ -153,6 +153,35 @@ SCRIPTS_URI = "s3://cdk-hnb659fds-assets-123456789012-us-east-2/scripts.xz"
 SCRIPTS_SHA = "0" * 64
 
 
+def rendered_services(**context: str) -> dict[str, dict[str, Any]]:
+    """Every service the plan renders for this context, by unit (and step): node, environment, argv."""
+    from clusterspec.config import load_config
+    from clusterspec.render import render_cluster
+
+    out = {}
+    for node in render_cluster(load_config(context)):
+        for s in node.services:
+            out[s.unit + (f":{s.step}" if s.step else "")] = {"node": node.node.name, "env": s.environment, "argv": s.argv}
+    return out
+
+
+def argv_flags(argv: list[str]) -> dict[str, Any]:
+    """Flag -> value (None for a bare switch), JSON values parsed; argv[3:] after `vllm serve MODEL`."""
+    out: dict[str, Any] = {}
+    i = 3
+    while i < len(argv):
+        flag = argv[i]
+        assert flag.startswith("--"), argv[i:]
+        if i + 1 < len(argv) and not argv[i + 1].startswith("--"):
+            value = argv[i + 1]
+            out[flag] = json.loads(value) if value[:1] in "{[" else value
+            i += 2
+        else:
+            out[flag] = None
+            i += 1
+    return out
+
+
 def node_user_data(render: Any, hosts: dict[str, str]) -> str:
     """A node's user data with the deploy-time values a test chooses (CloudFormation's at deploy)."""
     from clusterspec.userdata import user_data

@@ -5,10 +5,9 @@ The expected values are typed out from the reference, not read from the spec und
 
 from __future__ import annotations
 
-import json
+from typing import Any
 
-from clusterspec.config import load_config
-from clusterspec.render import render_cluster
+from tests.conftest import argv_flags, rendered_services
 
 # Reference 000, "Environment": both roles (env_common.sh).
 BOTH_ROLES = {
@@ -40,29 +39,11 @@ SHAPE_FLAGS = [
 KV = {"kv_connector": "NixlConnector", "kv_buffer_device": "cuda", "kv_connector_extra_config": {"backends": ["LIBFABRIC"]}}
 
 
-def _services() -> dict[str, dict[str, object]]:
-    out = {}
-    for node in render_cluster(load_config({})):
-        for s in node.services:
-            out[s.unit + (f":{s.step}" if s.step else "")] = {"node": node.node.name, "env": s.environment, "argv": s.argv}
-    return out
+def _services() -> dict[str, dict[str, Any]]:
+    return rendered_services()
 
 
-def _flags(argv: list[str]) -> dict[str, str | None]:
-    """Flag -> value (None for a bare switch), with JSON values parsed."""
-    out: dict[str, object] = {}
-    i = 3
-    while i < len(argv):
-        flag = argv[i]
-        assert flag.startswith("--"), argv[i:]
-        if i + 1 < len(argv) and not argv[i + 1].startswith("--"):
-            value = argv[i + 1]
-            out[flag] = json.loads(value) if value[:1] in "{[" else value
-            i += 2
-        else:
-            out[flag] = None
-            i += 1
-    return out  # type: ignore[return-value]
+_flags = argv_flags
 
 
 def test_decode_environment_is_exactly_both_roles_plus_decode_only() -> None:

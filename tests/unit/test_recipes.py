@@ -8,7 +8,6 @@ says so (vLLM's default made explicit, or a value the layout decides).
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 import pytest
@@ -17,35 +16,16 @@ from clusterspec import limits
 from clusterspec.config import load_config
 from clusterspec.errors import SpecError
 from clusterspec.recipes import RECIPES
-from clusterspec.render import render_cluster
+from tests.conftest import argv_flags, rendered_services
 
 HF_OVERRIDES = {"quantization_config": {}}
 
 
 def services(recipe: str, **context: str) -> dict[str, dict[str, Any]]:
-    cfg = load_config({"recipe": recipe, **context})
-    out = {}
-    for node in render_cluster(cfg):
-        for s in node.services:
-            out[s.unit + (f":{s.step}" if s.step else "")] = {"node": node.node.name, "env": s.environment, "argv": s.argv}
-    return out
+    return rendered_services(recipe=recipe, **context)
 
 
-def flags(argv: list[str]) -> dict[str, Any]:
-    """Flag -> value (None for a bare switch), JSON values parsed; argv[3:] after `vllm serve MODEL`."""
-    out: dict[str, Any] = {}
-    i = 3
-    while i < len(argv):
-        flag = argv[i]
-        assert flag.startswith("--"), argv[i:]
-        if i + 1 < len(argv) and not argv[i + 1].startswith("--"):
-            value = argv[i + 1]
-            out[flag] = json.loads(value) if value[:1] in "{[" else value
-            i += 2
-        else:
-            out[flag] = None
-            i += 1
-    return out
+flags = argv_flags
 
 
 def without_project_env(env: dict[str, str]) -> dict[str, str]:
