@@ -95,7 +95,7 @@ def _problems(cfg: ClusterConfig, cr: dict[str, Any], now: dt.datetime) -> tuple
     until = _usable_until(cr)
     if block and until is not None and state in ("active", "scheduled"):
         left = until - now
-        first_ready = dt.timedelta(seconds=cfg.ready_timeout_s)
+        first_ready = dt.timedelta(seconds=cfg.gate_timeout_s)
         if left <= dt.timedelta(0):
             fail.append("its instances are being reclaimed (it ends within 30 min)")
         elif left < dt.timedelta(hours=cap.min_hours_left):

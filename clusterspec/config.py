@@ -12,6 +12,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError, ValidationInfo, field_validator, model_validator
 
 from clusterspec import validate
+from clusterspec.boot import SIGNAL_MARGIN_S, BootConfig
 from clusterspec.errors import SpecError, explain, rule_error
 from clusterspec.instance_types import KNOWN_INSTANCE_TYPES, InstanceType
 from clusterspec.layout import Layout, compute_layout
@@ -327,9 +328,14 @@ class ClusterConfig(_Frozen):
         description="cdk deploy ends when every node serves (a completion through each proxy) or fails naming the unit; "
         "a failed create rolls back instead of leaving a broken fleet billing.",
     )
-    ready_timeout_s: int = Field(
-        21600, ge=600, le=43200, description="How long the deploy gate waits per node (CloudFormation allows 12 h at most)."
+    ready_timeout_s: int | None = Field(
+        None,
+        ge=600,
+        le=43200,
+        description="How long the deploy gate waits per node (CloudFormation allows 12 h at most). Default: every boot "
+        "step's retry budget + stage_timeout_s + the servers' start + the signal's margin, rounded up to 5 minutes, 6 h at least.",
     )
+    boot: BootConfig = Field(default_factory=BootConfig, description="Each boot step's retry budget (README 'Boot retries').")
     observability: ObservabilityConfig = Field(default_factory=ObservabilityConfig)
     network: NetworkConfig = Field(default_factory=NetworkConfig)
     proxy_load_balancer: bool | None = Field(
@@ -424,6 +430,17 @@ class ClusterConfig(_Frozen):
         return InstanceType.model_validate(base.model_dump() | dict(self.instance_overrides))
 
     @property
+    def gate_needs_s(self) -> int:
+        """The longest a node within every one of its own limits takes to serve, plus the signal's margin."""
+        return self.boot.budget_s(self.stage_timeout_s) + self.serving.engine_ready_timeout_s + SIGNAL_MARGIN_S
+
+    @property
+    def gate_timeout_s(self) -> int:
+        """How long the deploy gate waits per node: ready_timeout_s, else what the node's limits need (6 h at least,
+        room for a server's restarts), rounded up to 5 minutes."""
+        return self.ready_timeout_s or max(21600, -(-self.gate_needs_s // 300) * 300)
+
+    @property
     def layout(self) -> Layout:
         """The fleet these parameters describe."""
         return compute_layout(
@@ -490,18 +507,27 @@ class ClusterConfig(_Frozen):
                     f"replicate the secret to {self.region} and give that ARN",
                 )  # fmt: skip
         _check_capacity(self, partition)
-        needs = self.stage_timeout_s + self.serving.engine_ready_timeout_s
-        if self.wait_for_ready and self.ready_timeout_s < needs:
+        needs = self.gate_needs_s
+        limits = (
+            f"boot retries {self.boot.budget_s(self.stage_timeout_s) - self.stage_timeout_s} s + staging {self.stage_timeout_s} s + "
+            f"server start {self.serving.engine_ready_timeout_s} s + the signal's margin {SIGNAL_MARGIN_S} s = {needs} s"
+        )
+        if self.wait_for_ready and needs > 43200 and self.ready_timeout_s is None:
+            raise rule_error(
+                "stage_timeout_s", self.stage_timeout_s, f"no deploy gate can wait for a node within its own limits ({limits}; "
+                "CloudFormation waits 43200 s at most)",
+                "lower stage_timeout_s, VLLM_ENGINE_READY_TIMEOUT_S or the boot budgets, or set wait_for_ready=false",
+            )  # fmt: skip
+        if self.wait_for_ready and self.ready_timeout_s is not None and self.ready_timeout_s < needs:
             fix = (
-                f"raise ready_timeout_s to {needs} or more, or set wait_for_ready=false"
+                f"raise ready_timeout_s to {needs} or more (or leave it unset), or set wait_for_ready=false"
                 if needs <= 43200
-                else "lower stage_timeout_s or VLLM_ENGINE_READY_TIMEOUT_S (the deploy gate waits 43200 s at most), or set wait_for_ready=false"
+                else "lower stage_timeout_s, VLLM_ENGINE_READY_TIMEOUT_S or the boot budgets (the deploy gate waits 43200 s at most), "
+                "or set wait_for_ready=false"
             )
             raise rule_error(
-                "ready_timeout_s", self.ready_timeout_s,
-                f"the deploy gate would fail a node still within its own limits (staging {self.stage_timeout_s} s + "
-                f"server start {self.serving.engine_ready_timeout_s} s = {needs} s)", fix,
-            )  # fmt: skip
+                "ready_timeout_s", self.ready_timeout_s, f"the deploy gate would fail a node still within its own limits ({limits})", fix
+            )
         topic = self.observability.alarm_topic_arn
         if topic and (topic.split(":")[3] != self.region or topic.split(":")[1] != partition):
             raise rule_error(

@@ -14,6 +14,7 @@ from pathlib import PurePosixPath
 import jinja2
 
 from clusterspec import telemetry
+from clusterspec.boot import BACKOFF_MAX_S, RESTART_SEC, SIGNAL_MARGIN_S
 from clusterspec.commands import (
     bench_argv,
     decode_env,
@@ -45,12 +46,6 @@ from clusterspec.paths import (
 )
 from clusterspec.quoting import Expand, env_file, expand, systemd_quote
 from clusterspec.userdata import NODE_SCRIPTS, _scripts
-
-RESTART_SEC = 5  # the growing wait is gptoss-backoff's, before each automatic restart
-BACKOFF_MAX_S = 900  # gptoss-backoff's longest wait: an ExecStartPre must be allowed that long
-IMDS_TIMEOUT_S = 600  # how long gptoss-identity asks the instance metadata before it fails
-FETCH_TIMEOUT_S = 600  # how long gptoss-fetch-scripts asks S3 before it fails
-CHECK_TIMEOUT_S = 180  # how long gptoss-node-check waits for devices to appear
 
 _ENV = jinja2.Environment(
     loader=jinja2.FileSystemLoader(USERDATA_DIR / "units"),
@@ -148,7 +143,9 @@ def cluster_env(cfg: ClusterConfig, node: Node) -> dict[str, str]:
         "GPTOSS_EXPECT_NEURON": str(cfg.hardware.neuron_devices),
         "GPTOSS_EXPECT_EFA": str(cfg.hardware.efa_interfaces if s.disaggregated else 0),
         "GPTOSS_EGRESS": cfg.network.egress,
-        "GPTOSS_READY_TIMEOUT_S": str(cfg.ready_timeout_s),
+        "GPTOSS_READY_TIMEOUT_S": str(cfg.gate_timeout_s),
+        "GPTOSS_SIGNAL_MARGIN_S": str(SIGNAL_MARGIN_S),
+        "GPTOSS_STAGE_ATTEMPTS": str(cfg.boot.stage_attempts),
         "GPTOSS_COMPLETION_URL": completion_url(cfg, node),
     }
 
@@ -351,11 +348,11 @@ def render_node(cfg: ClusterConfig, layout: Layout, node: Node, *, bin_dir: str 
         "bin": bin_dir,
         "nvme_mount": cfg.nvme_mount,
         "stage_timeout_s": cfg.stage_timeout_s,
-        "imds_timeout_s": IMDS_TIMEOUT_S,
-        "fetch_timeout_s": FETCH_TIMEOUT_S,
+        "boot": cfg.boot,
+        "caps": cfg.boot.unit_caps_s,
         "deploy_env": DEPLOY_ENV,
+        "efa": cfg.serving.disaggregated,
     }
-    base |= {"efa": cfg.serving.disaggregated, "check_timeout_s": CHECK_TIMEOUT_S}
     for name in (
         "gptoss-scripts.service",
         "gptoss-nvme.service",

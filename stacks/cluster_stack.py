@@ -88,7 +88,7 @@ class GptOssClusterStack(Stack):
                     f"{render.node.logical_id}Ready",
                     render=render,
                     scripts_sha256=scripts.sha256,
-                    timeout_s=config.ready_timeout_s,
+                    timeout_s=config.gate_timeout_s,
                 )
                 if config.wait_for_ready
                 else None

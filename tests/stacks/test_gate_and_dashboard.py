@@ -28,7 +28,7 @@ def test_each_node_has_its_own_gate_that_waits_for_its_instance(default_synth: S
     waited_for = set()
     for c in conditions.values():
         p = c["Properties"]
-        assert p["Count"] == 1 and p["Timeout"] == "21600"
+        assert p["Count"] == 1 and p["Timeout"] == "24900", "every boot budget + staging + server start + margin, rounded up to 5 min"
         assert p["Handle"]["Ref"] in handles
         (instance,) = [d for d in c["DependsOn"] if d in instances]
         waited_for.add(instance)

@@ -114,7 +114,7 @@ def test_a_block_shows_its_end_and_passes_with_time_left() -> None:
 def test_a_block_ending_within_the_first_compile_is_a_warning() -> None:
     (row,) = rows(BLOCK, *stubbed(([CR], [block(hours_left=4)])))
     assert row.verdict == "warn"
-    assert "3 h 30 min of use left: the first compile may take up to 6 h 00 min (ready_timeout_s)" in row.detail
+    assert "3 h 30 min of use left: the first compile may take up to 6 h 55 min (ready_timeout_s)" in row.detail
 
 
 def test_a_block_with_fewer_hours_than_asked_fails() -> None:
