@@ -89,6 +89,17 @@ def assert_runs_the_plan(cluster: VmCluster) -> None:
             assert missing == {}, f"{node} {unit}: environment differs from the plan"
 
 
+def assert_the_array_came_before_its_lagging_link(cluster: VmCluster, node: str, source: str) -> None:
+    """The guest's udev made the /dev/md/gptoss-nvme link 12 s late (tests/vm/guest: past mdadm's own
+    5 s wait); the node striped, formatted and mounted the kernel's device without it, first time."""
+    delayed = [r for r in cluster.this_boot(node, cluster.vms[node].records("md-link-delay.jsonl")) if r["device"] == source.removeprefix("/dev/")]
+    assert delayed, f"{node}: the guest's udev did not hold back the link of {source} this boot"
+    nvme = cluster.journal(node, "gptoss-nvme.service")
+    assert f"the kernel made {source}" in nvme and f"making an XFS file system on {source}" in nvme, nvme
+    assert "mdadm: timeout waiting for /dev/md/gptoss-nvme" in nvme, "mdadm returned before the link, as under load"
+    assert "gptoss-retry" not in nvme, f"{node}: the array step needed a retry: {nvme}"
+
+
 def test_first_boot_finishes_in_minutes_while_servers_compile_even_with_imds_down_at_first(cluster: VmCluster) -> None:
     cluster.deploy({})
     cluster.start(FIRST_BOOT)
@@ -121,6 +132,7 @@ def test_first_boot_serves_with_the_plans_commands_in_the_tested_order(cluster: 
         vm = cluster.vms[node]
         source, fstype = vm.ssh("findmnt -no SOURCE,FSTYPE /opt/dlami/nvme").stdout.split()
         assert fstype == "xfs" and source.startswith("/dev/md"), (source, fstype)
+        assert_the_array_came_before_its_lagging_link(cluster, node, source)
         detail = vm.ssh(f"mdadm --detail {source}").stdout
         assert re.search(r"Raid Level : raid0", detail) and re.search(r"Raid Devices : 2", detail), detail
         downloads = [r["file"] for r in cluster.this_boot(node, vm.records("hub.jsonl")) if r["complete"]]
@@ -218,6 +230,7 @@ def test_stop_start_restripes_and_restages_through_a_download_cut_half_way(clust
         vm = cluster.vms[node]
         nvme = cluster.journal(node, "gptoss-nvme.service")
         assert "striping 2 disks" in nvme and "making an XFS" in nvme, nvme
+        assert_the_array_came_before_its_lagging_link(cluster, node, vm.ssh("findmnt -no SOURCE /opt/dlami/nvme").stdout.strip())
         hub = cluster.this_boot(node, vm.records("hub.jsonl"))
         assert [r["complete"] for r in hub if r["file"] == shard] == [False, True], "cut half-way, then fetched again"
         assert sorted(r["file"] for r in hub if r["complete"]) == sorted(SERVABLE)
