@@ -21,7 +21,7 @@ NODE_MAJOR := 22
 
 .PHONY: setup synth plan test test-vm lint bootstrap deploy destroy diff bench-scale bench-synth bench-ready diagrams clean
 
-setup: .make/python .make/node .make/system .make/hf-clients
+setup: .make/python .make/node .make/system .make/hf-clients .make/aws-cli
 
 .make/python: pyproject.toml
 	@mkdir -p .make
@@ -42,6 +42,13 @@ setup: .make/python .make/node .make/system .make/hf-clients
 HF_CLIENTS := 0.36.2 1.33.0 2.4.0
 .make/hf-clients: .make/python Makefile
 	@for v in $(HF_CLIENTS); do test -d .hf-clients/$$v || $(PY) -m pip install --quiet --target .hf-clients/$$v huggingface_hub==$$v; done
+	@touch $@
+
+# The AWS CLI the nodes run (v1, as in the VM guest), in a folder of its own (it pins its own
+# botocore): the compile-cache tests run the node's scripts with it against a moto server.
+AWS_CLI := 1.46.3
+.make/aws-cli: .make/python Makefile
+	@test -d .aws-cli/$(AWS_CLI) || $(PY) -m pip install --quiet --target .aws-cli/$(AWS_CLI) awscli==$(AWS_CLI)
 	@touch $@
 
 # systemd-analyze checks the rendered units, curl runs the wait helper in tests, Graphviz

@@ -463,17 +463,20 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def cmd_save_cache(args: argparse.Namespace) -> int:
-    """Copy the compile caches of one prefill and one decode node to compile_cache_s3_uri."""
+    """Upload the compile caches of one prefill and one decode node (or --node), then promote them to the fleet's cache."""
     from cluster_ops import cache
+    from clusterspec.paths import cache_fleet_uri
 
     cfg = load(args)
     _announce(cfg)
     session = _session(cfg)
     try:
-        done = cache.save(cfg, session.client("ec2"), session.client("ssm"))
+        manifest = cache.save(cfg, session.client("ec2"), session.client("ssm"), session.client("s3"), only=args.node)
     except cache.CacheError as e:
         raise CliError(f"save-cache failed: {e}", 1) from None
-    print(f"saved to {cfg.compile_cache_s3_uri} from {', '.join(sorted(done))}; new nodes restore it before compiling")
+    assert cfg.compile_cache_s3_uri
+    print(f"promoted {len(manifest['files'])} files from {', '.join(sorted(manifest['promoted_from']))} to "
+          f"{cache_fleet_uri(cfg.compile_cache_s3_uri)}; nodes restore what its manifest verifies before compiling")  # fmt: skip
     return 0
 
 
@@ -685,8 +688,9 @@ def build_parser() -> argparse.ArgumentParser:
     be.add_argument("--interval", type=float, default=60, help="seconds between polls")
     be.set_defaults(func=cmd_bench)
 
-    sc = sub.add_parser("save-cache", help="upload the compile caches to compile_cache_s3_uri (after the first compile)")
+    sc = sub.add_parser("save-cache", help="upload the compile caches of chosen nodes and promote them to the fleet's cache (after the first compile)")
     common(sc)
+    sc.add_argument("--node", action="append", help="promote this node's upload (repeatable; default: the first prefill and decode node)")
     sc.set_defaults(func=cmd_save_cache)
     return p
 

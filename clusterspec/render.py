@@ -43,6 +43,8 @@ from clusterspec.paths import (
     UNIT_DIR,
     UNITS_FILE,
     USERDATA_DIR,
+    cache_fleet_uri,
+    cache_nodes_uri,
 )
 from clusterspec.quoting import Expand, env_file, expand, systemd_quote
 from clusterspec.userdata import NODE_SCRIPTS, _scripts
@@ -133,7 +135,9 @@ def cluster_env(cfg: ClusterConfig, node: Node) -> dict[str, str]:
         "MEGAKERNEL_SCHEDULE_DIR": str(PurePosixPath(schedule_path(cfg)).parent),
         "MEGAKERNEL_SCOPE": s.decode.megakernel_scope,
         "GPTOSS_CACHE_DIR": f"{cfg.nvme_mount}/cache",
-        "GPTOSS_COMPILE_CACHE_S3_URI": cfg.compile_cache_s3_uri or "",
+        # The compile cache: restored from what an operator promoted, uploaded to the node's own area.
+        "GPTOSS_COMPILE_CACHE_FLEET_URI": cache_fleet_uri(cfg.compile_cache_s3_uri) if cfg.compile_cache_s3_uri else "",
+        "GPTOSS_COMPILE_CACHE_NODES_URI": cache_nodes_uri(cfg.compile_cache_s3_uri) if cfg.compile_cache_s3_uri else "",
         "GPTOSS_VENV_GLOB": cfg.venv_glob,
         "GPTOSS_RESULTS_DIR": cfg.results_dir,
         "GPTOSS_LOG_DIR": f"{cfg.results_dir}/logs",

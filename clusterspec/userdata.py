@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 import yaml
 
 from clusterspec.commands import host_var
-from clusterspec.paths import BIN, BUNDLE, DEPLOY_ENV, ETC, USERDATA_DIR
+from clusterspec.paths import BIN, BUNDLE, DEPLOY_ENV, ETC, SIGNAL_ENV, USERDATA_DIR
 from clusterspec.quoting import parse_env_file
 
 if TYPE_CHECKING:
@@ -153,6 +153,18 @@ _EXTRACT = f"mkdir -p {PurePosixPath(BUNDLE).parent} {ETC} && echo \"$0\" | base
 _DEPLOY = f"printf '%s\\n' \"$@\" > {DEPLOY_ENV}"
 
 
+def _signal_line(url: str | None) -> str:
+    """The bootcmd line that writes the deploy gate's URL to a root-only file, or removes it.
+
+    A plain string line, not an argument list: cloud-init runs bootcmd as one shell script
+    (`/bin/sh FILE`, the file root-only and removed after), so `printf` - a builtin - writes
+    the URL without it ever being in a process's argv (`ps`), an environment or the journal.
+    """
+    if url is None:
+        return f"rm -f {SIGNAL_ENV}"
+    return f"(umask 077 && printf '%s\\n' 'GPTOSS_SIGNAL_URL={url}' > {SIGNAL_ENV} && chmod 600 {SIGNAL_ENV})"
+
+
 def user_data(
     render: NodeRender, hosts: Mapping[str, str], *, scripts_uri: str, scripts_sha256: str, signal_url: str | None = None
 ) -> str:
@@ -160,7 +172,9 @@ def user_data(
 
     `hosts` (peer name -> IP), `scripts_uri` and `signal_url` (the deploy gate's wait condition
     handle) are CDK tokens at synth; CloudFormation fills them in. The scripts' sha256 is
-    computed here, so the node checks what it fetches.
+    computed here, so the node checks what it fetches. The signal URL goes to its own
+    root-only file (whoever holds it can fail the deploy), never to deploy.env, which the
+    proxy and the other units read.
 
     Everything is applied in `bootcmd`, which cloud-init runs at every boot with the current
     user data: a spec change deployed with `cdk deploy` (CloudFormation stops the instance,
@@ -174,12 +188,11 @@ def user_data(
         raise ValueError(f"{render.node.name}: no address given for peers {missing}")
     values = [f"{host_var(p)}={hosts[p]}" for p in render.peers]
     values += [f"GPTOSS_SCRIPTS_URI={scripts_uri}", f"GPTOSS_SCRIPTS_SHA256={scripts_sha256}"]
-    if signal_url is not None:
-        values.append(f"GPTOSS_SIGNAL_URL={signal_url}")
     doc = {
         "bootcmd": [
             ["sh", "-c", _EXTRACT, base64.b64encode(bundle(render.files)).decode()],
             ["sh", "-c", _DEPLOY, "sh", *values],
+            _signal_line(signal_url),
             [f"{BIN}/gptoss-bootstrap"],
         ],
     }
@@ -187,10 +200,13 @@ def user_data(
 
 
 def parse_user_data(text: str) -> tuple[dict[str, tuple[str, int]], dict[str, str], dict[str, Any]]:
-    """Parse user data back into (bundle files, deploy.env, the cloud-config document)."""
+    """Parse user data back into (bundle files, deploy.env plus the signal URL, the cloud-config document)."""
     doc = yaml.safe_load(text)
-    extract, hosts, *_ = doc["bootcmd"]
+    extract, hosts, signal, *_ = doc["bootcmd"]
     assert extract[:3] == ["sh", "-c", _EXTRACT] and hosts[:4] == ["sh", "-c", _DEPLOY, "sh"], doc["bootcmd"]
     files = unbundle(base64.b64decode(extract[3]))
-    return files, parse_env_file("\n".join(hosts[4:])), doc
+    deploy = parse_env_file("\n".join(hosts[4:]))
+    url = re.match(r"^\(umask 077 && printf '%s\\n' 'GPTOSS_SIGNAL_URL=([^']*)' > ", signal)
+    assert url or signal == _signal_line(None), signal
+    return files, deploy | ({"GPTOSS_SIGNAL_URL": url.group(1)} if url else {}), doc
 

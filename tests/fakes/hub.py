@@ -35,7 +35,8 @@ class Hub:
         self.fail_left = fail_times
         self.lock = threading.Lock()
         self.downloads: list[str] = []
-        self.on_download = on_download or (lambda name, complete: None)
+        # on_download(file, complete, the request's Authorization header or None)
+        self.on_download = on_download or (lambda name, complete, auth: None)
 
     def repo(self, repo_id: str) -> Path | None:
         path = (self.root / repo_id).resolve()
@@ -151,12 +152,12 @@ class Handler(http.server.BaseHTTPRequestHandler):
                 self.wfile.flush()
                 self.close_connection = True
                 self.connection.shutdown(2)
-                self.hub.on_download(name, False)
+                self.hub.on_download(name, False, self.headers.get("Authorization"))
                 return
             self.wfile.write(data[start:])
             with self.hub.lock:
                 self.hub.downloads.append(name)
-            self.hub.on_download(name, True)
+            self.hub.on_download(name, True, self.headers.get("Authorization"))
             return
         self._not_found()
 

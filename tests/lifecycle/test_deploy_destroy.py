@@ -108,13 +108,8 @@ def local_aws(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalAws]:
     port = _free_port()
     log = tmp_path_factory.mktemp("moto") / "moto.log"
     moto_server = Path(__import__("sys").executable).parent / "moto_server"
-    # AWS managed policies (AmazonSSMManagedInstanceCore) exist in moto only when loaded.
-    proc = subprocess.Popen(
-        [str(moto_server), "-H", "127.0.0.1", "-p", str(port)],
-        stdout=log.open("w"),
-        stderr=subprocess.STDOUT,
-        env={**__import__("os").environ, "MOTO_IAM_LOAD_MANAGED_POLICIES": "true"},
-    )
+    # The stack attaches no AWS managed policy: moto needs none loaded.
+    proc = subprocess.Popen([str(moto_server), "-H", "127.0.0.1", "-p", str(port)], stdout=log.open("w"), stderr=subprocess.STDOUT)
     # The name `localhost`: the CDK parses the asset bucket URL by that name.
     endpoint = f"http://localhost:{port}"
     try:
@@ -233,8 +228,7 @@ def deploy_check_destroy(
         i for r in ec2.describe_instances(InstanceIds=sorted(created["instances"]))["Reservations"] for i in r["Instances"]
     ]  # fmt: skip
     (role_name,) = [r for r in created["roles"] if "NodeRole" in r]
-    # moto's CloudFormation ignores a role's ManagedPolicyArns (SSM core is asserted on the
-    # template); the inline policy it does create is read back here.
+    # The node role's inline policy, read back (the allowlist is asserted on the templates).
     statements = [
         st
         for name in iam.list_role_policies(RoleName=role_name)["PolicyNames"]
@@ -336,7 +330,7 @@ def test_default_two_node_stack_deploys_and_is_destroyed(local_aws: LocalAws) ->
         seen["asset_arn"],
         "arn:aws:s3:::gptoss-local-models/gpt-oss-120b/*",
         "arn:aws:s3:::gptoss-local-models/vllm-neuron/*",
-        "arn:aws:s3:::gptoss-local-models/neuron-cache/*",
+        "arn:aws:s3:::gptoss-local-models/neuron-cache/fleet/*",
     }
     writes = {
         r
@@ -344,7 +338,7 @@ def test_default_two_node_stack_deploys_and_is_destroyed(local_aws: LocalAws) ->
         if st["Action"] == "s3:PutObject"
         for r in (st["Resource"] if isinstance(st["Resource"], list) else [st["Resource"]])
     }
-    assert writes == {"arn:aws:s3:::gptoss-local-models/neuron-cache/*"}
+    assert writes == {"arn:aws:s3:::gptoss-local-models/neuron-cache/nodes/${aws:userid}/*"}
     assert not [st for st in seen["role_statements"] if "*" in str(st["Action"]).replace("s3:GetObject", "")]
     assert seen["profile_roles"] == [seen["role_name"]]
     assert seen["endpoints"] == EGRESS_NONE_ENDPOINTS

@@ -94,3 +94,11 @@ def test_instances_in_a_block_are_the_ones_the_gate_waits_for(capacity_synth: di
     t = capacity_synth["templates"]["capacity-block"]
     assert len(of_type(t, "AWS::CloudFormation::WaitCondition")) == len(of_type(t, "AWS::EC2::Instance")) == 2
 
+
+
+def test_every_capacity_mode_grants_the_node_exactly_the_allowlist(capacity_synth: dict[str, Any]) -> None:
+    from clusterspec.config import load_config
+    from tests.stacks.least_privilege import assert_least_privilege
+
+    for mode, t in capacity_synth["templates"].items():
+        assert_least_privilege(t, load_config(MODES[mode]))

@@ -71,3 +71,12 @@ def test_cdk_synth_takes_the_recipe_from_the_command_line(tmp_path: Path) -> Non
     )  # fmt: skip
     assert r.returncode == 0, r.stderr[-2000:]
     assert [p.name for p in tmp_path.glob("*.template.json")] == ["GptOss20bSingleStack.template.json"]
+
+
+def test_every_recipe_grants_the_node_exactly_the_allowlist(recipe_synth: dict[str, Any], default_synth: Any) -> None:
+    from clusterspec.config import load_config
+    from tests.stacks.least_privilege import assert_least_privilege
+
+    assert_least_privilege(default_synth.template, load_config({}))
+    for recipe, t in recipe_synth["templates"].items():
+        assert_least_privilege(t, load_config({"recipe": recipe}))

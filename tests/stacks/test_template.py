@@ -7,6 +7,7 @@ from typing import Any
 
 import pytest
 
+from clusterspec.config import load_config
 from tests.conftest import Synth
 
 
@@ -242,14 +243,26 @@ class TestIam:
             out += p["Properties"]["PolicyDocument"]["Statement"]
         return out
 
-    def test_ssm_core_and_no_wildcard_action(self, default_synth: Synth) -> None:
+    def test_no_managed_policy_no_parameter_store_and_no_wildcard_action(self, default_synth: Synth) -> None:
         t = default_synth.template
         roles = of_type(t, "AWS::IAM::Role")
         node_role = next(v for k, v in roles.items() if k.startswith("NodeRole"))
-        assert json.dumps(node_role["Properties"]["ManagedPolicyArns"]).count("AmazonSSMManagedInstanceCore") == 1
+        assert "ManagedPolicyArns" not in node_role["Properties"], "AmazonSSMManagedInstanceCore reads every parameter of the account"
         for s in self._statements(t):
             actions = s["Action"] if isinstance(s["Action"], list) else [s["Action"]]
             assert not any(a == "*" or a.endswith(":*") for a in actions), s
+            assert not any(a.startswith("ssm:GetParameter") for a in actions), s
+
+    def test_every_optional_permission_is_exactly_the_allowlist(self, synth_variant: Any) -> None:
+        """Model and examples in S3, the compile cache, results, KMS keys and the token's secret: each grant on its own resource."""
+        from tests.stacks.least_privilege import assert_least_privilege
+
+        key = "arn:aws:kms:us-east-2:123456789012:key/0123abcd-0123-4567-89ab-0123456789ab"
+        for secret in ("arn:aws:secretsmanager:us-east-2:123456789012:secret:hf-token-AbCdEf", "arn:aws:secretsmanager:us-east-2:123456789012:secret:hf-token"):
+            context = {"model": {"source": "s3", "s3_uri": "s3://models-bucket/gpt-oss-120b", "hf_token_secret_arn": secret},
+                       "examples": {"s3_uri": "s3://models-bucket/vllm-neuron"}, "compile_cache_s3_uri": "s3://cache-bucket/neuron/2.33",
+                       "results_s3_uri": "s3://results-bucket/runs", "kms_key_arns": [key]}  # fmt: skip
+            assert_least_privilege(synth_variant(**context), load_config(context))
 
     def test_nodes_read_the_scripts_asset_and_nothing_else_by_default(self, default_synth: Synth) -> None:
         (get,) = [s for s in self._statements(default_synth.template) if "s3:" in json.dumps(s["Action"])]
@@ -270,23 +283,28 @@ class TestIam:
         lst = next(s for s in stmts if s["Action"] == "s3:ListBucket")
         assert lst["Condition"] == {"StringLike": {"s3:prefix": ["gpt-oss-120b", "gpt-oss-120b/*"]}}
 
-    def test_compile_cache_prefix_is_readable_and_writable_only_there(self, synth_variant: Any) -> None:
+    def test_nodes_read_only_the_promoted_compile_cache_and_write_only_their_own_area(self, synth_variant: Any) -> None:
         t = synth_variant(compile_cache_s3_uri="s3://cache-bucket/neuron/2.33")
-        arn = {"Fn::Join": ["", ["arn:", {"Ref": "AWS::Partition"}, ":s3:::cache-bucket/neuron/2.33/*"]]}
         by_action: dict[str, list[Any]] = {}
         for st in self._statements(t):
             if "cache-bucket" not in json.dumps(st):
                 continue
             for action in st["Action"] if isinstance(st["Action"], list) else [st["Action"]]:
                 by_action.setdefault(action, []).append(st["Resource"])
-        assert by_action["s3:GetObject"] == [arn] and by_action["s3:PutObject"] == [arn]
+        arn = {"Fn::Join": ["", ["arn:", {"Ref": "AWS::Partition"}, ":s3:::cache-bucket/neuron/2.33/fleet/*"]]}
+        own = {"Fn::Join": ["", ["arn:", {"Ref": "AWS::Partition"}, ":s3:::cache-bucket/neuron/2.33/nodes/${aws:userid}/*"]]}
+        assert by_action["s3:GetObject"] == [arn] and by_action["s3:PutObject"] == [own]
 
-    def test_customer_managed_keys_are_used_through_s3_only(self, synth_variant: Any) -> None:
+    def test_customer_managed_keys_are_used_through_s3_and_secrets_manager_only(self, synth_variant: Any) -> None:
         key = "arn:aws:kms:us-east-2:123456789012:key/0123abcd-0123-4567-89ab-0123456789ab"
         t = synth_variant(kms_key_arns=[key], model={"source": "s3", "s3_uri": "s3://models-bucket/gpt-oss-120b"})
         (st,) = [s for s in self._statements(t) if "kms:" in json.dumps(s["Action"])]
         assert (st["Action"], st["Resource"]) == ("kms:Decrypt", key), "reads only: no data keys without a write prefix"
         assert st["Condition"] == {"StringEquals": {"kms:ViaService": "s3.us-east-2.amazonaws.com"}}
+        secret = "arn:aws:secretsmanager:us-east-2:123456789012:secret:hf-token-AbCdEf"
+        t = synth_variant(kms_key_arns=[key], model={"hf_token_secret_arn": secret})
+        (st,) = [s for s in self._statements(t) if "kms:" in json.dumps(s["Action"])]
+        assert st["Condition"] == {"StringEquals": {"kms:ViaService": ["s3.us-east-2.amazonaws.com", "secretsmanager.us-east-2.amazonaws.com"]}}
         t = synth_variant(kms_key_arns=[key], results_s3_uri="s3://results-bucket/runs")
         (st,) = [s for s in self._statements(t) if "kms:" in json.dumps(s["Action"])]
         assert st["Action"] == ["kms:Decrypt", "kms:GenerateDataKey"]

@@ -326,7 +326,7 @@ def _boot_unit(tmp_path: Path, shipped: Shipped, handle: Any, unit: str, env: di
     etc = sysd / "etc"
     etc.mkdir()
     (etc / "health").write_text(f"{unit} - -\n")
-    (etc / "deploy.env").write_text(f"GPTOSS_SIGNAL_URL={handle.url}\n")
+    (etc / "signal.env").write_text(f"GPTOSS_SIGNAL_URL={handle.url}\n")
     cluster = render_node(load_config({}), load_config({}).layout, load_config({}).layout.nodes[0]).files["/etc/gptoss/cluster.env"][0]
     keep = ("GPTOSS_NODE=", "GPTOSS_READY_TIMEOUT_S=", "GPTOSS_SIGNAL_MARGIN_S=", "GPTOSS_STAGE_ATTEMPTS=")
     (etc / "cluster.env").write_text("".join(line + "\n" for line in cluster.splitlines() if line.startswith(keep)))

@@ -213,7 +213,7 @@ def test_plan_and_user_data_agree(layout: str) -> None:
     """Each plan service is what its unit runs once systemd expands the node's env files."""
     for r in renders(layout):
         files, deploy, doc = parse_user_data(node_user_data(r, {p: f"<{p}>" for p in r.peers}))
-        assert doc["bootcmd"][2] == [f"{BIN}/gptoss-bootstrap"] and set(doc) == {"bootcmd"}, "no first-boot-only runcmd"
+        assert doc["bootcmd"][3] == [f"{BIN}/gptoss-bootstrap"] and set(doc) == {"bootcmd"}, "no first-boot-only runcmd"
         listed = files[UNITS_FILE][0].split()
         for s in r.services:
             template = re.sub(r"@\d+\.service$", "@.service", s.unit)
@@ -283,6 +283,42 @@ def test_bootcmd_really_unpacks_the_bundle_and_writes_the_deploy_values(tmp_path
     assert deploy == f"GPTOSS_HOST_DECODE_0=10.42.3.7\nGPTOSS_SCRIPTS_URI={SCRIPTS_URI}\nGPTOSS_SCRIPTS_SHA256={SCRIPTS_SHA}\n"
     assert extracted == {path: text for path, (text, _) in r.files.items()}
     assert os.access(root / "opt/gptoss/bin/gptoss-bootstrap", os.X_OK)
+
+
+def test_the_signal_url_lands_in_a_root_only_file_that_no_other_unit_reads(tmp_path: Path) -> None:
+    """Run the user data's bootcmd as cloud-init does (one /bin/sh script), rooted in a temporary folder:
+    the deploy gate's URL is written by a shell builtin to a 0600 file, and no unit's environment
+    (EnvironmentFile= or Environment=) nor any other file of the node holds it."""
+    from clusterspec.userdata import user_data
+
+    url = "https://cloudformation-waitcondition-us-east-2.s3.amazonaws.com/arn%3Aaws%3A?X-Amz-Expires=86399&X-Amz-Signature=0a1b"
+    r = next(r for r in renders("6p1d") if r.node.name == "prefill-0")
+    doc = yaml.safe_load(user_data(r, {"decode-0": "10.42.3.7"}, scripts_uri=SCRIPTS_URI, scripts_sha256=SCRIPTS_SHA, signal_url=url))
+    root = tmp_path / "root"
+    lines = []
+    for cmd in doc["bootcmd"][:3]:
+        line = cmd if isinstance(cmd, str) else shlex.join(cmd)
+        lines.append(line.replace("/var/lib/gptoss", f"{root}/var/lib/gptoss").replace("/etc/gptoss", f"{root}/etc/gptoss").replace("-C /", f"-C {root}"))
+    script = tmp_path / "bootcmd.sh"
+    script.write_text("\n".join(lines) + "\n")
+    subprocess.run(["/bin/sh", str(script)], check=True)
+    signal_env = root / "etc/gptoss/signal.env"
+    assert signal_env.read_text() == f"GPTOSS_SIGNAL_URL={url}\n"
+    assert signal_env.stat().st_mode & 0o777 == 0o600
+    # The only argv holding it is cloud-init's own /bin/sh reading the script: no line execs a program with it.
+    (line,) = [c for c in doc["bootcmd"] if url in str(c)]
+    assert isinstance(line, str) and line.startswith("(umask 077 && printf ")
+    holders = sorted(str(p.relative_to(root)) for p in root.rglob("*") if p.is_file() and url.encode() in p.read_bytes())
+    assert holders == ["etc/gptoss/signal.env"]
+    for path, (text, _) in r.files.items():
+        if path.endswith((".service", ".target")):
+            assert "signal.env" not in text, path
+    signal_unit = r.files["/etc/systemd/system/gptoss-signal.service"][0]
+    assert "EnvironmentFile" not in signal_unit and "GPTOSS_SIGNAL_URL" not in signal_unit
+    # Without a gate, the file of an earlier deploy is removed.
+    no_gate = yaml.safe_load(node_user_data(r, {"decode-0": "10.42.3.7"}))["bootcmd"][2]
+    subprocess.run(["/bin/sh", "-c", no_gate.replace("/etc/gptoss", f"{root}/etc/gptoss")], check=True)
+    assert not signal_env.exists()
 
 
 def test_health_list_names_every_unit_a_ready_node_runs() -> None:

@@ -164,7 +164,7 @@ def signal_node(tmp_path: Path, peers: Any, shipped: Shipped) -> Callable[..., s
     (etc / "health").write_text(
         f"gptoss-node-check.service - -\ngptoss-stage.service - -\ngptoss-proxy.service {peers.url}/healthcheck proxy\n"
     )
-    (etc / "deploy.env").write_text(f"GPTOSS_SIGNAL_URL={peers.url}/handle?X-Amz-Signature=abc\n")
+    (etc / "signal.env").write_text(f"GPTOSS_SIGNAL_URL={peers.url}/handle?X-Amz-Signature=abc\n")
     states = tmp_path / "states.json"
     fake_command(
         tmp_path,

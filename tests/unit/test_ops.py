@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -360,24 +361,49 @@ def test_status_command_prints_every_unit_and_exits_0_when_ready(
     assert out.count("active") == 21 and "gptoss-prefill@5.service" in out and "gptoss-decode.service" in out
 
 
-def test_save_cache_syncs_from_one_node_of_each_role(aws: None) -> None:
+def test_save_cache_uploads_from_one_node_of_each_role_then_promotes_their_uploads(aws: None) -> None:
     from cluster_ops import cache
 
     cfg = load_config({"decode_instances": "2", "compile_cache_s3_uri": "s3://bucket/neuron-cache"})
     ids = launch(cfg)
+    s3 = boto3.client("s3", region_name=REGION)
+    s3.create_bucket(Bucket="bucket", CreateBucketConfiguration={"LocationConstraint": REGION})
+    # What gptoss-save-cache leaves on each node's own area (tests/unit/test_compile_cache.py runs it for real).
+    for name, data in (("prefill-0", b"prefill graph"), ("decode-0", b"decode graph"), ("decode-1", b"other")):
+        area = f"neuron-cache/nodes/AROAEXAMPLEROLEID:{ids[name]}/"
+        s3.put_object(Bucket="bucket", Key=f"{area}files/{name}.neff", Body=data)
+        doc = {"files": {f"{name}.neff": {"sha256": hashlib.sha256(data).hexdigest(), "size": len(data)}}}
+        s3.put_object(Bucket="bucket", Key=f"{area}manifest.json", Body=json.dumps(doc).encode())
     ssm, stub = stub_fleet([[(ids["prefill-0"], ""), (ids["decode-0"], "")]], command="/opt/gptoss/bin/gptoss-save-cache")
-    assert cache.save(cfg, boto3.client("ec2", region_name=REGION), ssm, sleep=lambda s: None) == {
-        "prefill-0": "Success",
-        "decode-0": "Success",
-    }
+    manifest = cache.save(cfg, boto3.client("ec2", region_name=REGION), ssm, s3, sleep=lambda s: None)
     stub.assert_no_pending_responses()
+    assert sorted(manifest["files"]) == ["decode-0.neff", "prefill-0.neff"], "decode-1 was not chosen"
+    assert {n: p["instance_id"] for n, p in manifest["promoted_from"].items()} == {"prefill-0": ids["prefill-0"], "decode-0": ids["decode-0"]}
+    body = s3.get_object(Bucket="bucket", Key="neuron-cache/fleet/files/decode-0.neff")["Body"].read()
+    assert body == b"decode graph"
+    assert json.loads(s3.get_object(Bucket="bucket", Key="neuron-cache/fleet/manifest.json")["Body"].read()) == manifest
+
+
+def test_save_cache_refuses_two_uploads_that_disagree(aws: None) -> None:
+    from cluster_ops import cache
+
+    cfg = load_config({"compile_cache_s3_uri": "s3://bucket/neuron-cache"})
+    s3 = boto3.client("s3", region_name=REGION)
+    s3.create_bucket(Bucket="bucket", CreateBucketConfiguration={"LocationConstraint": REGION})
+    for iid, data in (("i-0aaaaaaaaaaaaaaaa", b"one"), ("i-0bbbbbbbbbbbbbbbb", b"two")):
+        area = f"neuron-cache/nodes/AROAEXAMPLEROLEID:{iid}/"
+        s3.put_object(Bucket="bucket", Key=f"{area}files/same.neff", Body=data)
+        doc = {"files": {"same.neff": {"sha256": hashlib.sha256(data).hexdigest(), "size": 3}}}
+        s3.put_object(Bucket="bucket", Key=f"{area}manifest.json", Body=json.dumps(doc).encode())
+    with pytest.raises(cache.CacheError, match=r"same\.neff differs between a and b"):
+        cache.promote(cfg, s3, {"a": "i-0aaaaaaaaaaaaaaaa", "b": "i-0bbbbbbbbbbbbbbbb"})
 
 
 def test_save_cache_needs_a_cache_location(aws: None) -> None:
     from cluster_ops import cache
 
     with pytest.raises(cache.CacheError, match="compile_cache_s3_uri is not set"):
-        cache.save(load_config({}), boto3.client("ec2", region_name=REGION), boto3.client("ssm", region_name=REGION))
+        cache.save(load_config({}), boto3.client("ec2", region_name=REGION), boto3.client("ssm", region_name=REGION), boto3.client("s3", region_name=REGION))
 
 
 def test_the_cache_script_ships_only_with_a_cache_location() -> None:

@@ -271,6 +271,29 @@ def test_hugging_face_download_through_the_real_library_fetches_only_the_servabl
     assert on_disk.stdout == b"", "the token never reaches the disk"
 
 
+def test_the_token_reaches_the_download_process_and_no_other_child(artifacts_env: dict[str, str], fake_hub: Callable[..., hub.Hub]) -> None:
+    """Every program the staging runs is recorded with whether HF_TOKEN is in its environment or argv."""
+    fake_hub()
+    _hf_venv(artifacts_env, "1.33.0")
+    root = Path(artifacts_env["ROOT"])
+    shims, seen = root / "shims", root / "children.log"
+    python_dir = Path(sys.executable).parent
+    for name in ("python3", "git", "aws", "sync", "s5cmd", "mkdir", "mv", "rm", "cp", "ln", "touch"):
+        real = shutil.which(name, path=os.pathsep.join([str(Path(artifacts_env["PATH"].split(os.pathsep)[0])), str(python_dir), os.environ["PATH"]]))
+        if real:
+            fake_command(shims, name, f'echo "{name} env=${{HF_TOKEN:+token}} args=$(echo "$*" | grep -c hf_secretTOKEN)" >>"{seen}"\nexec "{real}" "$@"\n')
+    activate = root / "venv-vllm/bin/activate"
+    activate.write_text(activate.read_text() + f'export PATH="{shims}:$PATH"\n')
+    env = artifacts_env | {"PATH": f"{shims}{os.pathsep}{artifacts_env['PATH']}"}
+    res = _run(env)
+    assert res.returncode == 0, res.stdout + res.stderr
+    children = seen.read_text().splitlines()
+    with_token = [c for c in children if "env=token" in c]
+    assert with_token == ["python3 env=token args=0"], with_token
+    assert len(children) > 10 and all(c.endswith("args=0") for c in children), "never in an argv"
+    assert "hf_secretTOKEN" not in res.stdout + res.stderr
+
+
 @pytest.mark.parametrize("version", ["0.36.2", "2.4.0"])
 def test_a_download_cut_half_way_is_resumed_and_never_leaves_a_partial_checkpoint_in_place(
     artifacts_env: dict[str, str], fake_hub: Callable[..., hub.Hub], version: str

@@ -30,6 +30,11 @@ ADDRESSES = {"prefill-0": "10.42.0.10", "decode-0": "10.42.0.11"}
 ASSET_BUCKET = "gptoss-vm-assets"
 # The guest's stand-in for the wait condition handle's presigned URL (fake-waitcondition).
 SIGNAL_BASE = "http://127.0.0.1:9901/cloudformation-waitcondition-us-east-2"
+# The Hugging Face token, in the guest's Secrets Manager (moto) under this name; every deploy names
+# it by its partial ARN (no random suffix), as an operator may. Nothing on the node may show it.
+HF_TOKEN_NAME = "gptoss-vm-hf-token"
+HF_TOKEN_SECRET = f"arn:aws:secretsmanager:us-east-2:123456789012:secret:{HF_TOKEN_NAME}"
+HF_TOKEN = "hf_vmTOKENshownToNobody0123456789abcdef"
 
 
 class VmCluster:
@@ -54,7 +59,10 @@ class VmCluster:
 
     def deploy(self, context: dict[str, Any]) -> None:
         """Render every node for this config and write the seeds (no VM is started)."""
-        self.cfg = load_config(context)
+        model = {"hf_token_secret_arn": HF_TOKEN_SECRET} | context.get("model", {})
+        # The node check gives devices 20 s to appear here (boot.devices_s, 180 s by default).
+        boot = {"devices_s": 20} | context.get("boot", {})
+        self.cfg = load_config(context | {"model": model, "boot": boot})
         renders = render_cluster(self.cfg)
         self.renders = {r.node.name: r for r in renders if r.node.name in self.vms}
         data = scripts_asset(renders)
@@ -97,7 +105,8 @@ class VmCluster:
         # The instance's devices as the instance table says (a fault replaces them).
         hw = {"devices": {"neuron": self.cfg.hardware.neuron_devices, "efa": self.cfg.hardware.efa_interfaces}}
         # What the stack makes before the instances: the scripts asset, the log group.
-        made = {"s3": {"objects": {self.scripts_uri: "scripts"}}, "logs": {"groups": [telemetry.log_group(self.cfg)]}}
+        made = {"s3": {"objects": {self.scripts_uri: "scripts"}}, "logs": {"groups": [telemetry.log_group(self.cfg)]},
+                "secrets": {"name": HF_TOKEN_NAME, "hf_token": HF_TOKEN}}  # fmt: skip
         settings = hw | self.fakes | made
         self.vms[name].start(settings, {"scripts": self.asset})
         if wait:

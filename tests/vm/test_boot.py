@@ -21,7 +21,7 @@ from typing import Any
 from clusterspec.paths import MANIFEST
 from clusterspec.render import Service
 from tests.conftest import ODD_VALUES
-from tests.vm.cluster import ADDRESSES, VmCluster
+from tests.vm.cluster import ADDRESSES, HF_TOKEN, VmCluster
 
 # The fake servers "compile" for COMPILE_S the first time a role runs on a node (blank compile
 # cache), then "load" for LOAD_S.
@@ -75,7 +75,7 @@ def assert_runs_the_plan(cluster: VmCluster) -> None:
         assert running_outside == {}, f"{node}: units outside the plan are running: {running_outside}"
         shipped = set(vm.ssh(f"cat {MANIFEST}").stdout.split())
         on_disk = set(vm.ssh("ls -d /etc/systemd/system/gptoss-* /opt/gptoss/bin/* /etc/gptoss/* 2>/dev/null").stdout.split())
-        assert on_disk - shipped - {"/etc/gptoss/deploy.env"} == set(), f"{node}: files of an earlier bundle remain"
+        assert on_disk - shipped - {"/etc/gptoss/deploy.env", "/etc/gptoss/signal.env"} == set(), f"{node}: files of an earlier bundle remain"
         assert vm.ssh("ls /etc/systemd/system/*.wants/ | grep gptoss || true").stdout.strip() == "", f"{node}: a unit is enabled"
         for unit, s in services(cluster, node).items():
             if unit == "gptoss-proxy.service":
@@ -98,6 +98,28 @@ def assert_the_array_came_before_its_lagging_link(cluster: VmCluster, node: str,
     assert f"the kernel made {source}" in nvme and f"making an XFS file system on {source}" in nvme, nvme
     assert "mdadm: timeout waiting for /dev/md/gptoss-nvme" in nvme, "mdadm returned before the link, as under load"
     assert "gptoss-retry" not in nvme, f"{node}: the array step needed a retry: {nvme}"
+
+
+def assert_no_secret_shows(cluster: VmCluster, node: str) -> None:
+    """The deploy gate's URL and the Hugging Face token on a booted node: in no process's argv, no
+    journal line, no log; the URL in no file but the signal's root-only one (and cloud-init's own
+    root-only copies of the user data), the token in no file at all. The download did get the token."""
+    vm = cluster.vms[node]
+    url = cluster.handles[node][1]
+    needles = f"-e {url.split('?')[0].rsplit('/', 1)[1]!r} -e 'Signature=a%2Fb%3D' -e {HF_TOKEN!r}"
+    places = "/etc /opt /root /home /tmp /var/tmp /var/log /var/lib /run"
+    holders = vm.ssh(f"grep -rlsF {needles} {places} --exclude-dir=fakes || true", timeout=300).stdout.split()
+    outside = [h for h in holders if h != "/etc/gptoss/signal.env" and not h.startswith(("/var/lib/cloud/", "/run/cloud-init/"))]
+    assert outside == [], f"{node}: the signal URL or the token is in {outside}"
+    for h in holders:
+        mode, owner = vm.ssh(f"stat -c '%a %U' {h}").stdout.split()
+        assert (mode, owner) in (("600", "root"), ("400", "root")), f"{node}: {h} holds the signal URL and is {mode} {owner}"
+    assert "/etc/gptoss/signal.env" in holders
+    assert vm.ssh(f"grep -lsF -e {HF_TOKEN!r} {' '.join(holders)} || true").stdout.strip() == "", "the token is in no file"
+    shown = vm.ssh(f"(ps -eo args; journalctl -b -o cat --no-pager; cat /var/log/cloud-init*.log) | grep -cF {needles} || true").stdout
+    assert shown.strip() == "0", f"{node}: the signal URL or the token shows in argv, the journal or cloud-init's log"
+    downloads = [r for r in cluster.this_boot(node, vm.records("hub.jsonl")) if r["complete"]]
+    assert downloads and all(r["token"] for r in downloads), f"{node}: the download did not carry the token"
 
 
 def test_first_boot_finishes_in_minutes_while_servers_compile_even_with_imds_down_at_first(cluster: VmCluster) -> None:
@@ -180,6 +202,8 @@ def test_first_boot_serves_with_the_plans_commands_in_the_tested_order(cluster: 
         assert (signal["body"]["Status"], signal["body"]["UniqueId"]) == ("SUCCESS", node), signal
     # The proxy node signals only after a real completion through its proxy.
     assert "returned 16 tokens" in cluster.signals("prefill-0")[0]["body"]["Reason"]
+    for node in NODES:
+        assert_no_secret_shows(cluster, node)
 
     # Telemetry: every node's metrics and its units' logs reach CloudWatch (moto in the guest).
     # Rates need two of the collector's samples: they appear from its second interval on.

@@ -4,6 +4,8 @@
 "hub_prefixes": {"s3://bucket/prefix": "org/name"}: the fake Hub's repository, file by file.
 Section "logs", "groups": [...]: CloudWatch Logs groups the stack would have made (moto serves
 CloudWatch and CloudWatch Logs on the same port).
+Section "secrets", "name" and "hf_token": the Hugging Face token as the operator stores it in
+Secrets Manager (the node asks for it by its partial ARN).
 """
 
 import json
@@ -51,4 +53,9 @@ logs = boto3.client(
 )
 for group in fakectl.settings("logs").get("groups", []):
     logs.create_log_group(logGroupName=group)
+secrets = fakectl.settings("secrets")
+if secrets.get("name"):
+    sm = boto3.client("secretsmanager", endpoint_url="http://127.0.0.1:5000", region_name="us-east-2",
+                      aws_access_key_id="testing", aws_secret_access_key="testing")
+    sm.create_secret(Name=secrets["name"], SecretString=secrets["hf_token"])
 print(json.dumps({"seeded": sorted(settings.get("objects", {})) + sorted(settings.get("hub_prefixes", {}))}))

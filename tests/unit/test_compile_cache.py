@@ -1,0 +1,179 @@
+"""The compile cache end to end: nodes upload to their own areas, the operator promotes, a new node
+restores only what the fleet's manifest verifies.
+
+The node's scripts run as shipped with the real AWS CLI (v1, the nodes' own; `make setup` puts it
+in .aws-cli/) against a moto server on loopback, each node with the credentials of its instance
+role session (role session name = instance id, as EC2 makes them, so IAM's ${aws:userid} is
+"<role id>:<instance id>"). The promotion is cluster_ops.cache with boto3, as `gptoss save-cache`
+runs it with the operator's credentials.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import boto3
+import pytest
+
+from cluster_ops import cache
+from clusterspec.config import load_config
+from clusterspec.render import cluster_env
+from tests.conftest import ROOT, fake_command
+from tests.fakes import hub
+
+Shipped = Callable[[str], Path]
+AWS_CLI = ROOT / ".aws-cli" / "1.46.3"
+BUCKET = "gptoss-cache"
+CFG = load_config({"compile_cache_s3_uri": f"s3://{BUCKET}/neuron/2.33", "model": {"source": "s3", "s3_uri": f"s3://{BUCKET}/models/gpt-oss-120b"},
+                   "examples": {"s3_uri": f"s3://{BUCKET}/models/vllm-neuron"}})  # fmt: skip
+CREDS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-2"}
+
+
+@pytest.fixture(scope="module")
+def moto_url() -> Iterator[str]:
+    from moto.server import ThreadedMotoServer
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    yield f"http://localhost:{port}"
+    server.stop()
+
+
+@pytest.fixture
+def cloud(moto_url: str, tmp_path: Path) -> dict[str, Any]:
+    """A reset moto with the cache bucket and an instance role; `node(instance id)` gives that node's environment."""
+    import urllib.request
+
+    urllib.request.urlopen(urllib.request.Request(f"{moto_url}/moto-api/reset", method="POST"), timeout=10)
+    kw = {"endpoint_url": moto_url, "region_name": "us-east-2", "aws_access_key_id": "testing", "aws_secret_access_key": "testing"}
+    s3 = boto3.client("s3", **kw)
+    s3.create_bucket(Bucket=BUCKET, CreateBucketConfiguration={"LocationConstraint": "us-east-2"})
+    role = boto3.client("iam", **kw).create_role(RoleName="gptoss-node", AssumeRolePolicyDocument="{}")["Role"]
+    sts = boto3.client("sts", **kw)
+    assert AWS_CLI.is_dir(), f"{AWS_CLI} is missing: `make setup` installs the AWS CLI the node scripts run"
+    bindir = tmp_path / "bin"
+    fake_command(bindir, "aws", f'PYTHONPATH="{AWS_CLI}" exec "{sys.executable}" -m awscli "$@"\n')
+
+    def node(instance_id: str, cache_dir: Path) -> dict[str, str]:
+        c = sts.assume_role(RoleArn=role["Arn"], RoleSessionName=instance_id)["Credentials"]
+        env_file = tmp_path / f"{instance_id}.env"
+        values = cluster_env(CFG, CFG.layout.nodes[0]) | {"GPTOSS_CACHE_DIR": str(cache_dir)}
+        env_file.write_text("".join(f"{k}={v}\n" for k, v in values.items() if "'" not in v and " " not in v))
+        home = tmp_path / f"home-{instance_id}"
+        home.mkdir(exist_ok=True)
+        return {**os.environ, **CREDS, "PATH": f"{bindir}{os.pathsep}{os.environ['PATH']}", "HOME": str(home), "AWS_ENDPOINT_URL": moto_url,
+                "AWS_ACCESS_KEY_ID": c["AccessKeyId"], "AWS_SECRET_ACCESS_KEY": c["SecretAccessKey"], "AWS_SESSION_TOKEN": c["SessionToken"],
+                "GPTOSS_CLUSTER_ENV": str(env_file)}  # fmt: skip
+
+    return {"s3": s3, "node": node, "role_id": role["RoleId"], "url": moto_url}
+
+
+def _compiled(root: Path, graphs: dict[str, bytes]) -> Path:
+    for rel, data in graphs.items():
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_bytes(data)
+    (root / ".gptoss-restored").touch()  # the node's own marker: never uploaded
+    return root
+
+
+def _save(shipped: Shipped, env: dict[str, str]) -> str:
+    shipped("gptoss-cache-manifest")
+    res = subprocess.run([str(shipped("gptoss-save-cache"))], env=env, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stdout + res.stderr
+    return res.stdout
+
+
+def _stage_new_node(cloud: dict[str, Any], root: Path, shipped: Shipped, instance_id: str) -> subprocess.CompletedProcess[str]:
+    """A new node stages for real: the checkpoint and the examples from S3, then the compile cache."""
+    s3 = cloud["s3"]
+    hub.make_checkpoint(root / "ckpt", 3)
+    for p in (root / "ckpt").rglob("*"):
+        if p.is_file():
+            s3.upload_file(str(p), BUCKET, f"models/gpt-oss-120b/{p.relative_to(root / 'ckpt')}")
+    sv = CFG.serving
+    for rel in (sv.proxy.script, f"{sv.examples_dir}/{sv.schedule_helper}", f"{sv.examples_dir}/{sv.decode.schedule_file}"):
+        s3.put_object(Bucket=BUCKET, Key=f"models/vllm-neuron/{rel}", Body=b"x")
+    env = cloud["node"](instance_id, root / "cache")
+    with Path(env["GPTOSS_CLUSTER_ENV"]).open("a") as f:
+        f.write(f"GPTOSS_MODEL_DIR={root}/models/gpt-oss-120b\nGPTOSS_MODEL_SHARDS=3\nGPTOSS_EXAMPLES_DIR={root}/examples\nGPTOSS_VENV_GLOB=/nonexistent*\n")
+    env |= {"GPTOSS_RUN_DIR": str(root / "run"), "GPTOSS_SYSTEM_CACHE_LINK": str(root / "var-tmp-cache"), "GPTOSS_RETRY_DELAY_S": "0"}
+    for name in ("gptoss-checkpoint", "gptoss-cache-manifest"):
+        shipped(name)
+    res = subprocess.run([str(shipped("gptoss-stage-artifacts"))], env=env, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stdout + res.stderr
+    return res
+
+
+PREFILL = {"neuron-compile-cache/neuronxcc-2.33/MODULE_prefill/model.neff": b"prefill graph" * 100, "vllm/prefill.json": b"{}"}
+DECODE = {"neuron-compile-cache/neuronxcc-2.33/MODULE_decode/model.neff": b"decode graph" * 100, "vllm/decode.json": b"{}"}
+
+
+def test_each_node_uploads_to_its_own_area_and_nothing_reaches_the_fleet_until_promoted(cloud: dict[str, Any], tmp_path: Path, shipped: Shipped) -> None:
+    out = _save(shipped, cloud["node"]("i-0aaaaaaaaaaaaaaaa", _compiled(tmp_path / "a", PREFILL)))
+    area = f"neuron/2.33/nodes/{cloud['role_id']}:i-0aaaaaaaaaaaaaaaa/"
+    assert f"2 files of {tmp_path / 'a'} -> s3://{BUCKET}/{area.rstrip('/')}" in out
+    keys = sorted(o["Key"] for o in cloud["s3"].list_objects_v2(Bucket=BUCKET)["Contents"])
+    assert keys == sorted([f"{area}manifest.json", *(f"{area}files/{rel}" for rel in PREFILL)]), "no marker, nothing outside its area"
+    manifest = json.loads(cloud["s3"].get_object(Bucket=BUCKET, Key=f"{area}manifest.json")["Body"].read())
+    assert manifest == {"files": {rel: {"sha256": hashlib.sha256(data).hexdigest(), "size": len(data)} for rel, data in PREFILL.items()}}
+
+
+def test_promotion_merges_the_chosen_uploads_and_a_new_node_restores_what_the_manifest_verifies(
+    cloud: dict[str, Any], tmp_path: Path, shipped: Shipped
+) -> None:
+    _save(shipped, cloud["node"]("i-0aaaaaaaaaaaaaaaa", _compiled(tmp_path / "a", PREFILL)))
+    _save(shipped, cloud["node"]("i-0bbbbbbbbbbbbbbbb", _compiled(tmp_path / "b", DECODE)))
+    s3 = cloud["s3"]
+    manifest = cache.promote(CFG, s3, {"prefill-0": "i-0aaaaaaaaaaaaaaaa", "decode-0": "i-0bbbbbbbbbbbbbbbb"})
+    assert set(manifest["files"]) == set(PREFILL) | set(DECODE)
+    assert manifest["promoted_from"]["decode-0"]["upload"] == f"s3://{BUCKET}/neuron/2.33/nodes/{cloud['role_id']}:i-0bbbbbbbbbbbbbbbb/"
+    fleet = sorted(o["Key"] for o in s3.list_objects_v2(Bucket=BUCKET, Prefix="neuron/2.33/fleet/")["Contents"])
+    assert fleet == sorted(["neuron/2.33/fleet/manifest.json", *(f"neuron/2.33/fleet/files/{rel}" for rel in {**PREFILL, **DECODE})])
+
+    # Someone with write access to fleet/ changes a graph and adds one (what a poisoned cache looks like).
+    tampered = "neuron-compile-cache/neuronxcc-2.33/MODULE_decode/model.neff"
+    s3.put_object(Bucket=BUCKET, Key=f"neuron/2.33/fleet/files/{tampered}", Body=b"x" * len(DECODE[tampered]))
+    s3.put_object(Bucket=BUCKET, Key="neuron/2.33/fleet/files/neuron-compile-cache/evil.neff", Body=b"evil")
+
+    cache_dir = tmp_path / "new" / "cache"
+    res = _stage_new_node(cloud, tmp_path / "new", shipped, "i-0cccccccccccccccc")
+    restored = {p.relative_to(cache_dir).as_posix(): p.read_bytes() for p in cache_dir.rglob("*") if p.is_file() and not p.name.startswith(".gptoss-")}
+    assert restored == {rel: data for rel, data in {**PREFILL, **DECODE}.items() if rel != tampered}
+    assert f"dropped {tampered}: its sha256 or size differs from the manifest" in res.stdout
+    assert "dropped neuron-compile-cache/evil.neff: not in the manifest" in res.stdout
+    assert "restored 3 of 4 files verified against the manifest (1 missing or dropped: compiled again when needed)" in res.stdout
+
+
+def test_before_any_promotion_a_node_compiles_and_says_so(cloud: dict[str, Any], tmp_path: Path, shipped: Shipped) -> None:
+    _save(shipped, cloud["node"]("i-0aaaaaaaaaaaaaaaa", _compiled(tmp_path / "a", PREFILL)))
+    res = _stage_new_node(cloud, tmp_path / "new", shipped, "i-0dddddddddddddddd")
+    assert f"no compile cache promoted to s3://{BUCKET}/neuron/2.33/fleet yet: the servers compile" in res.stdout
+    assert not [p for p in (tmp_path / "new" / "cache").rglob("*") if p.is_file() and not p.name.startswith(".gptoss-")], "no upload is restored"
+
+
+def test_promotion_refuses_an_upload_that_is_not_whole(cloud: dict[str, Any], tmp_path: Path, shipped: Shipped) -> None:
+    _save(shipped, cloud["node"]("i-0aaaaaaaaaaaaaaaa", _compiled(tmp_path / "a", PREFILL)))
+    s3 = cloud["s3"]
+    area = f"neuron/2.33/nodes/{cloud['role_id']}:i-0aaaaaaaaaaaaaaaa/"
+    rel = "vllm/prefill.json"
+    s3.put_object(Bucket=BUCKET, Key=f"{area}files/{rel}", Body=b"{} ")  # a size the manifest does not say
+    with pytest.raises(cache.CacheError, match=re.escape(f"prefill-0: {rel} has 3 bytes in S3, its manifest says 2")):
+        cache.promote(CFG, s3, {"prefill-0": "i-0aaaaaaaaaaaaaaaa"})
+    s3.delete_object(Bucket=BUCKET, Key=f"{area}manifest.json")
+    with pytest.raises(cache.CacheError, match=r"has no manifest\.json"):
+        cache.promote(CFG, s3, {"prefill-0": "i-0aaaaaaaaaaaaaaaa"})
+    with pytest.raises(cache.CacheError, match="i-0eeeeeeeeeeeeeeee has no upload"):
+        cache.promote(CFG, s3, {"decode-0": "i-0eeeeeeeeeeeeeeee"})
+    assert "Contents" not in s3.list_objects_v2(Bucket=BUCKET, Prefix="neuron/2.33/fleet/"), "nothing promoted"
