@@ -19,7 +19,7 @@ DEPLOY_ARGS ?=
 YES ?=
 NODE_MAJOR := 22
 
-.PHONY: setup synth plan test test-vm lint bootstrap deploy destroy diff bench-scale bench-synth bench-ready diagrams clean
+.PHONY: setup synth plan test test-vm vm-root lint bootstrap deploy destroy diff bench-scale bench-synth bench-ready diagrams clean
 
 setup: .make/python .make/node .make/system .make/hf-clients .make/aws-cli
 
@@ -63,7 +63,7 @@ SYSTEM_TOOLS := systemd-analyze:systemd curl:curl dot:graphviz git:git xz:xz-uti
 	@touch $@
 
 # The VM scenarios (tests/vm): QEMU, an image builder and a NoCloud seed writer from Debian.
-VM_TOOLS := qemu-system-x86_64:qemu-system-x86 qemu-img:qemu-utils mmdebstrap:mmdebstrap cloud-localds:cloud-image-utils ssh:openssh-client
+VM_TOOLS := qemu-system-x86_64:qemu-system-x86 qemu-img:qemu-utils mmdebstrap:mmdebstrap cloud-localds:cloud-image-utils ssh:openssh-client mkfs.ext4:e2fsprogs
 .make/vm-system:
 	@mkdir -p .make
 	@missing=$$(for t in $(VM_TOOLS); do command -v $${t%%:*} >/dev/null || echo $${t#*:}; done); \
@@ -101,7 +101,8 @@ test: setup
 	$(PY) -m pytest -n 3 --dist loadfile --durations=15 $(PYTEST_ARGS)
 
 # Boots the default layout's nodes in QEMU guests from the project's own user data (tests/vm).
-test-vm: setup .make/vm-system
+# Needs root (the guest image is built with mmdebstrap --mode=root; the packages come from apt).
+test-vm: vm-root setup .make/vm-system
 	$(PY) -m pytest -p no:xdist -m vm tests/vm $(PYTEST_ARGS)
 
 lint: setup
@@ -113,6 +114,9 @@ bench-scale: setup
 
 bench-synth: setup
 	$(PY) scripts/bench_synth.py
+
+vm-root:
+	@[ "$$(id -u)" = 0 ] || { echo "make test-vm: the VM scenarios need root (the guest image is built with mmdebstrap --mode=root); run it as root"; exit 2; }
 
 # Time to ready: the default layout's nodes booted in VMs with fake servers of known compile and load times.
 bench-ready: setup .make/vm-system

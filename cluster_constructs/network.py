@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from aws_cdk import Acknowledgment, RemovalPolicy, Stack, Tags, Validations
+from aws_cdk import Acknowledgment, CfnResource, RemovalPolicy, Stack, Tags, Validations
 from aws_cdk import aws_ec2 as ec2
 from aws_cdk import aws_iam as iam
 from aws_cdk import aws_logs as logs
@@ -21,6 +21,10 @@ class ClusterNetwork(Construct):
 
     vpc_id: str
     subnet_id: str
+    # What a node's first boot needs in place before the instance starts: its subnet's route
+    # table association, the default route (NAT), the S3 gateway endpoint (the scripts asset and
+    # the gate's handle) and the interface endpoints. The instances depend on them all.
+    path: list[CfnResource]
 
     def __init__(self, scope: Construct, construct_id: str, *, config: ClusterConfig) -> None:
         super().__init__(scope, construct_id)
@@ -28,13 +32,14 @@ class ClusterNetwork(Construct):
         region = Stack.of(self).region
         self.route_table_id: str | None = net.route_table_id
         self.interface_endpoints: list[ec2.CfnVPCEndpoint] = []
+        self.path = []
         if net.existing:
             assert net.vpc_id and net.subnet_id
             self.vpc_id, self.subnet_id = net.vpc_id, net.subnet_id
         else:
             self._new_vpc(config)
         if net.s3_gateway_endpoint and self.route_table_id:
-            ec2.CfnVPCEndpoint(
+            s3_gateway = ec2.CfnVPCEndpoint(
                 self,
                 "S3Gateway",
                 vpc_id=self.vpc_id,
@@ -42,6 +47,7 @@ class ClusterNetwork(Construct):
                 vpc_endpoint_type="Gateway",
                 route_table_ids=[self.route_table_id],
             )
+            self.path.append(s3_gateway)
         self.vpc = ec2.Vpc.from_vpc_attributes(
             self,
             "Imported",
@@ -64,7 +70,7 @@ class ClusterNetwork(Construct):
         )
         Tags.of(subnet).add("Name", f"{config.cluster_name}-nodes")
         table = ec2.CfnRouteTable(self, "NodeRoutes", vpc_id=vpc.ref)
-        ec2.CfnSubnetRouteTableAssociation(self, "NodeRoutesAssoc", subnet_id=subnet.ref, route_table_id=table.ref)
+        self.path.append(ec2.CfnSubnetRouteTableAssociation(self, "NodeRoutesAssoc", subnet_id=subnet.ref, route_table_id=table.ref))
         self.vpc_id, self.subnet_id, self.route_table_id = vpc.ref, subnet.ref, table.ref
         Validations.of(self).acknowledge(
             Acknowledgment(
@@ -92,7 +98,9 @@ class ClusterNetwork(Construct):
             eip = ec2.CfnEIP(self, "NatEip", domain="vpc")
             nat = ec2.CfnNatGateway(self, "Nat", subnet_id=public.ref, allocation_id=eip.attr_allocation_id)
             nat.node.add_dependency(to_igw)
-            ec2.CfnRoute(self, "NodeDefault", route_table_id=table.ref, destination_cidr_block="0.0.0.0/0", nat_gateway_id=nat.ref)
+            self.path.append(
+                ec2.CfnRoute(self, "NodeDefault", route_table_id=table.ref, destination_cidr_block="0.0.0.0/0", nat_gateway_id=nat.ref)
+            )
         if net.flow_logs:
             # Removed with the stack: `cdk destroy` leaves nothing behind (30 days of history).
             group = logs.LogGroup(
@@ -127,3 +135,4 @@ class ClusterNetwork(Construct):
                     security_group_ids=[security_group_id],
                 )
             )
+            self.path.append(self.interface_endpoints[-1])

@@ -40,7 +40,9 @@ class UnitStatus:
             return ""
         if self.state == "active":
             return self.phase or "running, not answering its health route"
-        if self.state == "activating" and self.sub == "auto-restart":
+        # Between a failed attempt and the next: waiting to restart, or in gptoss-backoff (ExecStartPre)
+        # before it. The node's StagingFailing metric counts the same states.
+        if self.state == "activating" and (self.sub == "auto-restart" or (self.sub == "start-pre" and self.restarts > 0)):
             return f"retrying (restart {self.restarts})"
         if self.state in {"inactive", "failed"}:
             return f"NOT RUNNING ({self.state}{'/' + self.sub if self.sub else ''}): it should run"

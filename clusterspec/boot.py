@@ -17,8 +17,9 @@ BACKOFF_BASE_S = 60
 BACKOFF_MAX_S = 900
 RESTART_SEC = 5
 # gptoss-signal reports this long before the gate's timeout, so the reason arrives before
-# CloudFormation's bare "timed out".
-SIGNAL_MARGIN_S = 120
+# CloudFormation's bare "timed out": longer than its longest blocking step (a test completion,
+# 120 s, then a PUT of 30 s).
+SIGNAL_MARGIN_S = 300
 
 
 class BootConfig(BaseModel):

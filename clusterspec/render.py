@@ -150,6 +150,8 @@ def cluster_env(cfg: ClusterConfig, node: Node) -> dict[str, str]:
         "GPTOSS_READY_TIMEOUT_S": str(cfg.gate_timeout_s),
         "GPTOSS_SIGNAL_MARGIN_S": str(SIGNAL_MARGIN_S),
         "GPTOSS_STAGE_ATTEMPTS": str(cfg.boot.stage_attempts),
+        # How long a server waits for this boot's staging before it fails by name.
+        "GPTOSS_STAGE_WAIT_S": str(cfg.boot.budget_s(cfg.stage_timeout_s)),
         "GPTOSS_COMPLETION_URL": completion_url(cfg, node),
     }
 

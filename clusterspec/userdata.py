@@ -26,11 +26,11 @@ if TYPE_CHECKING:
 USER_DATA_LIMIT = 16 * 1024
 
 
-# Scripts every node carries in its user data: the boot itself, fetching the others, and the
-# status report (which must work when the fetch does not). The other scripts are the same on
-# every node: the stack ships them once, as a file asset in S3 (see scripts_asset), which keeps
-# each node's user data far below EC2's 16 KB.
-NODE_SCRIPTS = frozenset({"gptoss-bootstrap", "gptoss-fetch-scripts", "gptoss-status"})
+# Scripts every node carries in its user data: the boot itself, fetching the others, the status
+# report and the deploy gate's failure answer (both must work when the fetch does not). The other
+# scripts are the same on every node: the stack ships them once, as a file asset in S3 (see
+# scripts_asset), which keeps each node's user data far below EC2's 16 KB.
+NODE_SCRIPTS = frozenset({"gptoss-bootstrap", "gptoss-fetch-scripts", "gptoss-gate-failure", "gptoss-status"})
 
 
 SCRIPTS_ASSET = "gptoss-scripts.tar.xz"

@@ -105,6 +105,9 @@ class GptOssClusterStack(Stack):
                 scripts_sha256=scripts.sha256,
                 signal_url=gate.url if gate else None,
             )
+            # A first boot must not race its network: routes, NAT and endpoints exist before the instance.
+            for resource in network.path:
+                nodes[render.node.name].instance.node.add_dependency(resource)
             if gate:
                 # The gate's clock starts when the instance exists, not when the stack does.
                 gate.condition.add_resource_dependency(nodes[render.node.name].instance)

@@ -236,6 +236,31 @@ class TestNodes:
             assert "SubnetId" not in inst["Properties"]
 
 
+def test_every_instance_waits_for_its_network_path(default_synth: Synth, synth_variant: Any) -> None:
+    """A first boot fetches its scripts from S3 and answers its gate through the S3 endpoint: the
+    route table association, the NAT route, the S3 gateway and the interface endpoints exist first."""
+    for t, needs in (
+        (default_synth.template, ("AWS::EC2::SubnetRouteTableAssociation", "AWS::EC2::Route", "AWS::EC2::VPCEndpoint")),
+        (synth_variant(network={"egress": "none"}, model={"source": "s3", "s3_uri": "s3://models-bucket/gpt-oss-120b"},
+                       examples={"s3_uri": "s3://models-bucket/vllm-neuron"}), ("AWS::EC2::SubnetRouteTableAssociation", "AWS::EC2::VPCEndpoint")),
+    ):  # fmt: skip
+        resources = t["Resources"]
+        node_routes = next(k for k, v in resources.items() if v["Type"] == "AWS::EC2::RouteTable" and k.startswith("NetworkNodeRoutes"))
+        path = {
+            k
+            for k, v in resources.items()
+            if v["Type"] in needs
+            and (
+                v["Type"] == "AWS::EC2::VPCEndpoint"
+                or v["Properties"].get("RouteTableId") == {"Ref": node_routes}
+            )
+        }
+        endpoints = {k for k in path if resources[k]["Type"] == "AWS::EC2::VPCEndpoint"}
+        assert len(path) >= 3 and endpoints, path
+        for lid, inst in of_type(t, "AWS::EC2::Instance").items():
+            assert path <= set(inst.get("DependsOn", [])), f"{lid} may boot before {sorted(path - set(inst.get('DependsOn', [])))}"
+
+
 class TestIam:
     def _statements(self, t: dict[str, Any]) -> list[dict[str, Any]]:
         out = []

@@ -146,6 +146,26 @@ def test_bootstrap_retires_what_the_new_bundle_no_longer_ships_then_starts_the_n
     assert left == sorted([*new, "/etc/gptoss/deploy.env"])
 
 
+def test_bootstrap_keeps_an_operators_drop_in_and_starts_the_node(node_root: dict[str, Any], shipped: Shipped) -> None:
+    """`systemctl edit gptoss-decode` makes gptoss-decode.service.d/: neither a stale file nor a unit,
+    and never a reason not to start the node (rm of a directory under set -e stopped it)."""
+    root: Path = node_root["root"]
+    files = ["/etc/systemd/system/gptoss-decode.service", "/etc/gptoss/manifest", "/etc/gptoss/units"]
+    _files(root, files)
+    (root / "etc/gptoss/manifest").write_text("\n".join(files) + "\n")
+    (root / "etc/gptoss/units").write_text("gptoss-decode.service\n")
+    dropin = root / "etc/systemd/system/gptoss-decode.service.d"
+    dropin.mkdir()
+    (dropin / "override.conf").write_text("[Service]\nEnvironment=OPERATOR=1\n")
+    (root / "etc/gptoss/signal.env").write_text("GPTOSS_SIGNAL_URL=x\n")
+    res = subprocess.run([str(shipped("gptoss-bootstrap"))], env=node_root["env"], capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr
+    calls = node_root["log"].read_text().splitlines()
+    assert calls[-1] == "start --no-block gptoss-node.target" and not [c for c in calls if c.startswith("stop")]
+    assert (dropin / "override.conf").read_text() == "[Service]\nEnvironment=OPERATOR=1\n"
+    assert (root / "etc/gptoss/signal.env").exists(), "written by the user data, never by the bundle"
+
+
 def test_bootstrap_on_an_unchanged_node_stops_and_removes_nothing(node_root: dict[str, Any], shipped: Shipped) -> None:
     root: Path = node_root["root"]
     files = ["/etc/systemd/system/gptoss-decode.service", "/etc/gptoss/manifest", "/etc/gptoss/units", "/opt/gptoss/bin/gptoss-exec"]
@@ -269,6 +289,52 @@ def test_fetch_refuses_an_object_whose_sha256_differs(fetch_env: dict[str, Any],
     assert f"no intact copy of s3://bucket/asset.xz (sha256 {'f' * 64}) within 3s" in res.stderr
     assert not (fetch_env["root"] / "opt/gptoss/bin/gptoss-exec").exists()
     assert len(fetch_env["log"].read_text().splitlines()) >= 2, "asked again"
+
+
+class _Handle(http.server.BaseHTTPRequestHandler):
+    puts: list[dict[str, Any]]
+
+    def log_message(self, format: str, *args: Any) -> None:
+        pass
+
+    def do_PUT(self) -> None:
+        self.puts.append({"content_type": self.headers.get("Content-Type"), "doc": json.loads(self.rfile.read(int(self.headers["Content-Length"])))})
+        self.send_response(200)
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+
+def test_a_scripts_fetch_that_gives_up_answers_the_gate_itself_naming_the_cause(fetch_env: dict[str, Any], shipped: Shipped) -> None:
+    """Without the asset no unit runs, gptoss-signal included: the fetch (in the user data) says FAILURE,
+    with the unit and S3's error, within its budget; the URL is in no argv (curl reads it on stdin)."""
+    handler = type("H", (_Handle,), {"puts": []})
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    tmp: Path = fetch_env["tmp"]
+    url = f"http://127.0.0.1:{server.server_address[1]}/handle?X-Amz-Signature=secret-part"
+    etc = tmp / "etc"
+    etc.mkdir()
+    (etc / "signal.env").write_text(f"GPTOSS_SIGNAL_URL={url}\n")
+    (etc / "cluster.env").write_text("GPTOSS_NODE=decode-0\n")
+    error = "An error occurred (AccessDenied) when calling the GetObject operation: Access Denied"
+    fake_command(tmp / "fakes", "aws", f'echo "{error}" >&2; exit 1\n')
+    argv_log = tmp / "curl-argv"
+    curl = fake_command(tmp / "rec", "curl", f'printf "%s\\n" "$*" >>"{argv_log}"\nexec {shutil.which("curl")} "$@"\n')
+    shipped("gptoss-gate-failure")
+    env = fetch_env["env"] | {"GPTOSS_ETC": str(etc), "GPTOSS_STATE_DIR": str(tmp / "state"), "GPTOSS_CURL": str(curl)}
+    try:
+        res = subprocess.run([str(shipped("gptoss-fetch-scripts"))], env=env, capture_output=True, text=True, timeout=60)
+        again = subprocess.run([str(shipped("gptoss-gate-failure")), "gptoss-scripts.service", "again"], env=env, capture_output=True, text=True)
+    finally:
+        server.shutdown()
+    assert res.returncode == 1
+    (put,) = handler.puts
+    assert put["content_type"] in (None, ""), "the presigned URL was signed without a content type"
+    reason = put["doc"]["Reason"]
+    assert put["doc"]["Status"] == "FAILURE" and put["doc"]["UniqueId"] == "decode-0"
+    assert reason == f"decode-0: gptoss-scripts.service failed: {error}; no intact copy of s3://bucket/asset.xz within 3s"
+    assert "secret-part" not in argv_log.read_text(), "the URL never in curl's argv"
+    assert again.returncode == 0 and "answered already" in again.stdout and len(handler.puts) == 1, "once per handle"
 
 
 # ---- gptoss-backoff ------------------------------------------------------------------------------
@@ -403,6 +469,17 @@ def test_exec_waits_for_this_boots_staging_then_runs_in_the_venv(tmp_path: Path,
     assert out.splitlines()[-1] == f"served in {venv}: --port 8200"
     assert (tmp_path / "logs/decode.log").read_text().splitlines()[-1] == f"served in {venv}: --port 8200"
     assert (run / "phase/decode").read_text() == "started: served\n"
+
+
+def test_exec_stops_waiting_for_staging_at_its_deadline_and_names_why(tmp_path: Path, shipped: Shipped) -> None:
+    """The NVMe step failed, so staging never runs: the server fails by name instead of waiting for ever."""
+    (tmp_path / "cluster.env").write_text(f"GPTOSS_VENV_GLOB={tmp_path}/venv*\nGPTOSS_LOG_DIR={tmp_path}/logs\nGPTOSS_STAGE_WAIT_S=2\n")
+    systemctl = fake_command(tmp_path, "systemctl", 'echo inactive; exit 3\n')
+    env = {**os.environ, "GPTOSS_CLUSTER_ENV": str(tmp_path / "cluster.env"), "GPTOSS_RUN_DIR": str(tmp_path / "run"), "GPTOSS_POLL_S": "1",
+           "GPTOSS_SYSTEMCTL": str(systemctl)}  # fmt: skip
+    res = subprocess.run([str(shipped("gptoss-exec")), "decode", "served"], env=env, capture_output=True, text=True, timeout=30)
+    assert res.returncode == 1
+    assert "gptoss-exec: error: this boot's staging did not finish within 2s (gptoss-stage.service is inactive): not starting decode" in res.stdout + res.stderr
 
 
 # ---- gptoss-status and gptoss-group-health ---------------------------------------------------------
