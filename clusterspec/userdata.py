@@ -7,6 +7,7 @@ import base64
 import functools
 import hashlib
 import io
+import json
 import lzma
 import re
 import tarfile
@@ -21,6 +22,7 @@ from clusterspec.paths import BIN, BUNDLE, DEPLOY_ENV, ETC, SIGNAL_ENV, USERDATA
 from clusterspec.quoting import parse_env_file
 
 if TYPE_CHECKING:
+    from clusterspec.config import ClusterConfig
     from clusterspec.render import NodeRender
 
 USER_DATA_LIMIT = 16 * 1024
@@ -131,9 +133,34 @@ def _xz(raw: bytes) -> bytes:
     return lzma.compress(raw, format=lzma.FORMAT_XZ, filters=filters)
 
 
-def node_digest(render: NodeRender, scripts_sha256: str) -> str:
-    """8 hex digits that change exactly when what the node runs changes (its files, scripts, peers)."""
-    return hashlib.sha256(bundle(render.files) + scripts_sha256.encode() + ",".join(render.peers).encode()).hexdigest()[:8]
+def launch_inputs(cfg: ClusterConfig, role: str) -> str:
+    """What the instance of a node of `role` is launched from, as known at synth: the settings of
+    its launch template and image that replace the instance when they change (type and NICs,
+    image, root volume, monitoring, capacity target and placement, subnet). Nothing else: a
+    setting that leaves the instance alone must leave its gate alone too.
+
+    An image resolved from an SSM parameter at deploy time is not known here: pin it
+    (`gptoss pin-ami`) so that a new image is a change the gate sees.
+    """
+    hw = cfg.hardware
+    capacity = cfg.capacity
+    doc = {
+        "instance": [cfg.instance_type, hw.network_cards, hw.efa_interfaces],
+        "image": cfg.ami_id or f"ssm:{cfg.ami_ssm_parameter}",
+        "root_volume_gb": cfg.root_volume_gb,
+        "monitoring": cfg.detailed_monitoring,
+        "capacity": [capacity.type, *capacity.target(role), capacity.preference, capacity.placement_group],
+        "subnet": [cfg.availability_zone, cfg.network.subnet_id or cfg.network.subnet_cidr],
+    }
+    return json.dumps(doc, sort_keys=True)
+
+
+def node_digest(render: NodeRender, scripts_sha256: str, launch: str = "") -> str:
+    """8 hex digits that change exactly when what the node runs or is launched from changes (its
+    files, scripts, peers, launch inputs): the deploy gate's id, so an update waits for exactly
+    the nodes it restarts or replaces."""
+    data = bundle(render.files) + scripts_sha256.encode() + ",".join(render.peers).encode() + launch.encode()
+    return hashlib.sha256(data).hexdigest()[:8]
 
 
 def unbundle(blob: bytes) -> dict[str, tuple[str, int]]:

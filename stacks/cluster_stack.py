@@ -19,6 +19,7 @@ from cluster_constructs.security_group import ClusterSecurityGroup
 from clusterspec.commands import model_name
 from clusterspec.config import ClusterConfig, interface_endpoints
 from clusterspec.render import render_cluster
+from clusterspec.userdata import launch_inputs
 
 
 class GptOssClusterStack(Stack):
@@ -88,6 +89,7 @@ class GptOssClusterStack(Stack):
                     f"{render.node.logical_id}Ready",
                     render=render,
                     scripts_sha256=scripts.sha256,
+                    launch=launch_inputs(config, render.node.role),
                     timeout_s=config.gate_timeout_s,
                 )
                 if config.wait_for_ready

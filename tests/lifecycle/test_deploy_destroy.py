@@ -272,7 +272,7 @@ def deploy_check_destroy(
     else:
         aws.cdk("destroy", stack, "--force", *ctx)
     stacks = [s for s in cf.list_stacks()["StackSummaries"] if s["StackName"] == stack]
-    assert all(s["StackStatus"] == "DELETE_COMPLETE" for s in stacks)
+    assert stacks and all(s["StackStatus"] == "DELETE_COMPLETE" for s in stacks), stacks
     after = inventory(aws)
     left = {k: sorted(created[k] & after[k]) for k in created if created[k] & after[k]}
     assert left == {}, f"resources the stack created are still there after destroy: {left}"

@@ -7,6 +7,8 @@ import re
 from collections.abc import Callable
 from typing import Any
 
+import pytest
+
 from clusterspec import telemetry
 from tests.conftest import Synth
 from tests.stacks.test_template import of_type
@@ -73,6 +75,29 @@ def test_a_change_to_one_role_renews_only_that_roles_gates(synth_variant: Callab
     assert before.keys() == after.keys()
     changed = {inst for inst in before if before[inst] != after[inst]}
     assert changed == {i for i in before if i.startswith("Prefill")}, changed
+
+
+@pytest.mark.parametrize(
+    ("context", "renewed"),
+    [
+        ({"root_volume_gb": 1024}, {"Prefill", "Decode"}),  # a new launch template version: new instances
+        ({"detailed_monitoring": False}, {"Prefill", "Decode"}),
+        ({"ami_id": "ami-0123456789abcdef0", "ami_ssm_parameter": None}, {"Prefill", "Decode"}),  # a pinned image
+        ({"capacity": {"type": "odcr", "reservation_id": "cr-0123456789abcdef0", "roles": {"decode": {"reservation_id": "cr-0fedcba987654321f"}}}},
+         {"Prefill", "Decode"}),
+        ({"network": {"flow_logs": False}}, set()),  # leaves the instances alone: and their gates
+        ({"observability": {"alarm_topic_arn": "arn:aws:sns:us-east-2:123456789012:oncall"}}, set()),
+    ],
+)
+def test_a_change_that_replaces_an_instance_renews_its_gate_and_only_then(
+    synth_variant: Callable[..., dict[str, Any]], context: dict[str, Any], renewed: set[str]
+) -> None:
+    """The gate sees what starts a new instance, not only what the node runs (an update must not
+    report UPDATE_COMPLETE while replaced instances still stage and compile)."""
+    before = _gate_ids(synth_variant())
+    after = _gate_ids(synth_variant(**context))
+    assert before.keys() == after.keys()
+    assert {inst.split("0")[0] for inst in before if before[inst] != after[inst]} == renewed
 
 
 def test_log_group_has_the_retention_and_the_role_writes_only_there(default_synth: Synth) -> None:

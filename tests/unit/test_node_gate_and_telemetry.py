@@ -324,10 +324,12 @@ def test_collector_publishes_every_catalog_metric_in_a_payload_cloudwatch_accept
               "1": {"neuroncore_utilization": 60.0}}}, "memory_used": {"neuron_runtime_used_bytes": {"neuron_device": 2**30}},
               "execution_stats": {"error_summary": {"generic": 0, "numerical": 1}}}}]}  # fmt: skip
     fake_command(tmp_path, "neuron-monitor", f"echo '{json.dumps(report)}'\nsleep 30\n")
+    stage_state = tmp_path / "stage.state"
+    stage_state.write_text("ActiveState=activating\nSubState=auto-restart\nNRestarts=1\n")
     fake_command(
         tmp_path,
         "systemctl",
-        'for a; do u=$a; done\n[ "$u" = gptoss-stage.service ] && { echo ActiveState=activating; echo SubState=auto-restart; exit; }\necho ActiveState=active\n',
+        f'for a; do u=$a; done\n[ "$u" = gptoss-stage.service ] && {{ cat "{stage_state}"; exit; }}\necho ActiveState=active\n',
     )
     for k, v in {"GPTOSS_SYS_INFINIBAND": str(ib), "GPTOSS_NEURON_MONITOR": str(tmp_path / "neuron-monitor"),
                  "GPTOSS_SYSTEMCTL": str(tmp_path / "systemctl")}.items():  # fmt: skip
@@ -377,6 +379,10 @@ def test_collector_publishes_every_catalog_metric_in_a_payload_cloudwatch_accept
         2 * 600_000 / 60
     )
     assert (values["UnitsNotReady"], values["StagingFailing"], values["ServersDown"]) == (1, 1, 0)
+    # Staged: the same collector reports it (the decode server is gone by now: one unit not ready).
+    stage_state.write_text("ActiveState=active\nSubState=exited\nNRestarts=1\n")
+    again = {d["MetricName"]: d["Value"] for d in c.collect(1120.0)}
+    assert (again["StagingFailing"], again["ServersDown"]) == (0, 1)
     # Every metric of the catalog comes out, with its dimensions, in a payload the API accepts.
     assert set(values) == {m.name for m in telemetry.ALL_METRICS}
     by_name = {d["MetricName"]: {x["Name"] for x in d["Dimensions"]} for d in data}

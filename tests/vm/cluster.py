@@ -21,7 +21,7 @@ from typing import Any
 from clusterspec import telemetry
 from clusterspec.config import ClusterConfig, load_config
 from clusterspec.render import NodeRender, render_cluster
-from clusterspec.userdata import node_digest, scripts_asset, user_data
+from clusterspec.userdata import launch_inputs, node_digest, scripts_asset, user_data
 from tests.vm.image import Image
 from tests.vm.machine import Vm, free_port
 
@@ -35,6 +35,9 @@ SIGNAL_BASE = "http://127.0.0.1:9901/cloudformation-waitcondition-us-east-2"
 HF_TOKEN_NAME = "gptoss-vm-hf-token"
 HF_TOKEN_SECRET = f"arn:aws:secretsmanager:us-east-2:123456789012:secret:{HF_TOKEN_NAME}"
 HF_TOKEN = "hf_vmTOKENshownToNobody0123456789abcdef"
+# The instance's devices, typed here (not read from the instance table the node check reads):
+# trn3.48xlarge as the project assumes it, 16 Neuron devices and 16 EFA interfaces.
+DEVICES = {"neuron": 16, "efa": 16}
 
 
 class VmCluster:
@@ -54,6 +57,7 @@ class VmCluster:
         self.fakes: dict[str, Any] = {}
         self.deploys = 0
         self.handles: dict[str, tuple[str, str]] = {}
+        self.withhold_scripts: set[str] = set()
 
     # ---- what a deploy does --------------------------------------------------------------
 
@@ -73,7 +77,7 @@ class VmCluster:
         for name, r in self.renders.items():
             # The deploy gate's handle, as CloudFormation keeps or makes it: the same URL while
             # the node's gate (its digest) stays, a new one when the node changes.
-            digest = node_digest(r, sha)
+            digest = node_digest(r, sha, launch_inputs(self.cfg, r.node.role))
             if self.handles.get(name, ("",))[0] != digest:
                 self.handles[name] = (
                     digest,
@@ -103,9 +107,11 @@ class VmCluster:
         """Start one VM with the current seed and fakes (after pull_the_plug, for instance)."""
         assert self.cfg is not None
         # The instance's devices as the instance table says (a fault replaces them).
-        hw = {"devices": {"neuron": self.cfg.hardware.neuron_devices, "efa": self.cfg.hardware.efa_interfaces}}
-        # What the stack makes before the instances: the scripts asset, the log group.
-        made = {"s3": {"objects": {self.scripts_uri: "scripts"}}, "logs": {"groups": [telemetry.log_group(self.cfg)]},
+        hw = {"devices": DEVICES}
+        # What the stack makes before the instances: the scripts asset (unless a scenario withholds
+        # it from this node), the log group.
+        objects = {} if name in self.withhold_scripts else {self.scripts_uri: "scripts"}
+        made = {"s3": {"objects": objects}, "logs": {"groups": [telemetry.log_group(self.cfg)]},
                 "secrets": {"name": HF_TOKEN_NAME, "hf_token": HF_TOKEN}}  # fmt: skip
         settings = hw | self.fakes | made
         self.vms[name].start(settings, {"scripts": self.asset})

@@ -21,7 +21,7 @@ from typing import Any
 from clusterspec.paths import MANIFEST
 from clusterspec.render import Service
 from tests.conftest import ODD_VALUES
-from tests.vm.cluster import ADDRESSES, HF_TOKEN, VmCluster
+from tests.vm.cluster import ADDRESSES, DEVICES, HF_TOKEN, VmCluster
 
 # The fake servers "compile" for COMPILE_S the first time a role runs on a node (blank compile
 # cache), then "load" for LOAD_S.
@@ -31,6 +31,10 @@ COMPILE_S, LOAD_S = 90, 10
 FIRST_BOOT = {"vllm": {"compile_s": COMPILE_S, "load_s": LOAD_S, "hold_compile": True}, "imds": {"fail_s": 60}}
 LATER = {"vllm": {"compile_s": COMPILE_S, "load_s": LOAD_S}}
 MODEL = "/opt/dlami/nvme/models/gpt-oss-120b"
+# Typed here, not read from the code: what a server may never inherit, and the guest's own knobs
+# (tests/vm/guest/rootfs/etc/systemd/system.conf.d/90-fakes.conf).
+NEVER_IN_A_SERVER = {"GPTOSS_SIGNAL_URL", "HF_TOKEN", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN"}
+GUEST_KNOBS = {"GPTOSS_POLL_S", "GPTOSS_BACKOFF_BASE_S", "GPTOSS_SIGNAL_POLL_S"}
 NODES = ("prefill-0", "decode-0")
 SERVABLE = {"config.json", "model.safetensors.index.json", "tokenizer.json", *(f"model-{i:05d}-of-00014.safetensors" for i in range(15))}
 
@@ -75,6 +79,7 @@ def assert_runs_the_plan(cluster: VmCluster) -> None:
         assert running_outside == {}, f"{node}: units outside the plan are running: {running_outside}"
         shipped = set(vm.ssh(f"cat {MANIFEST}").stdout.split())
         on_disk = set(vm.ssh("ls -d /etc/systemd/system/gptoss-* /opt/gptoss/bin/* /etc/gptoss/* 2>/dev/null").stdout.split())
+        on_disk = {f for f in on_disk if not f.endswith(".d")}  # an operator's drop-in directory is theirs
         assert on_disk - shipped - {"/etc/gptoss/deploy.env", "/etc/gptoss/signal.env"} == set(), f"{node}: files of an earlier bundle remain"
         assert vm.ssh("ls /etc/systemd/system/*.wants/ | grep gptoss || true").stdout.strip() == "", f"{node}: a unit is enabled"
         for unit, s in services(cluster, node).items():
@@ -87,6 +92,12 @@ def assert_runs_the_plan(cluster: VmCluster) -> None:
             assert rec["argv"][1:] == s.argv[1:], f"{node} {unit}: argv differs from the plan"
             missing = {k: v for k, v in s.environment.items() if rec["env"].get(k) != v}
             assert missing == {}, f"{node} {unit}: environment differs from the plan"
+            # Beyond the plan: only what systemd, bash and the venv set, and the guest's own knobs
+            # (90-fakes.conf); never a secret, and no project setting the plan does not show.
+            extra = set(rec["env"]) - set(s.environment)
+            assert not extra & NEVER_IN_A_SERVER, f"{node} {unit}: {sorted(extra & NEVER_IN_A_SERVER)} in a server's environment"
+            project = {k for k in extra if k.startswith(("GPTOSS_", "VLLM_", "NEURON_"))} - GUEST_KNOBS - {"GPTOSS_PHASE_FILE"}
+            assert project == set(), f"{node} {unit}: settings outside the plan: {sorted(project)}"
 
 
 def assert_the_array_came_before_its_lagging_link(cluster: VmCluster, node: str, source: str) -> None:
@@ -187,13 +198,11 @@ def test_first_boot_serves_with_the_plans_commands_in_the_tested_order(cluster: 
     assert cluster.vms["decode-0"].records("vllm-8200.jsonl")[-1]["event"] == "completion"
     assert prefill.json("curl -s localhost:8001/ready")["ready"] is True
 
-    hw = cluster.cfg.hardware if cluster.cfg else None
-    assert hw is not None
     for node in NODES:
         vm = cluster.vms[node]
         # The node check found the instance's devices and NIXL before any server started.
         check = cluster.journal(node, "gptoss-node-check.service")
-        assert f"Neuron: {hw.neuron_devices} devices" in check and f"EFA: {hw.efa_interfaces} devices" in check, check
+        assert f"Neuron: {DEVICES['neuron']} devices" in check and f"EFA: {DEVICES['efa']} devices" in check, check
         assert "NIXL importable" in check
         # The deploy gate: each node told its own handle, once, that it serves.
         vm.wait_until("test -s /var/lib/fakes/signals.jsonl", 120, "the deploy gate's signal")
@@ -225,10 +234,21 @@ def test_first_boot_serves_with_the_plans_commands_in_the_tested_order(cluster: 
 
 def test_reboot_reuses_the_array_the_checkpoint_and_the_compile_cache(cluster: VmCluster) -> None:
     downloads_before = {n: len(cluster.vms[n].records("hub.jsonl")) for n in NODES}
+    # An operator's `systemctl edit gptoss-decode` (a drop-in directory): kept, honoured, and the node still starts.
+    decode = cluster.vms["decode-0"]
+    decode.ssh("mkdir -p /etc/systemd/system/gptoss-decode.service.d && "
+               "printf '[Service]\\nEnvironment=OPERATOR_DROPIN=1\\n' > /etc/systemd/system/gptoss-decode.service.d/override.conf")  # fmt: skip
     cluster.reboot(LATER)
     for node in NODES:
         assert_boot_finished(cluster, node)
     cluster.wait_ready(600)
+    assert last_start(cluster, "decode-0", 8200)["env"].get("OPERATOR_DROPIN") == "1", "the drop-in is honoured"
+    assert decode.ssh("test -f /etc/systemd/system/gptoss-decode.service.d/override.conf", check=False).returncode == 0, "kept"
+    # Refreshing the scripts (what a redeploy's fetch does) restarts no server: Wants=, not Requires=.
+    pid = cluster.unit_prop("decode-0", "gptoss-decode.service", "MainPID")
+    decode.ssh("systemctl restart gptoss-scripts.service")
+    assert cluster.unit_prop("decode-0", "gptoss-decode.service", "MainPID") == pid, "the decode server was restarted"
+    decode.ssh("rm -r /etc/systemd/system/gptoss-decode.service.d && systemctl daemon-reload")
     for node in NODES:
         nvme = cluster.journal(node, "gptoss-nvme.service")
         assert "striping" not in nvme and "making an XFS" not in nvme and "mounted /dev/md" in nvme, nvme
@@ -363,20 +383,29 @@ def test_redeploy_from_two_to_one_decode_instance_removes_what_went_away(cluster
     assert cluster.unit_prop("prefill-0", "gptoss-prefill@6.service", "ActiveState") == "inactive"
 
 
-def test_a_node_missing_a_device_fails_the_deploy_gate_naming_it(cluster: VmCluster) -> None:
-    """A Trainium device lost: the node check refuses within its bound, no server starts, and
-    the deploy ends with the reason instead of compiling for hours on a broken node."""
-    assert cluster.cfg is not None
-    hw = cluster.cfg.hardware
-    cluster.deploy({"serving": {"decode": {"max_num_seqs": 2}}})
-    cluster.stop_start(LATER | {"devices": {"neuron": hw.neuron_devices - 1, "efa": hw.efa_interfaces}})
+def test_a_node_missing_a_device_or_its_scripts_fails_the_deploy_gate_naming_it(cluster: VmCluster) -> None:
+    """prefill-0 lost a Trainium device: the node check refuses within its bound, no server starts.
+    decode-0 never gets its scripts asset (S3 has no such object): its fetch, which ships in the
+    user data, answers the gate itself within its budget, naming gptoss-scripts and S3's error.
+    Either way the deploy ends with the reason instead of waiting out the gate's hours."""
+    cluster.deploy({"serving": {"decode": {"max_num_seqs": 2}}, "boot": {"scripts_fetch_s": 30}})
+    cluster.withhold_scripts = {"decode-0"}
+    try:
+        cluster.stop_start(LATER | {"devices": {"neuron": DEVICES["neuron"] - 1, "efa": DEVICES["efa"]}})
+    finally:
+        cluster.withhold_scripts = set()
     for node in NODES:
-        vm = cluster.vms[node]
-        vm.wait_until("tail -n 1 /var/lib/fakes/signals.jsonl | grep -q FAILURE", 300, "a failure signal")
-        body = cluster.signals(node)[-1]["body"]
-        assert body["Reason"].startswith(f"{node}: gptoss-node-check.service failed: "), body
-        assert f"Neuron: {hw.neuron_devices - 1} devices in /dev, the instance table says {hw.neuron_devices}" in body["Reason"]
-        st = cluster.status(node)
-        assert st["gptoss-node-check.service"]["state"] == "failed"
-        server = "gptoss-prefill@0.service" if node == "prefill-0" else "gptoss-decode.service"
-        assert st[server]["state"] == "inactive", f"{node}: {server} must not start on a node missing a device"
+        cluster.vms[node].wait_until("tail -n 1 /var/lib/fakes/signals.jsonl | grep -q FAILURE", 300, "a failure signal")
+    body = cluster.signals("prefill-0")[-1]["body"]
+    assert body["Reason"].startswith("prefill-0: gptoss-node-check.service failed: "), body
+    assert f"Neuron: {DEVICES['neuron'] - 1} devices in /dev, the instance table says {DEVICES['neuron']}" in body["Reason"]
+    st = cluster.status("prefill-0")
+    assert st["gptoss-node-check.service"]["state"] == "failed"
+    assert st["gptoss-prefill@0.service"]["state"] == "inactive", "no server starts on a node missing a device"
+
+    body = cluster.signals("decode-0")[-1]["body"]
+    assert body["Reason"].startswith("decode-0: gptoss-scripts.service failed: "), body
+    assert "no intact copy of" in body["Reason"] and re.search(r"\(404\)|NoSuchKey|does not exist", body["Reason"]), body
+    fetch = cluster.journal("decode-0", "gptoss-scripts.service")
+    assert "giving up" in fetch and "gptoss-gate-failure: FAILURE" in fetch, fetch
+    assert cluster.status("decode-0")["gptoss-scripts.service"]["state"] == "failed"
