@@ -314,7 +314,8 @@ def _boot_unit(tmp_path: Path, shipped: Shipped, handle: Any, unit: str, env: di
     the gate's budget goes), with the real gptoss-signal watching its state and journal."""
     spec = _rendered_unit(unit)
     shipped_dir = shipped("gptoss-retry").parent
-    for name in ("gptoss-stage-nvme", "gptoss-fetch-scripts", "gptoss-identity", "gptoss-node-check", "gptoss-stage-artifacts", "gptoss-checkpoint"):
+    for name in ("gptoss-stage-nvme", "gptoss-fetch-scripts", "gptoss-identity", "gptoss-node-check", "gptoss-stage-artifacts", "gptoss-checkpoint",
+                 "gptoss-gate-failure", "gptoss-cache-manifest"):
         shipped(name)
     argv = [a.replace(BIN, str(shipped_dir)) for a in spec["argv"]]
     sysd = tmp_path / "systemd"
@@ -335,16 +336,18 @@ def _boot_unit(tmp_path: Path, shipped: Shipped, handle: Any, unit: str, env: di
         states.write_text(json.dumps({unit: f"ActiveState={active}\nSubState={sub}\nNRestarts={restarts}"}))
 
     state("activating", "start", 0)
+    node_files = {"GPTOSS_ETC": str(etc), "GPTOSS_STATE_DIR": str(sysd / "state")}  # the node's /etc/gptoss and /var/lib/gptoss
     signal = subprocess.Popen(
         [sys.executable, str(shipped("gptoss-signal"))],
-        env={**os.environ, "GPTOSS_ETC": str(etc), "GPTOSS_STATE_DIR": str(sysd / "state"), "GPTOSS_SYSTEMCTL": str(sysd / "systemctl"),
+        env={**os.environ, **node_files, "GPTOSS_SYSTEMCTL": str(sysd / "systemctl"),
              "GPTOSS_JOURNALCTL": str(sysd / "journalctl"), "GPTOSS_SIGNAL_POLL_S": "0.1"},
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )  # fmt: skip
     restarts = 0
     attempts = BootConfig().stage_attempts
     while True:
-        run = subprocess.run(argv, env=os.environ | spec["env"] | env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=120)
+        run = subprocess.run(argv, env=os.environ | node_files | spec["env"] | env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                             timeout=120)  # fmt: skip
         with journal.open("a") as j:
             j.write(run.stdout)
         if run.returncode == 0:
