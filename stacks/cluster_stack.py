@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from aws_cdk import Acknowledgment, Annotations, CfnParameter, Environment, Stack, Tags, Validations
+from aws_cdk import Acknowledgment, Annotations, CfnParameter, CfnWaitConditionHandle, Environment, Stack, Tags, Validations
 from aws_cdk import aws_ec2 as ec2
 from constructs import Construct
 
@@ -77,6 +77,11 @@ class GptOssClusterStack(Stack):
             for r in dict.fromkeys(n.role for n in layout.nodes)
         }
 
+        # One resource that stands for the nodes' network path (routes, NAT, endpoints): each instance
+        # depends on it alone, which keeps the template small at any fleet size (a handle costs nothing).
+        network_ready = CfnWaitConditionHandle(self, "NetworkReady")
+        for resource in network.path:
+            network_ready.add_dependency(resource)
         # A node's user data names the private IPs of its peers, so peers are created first.
         renders = render_cluster(config)
         scripts = NodeScripts(self, "NodeScripts", renders=renders)
@@ -108,8 +113,7 @@ class GptOssClusterStack(Stack):
                 signal_url=gate.url if gate else None,
             )
             # A first boot must not race its network: routes, NAT and endpoints exist before the instance.
-            for resource in network.path:
-                nodes[render.node.name].instance.node.add_dependency(resource)
+            nodes[render.node.name].instance.add_dependency(network_ready)
             if gate:
                 # The gate's clock starts when the instance exists, not when the stack does.
                 gate.condition.add_resource_dependency(nodes[render.node.name].instance)

@@ -257,8 +257,19 @@ def test_every_instance_waits_for_its_network_path(default_synth: Synth, synth_v
         }
         endpoints = {k for k in path if resources[k]["Type"] == "AWS::EC2::VPCEndpoint"}
         assert len(path) >= 3 and endpoints, path
-        for lid, inst in of_type(t, "AWS::EC2::Instance").items():
-            assert path <= set(inst.get("DependsOn", [])), f"{lid} may boot before {sorted(path - set(inst.get('DependsOn', [])))}"
+        def before(lid: str, resources: dict[str, Any] = resources) -> set[str]:
+            """Everything CloudFormation creates before `lid` (DependsOn, transitively)."""
+            out: set[str] = set()
+            todo = list(resources[lid].get("DependsOn", []))
+            while todo:
+                d = todo.pop()
+                if d not in out:
+                    out.add(d)
+                    todo += resources[d].get("DependsOn", [])
+            return out
+
+        for lid in of_type(t, "AWS::EC2::Instance"):
+            assert path <= before(lid), f"{lid} may boot before {sorted(path - before(lid))}"
 
 
 class TestIam:
