@@ -57,7 +57,6 @@ class VmCluster:
         self.fakes: dict[str, Any] = {}
         self.deploys = 0
         self.handles: dict[str, tuple[str, str]] = {}
-        self.withhold_scripts: set[str] = set()
 
     # ---- what a deploy does --------------------------------------------------------------
 
@@ -108,10 +107,8 @@ class VmCluster:
         assert self.cfg is not None
         # The instance's devices as the instance table says (a fault replaces them).
         hw = {"devices": DEVICES}
-        # What the stack makes before the instances: the scripts asset (unless a scenario withholds
-        # it from this node), the log group.
-        objects = {} if name in self.withhold_scripts else {self.scripts_uri: "scripts"}
-        made = {"s3": {"objects": objects}, "logs": {"groups": [telemetry.log_group(self.cfg)]},
+        # What the stack makes before the instances: the scripts asset, the log group.
+        made = {"s3": {"objects": {self.scripts_uri: "scripts"}}, "logs": {"groups": [telemetry.log_group(self.cfg)]},
                 "secrets": {"name": HF_TOKEN_NAME, "hf_token": HF_TOKEN}}  # fmt: skip
         settings = hw | self.fakes | made
         self.vms[name].start(settings, {"scripts": self.asset})
