@@ -353,7 +353,7 @@ def _boot_unit(tmp_path: Path, shipped: Shipped, handle: Any, unit: str, env: di
         if run.returncode == 0:
             state("active", "exited", restarts)
             break
-        if spec["restart"] != "on-failure" or restarts > attempts:
+        if spec["restart"] != "on-failure":
             state("failed", "failed", restarts)
             break
         restarts += 1
