@@ -21,7 +21,7 @@ NODE_MAJOR := 22
 
 .PHONY: setup synth plan test test-vm vm-root lint bootstrap deploy destroy diff bench-scale bench-synth bench-ready diagrams clean
 
-setup: .make/python .make/node .make/system .make/hf-clients .make/aws-cli
+setup: .make/python .make/node .make/system .make/hf-clients .make/aws-cli .make/router-wheel
 
 .make/python: pyproject.toml
 	@mkdir -p .make
@@ -49,6 +49,11 @@ HF_CLIENTS := 0.36.2 1.33.0 2.4.0
 AWS_CLI := 1.46.3
 .make/aws-cli: .make/python Makefile
 	@test -d .aws-cli/$(AWS_CLI) || $(PY) -m pip install --quiet --target .aws-cli/$(AWS_CLI) awscli==$(AWS_CLI)
+	@touch $@
+
+# vLLM's router for the nodes: the spec's pinned wheel, checked against its sha256 (the stack ships it).
+.make/router-wheel: .make/python clusterspec/serving.py scripts/fetch_router_wheel.py
+	$(PY) -m scripts.fetch_router_wheel
 	@touch $@
 
 # systemd-analyze checks the rendered units, curl runs the wait helper in tests, Graphviz

@@ -102,7 +102,7 @@ class NodeRole(Construct):
             Acknowledgment(
                 id="AwsSolutions::AwsSolutions-IAM5[Resource::*]",
                 reason="The SSM agent's registration and message-channel calls (ssm:UpdateInstanceInformation, ssmmessages:*Channel, "
-                "ec2messages:*Message) take no narrower resource; none reads data, and Parameter Store is not granted. "
+                "ec2messages:*Message) take no narrower resource; none reads data. Parameter Store: only the fleet's members parameter (routers), by its exact ARN. "
                 "cloudwatch:PutMetricData (observability) is limited to the cluster's namespace by a condition.",
             )
         )
@@ -125,9 +125,13 @@ class NodeRole(Construct):
                 )
             )
 
-    def allow_read(self, object_arn: str) -> None:
-        """Read one object (the node scripts' asset): its exact ARN, no wildcard."""
-        self.role.add_to_policy(iam.PolicyStatement(actions=["s3:GetObject"], resources=[object_arn]))
+    def allow_read(self, *object_arns: str) -> None:
+        """Read the stack's own assets (the node scripts, the router wheel): their exact ARNs, no wildcard."""
+        self.role.add_to_policy(iam.PolicyStatement(actions=["s3:GetObject"], resources=list(object_arns)))
+
+    def allow_get_parameter(self, parameter_arn: str) -> None:
+        """Read one SSM parameter (the fleet's members): its exact ARN."""
+        self.role.add_to_policy(iam.PolicyStatement(actions=["ssm:GetParameter"], resources=[parameter_arn]))
 
     def _read_prefix(self, partition: str, uri: str) -> None:
         bucket, prefix = _bucket_prefix(uri)

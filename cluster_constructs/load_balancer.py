@@ -12,9 +12,10 @@ from clusterspec.config import ClusterConfig
 
 
 class ProxyLoadBalancer(Construct):
-    """Internal NLB over every proxy, checking each proxy's whole group.
+    """Internal NLB over every proxy or router, checking that each can serve.
 
-    The example proxy answers /healthcheck as long as its process runs, even when the servers
+    A router is checked on its readiness route (ready while one prefill and one decode server
+    answer). The example proxy answers /healthcheck as long as its process runs, even when the servers
     behind it are dead. The target group checks the project's group health route instead
     (gptoss-group-health: ready only when the proxy, its decode server and its prefill
     replicas answer), so a broken group leaves the rotation and returns when it heals.
@@ -44,11 +45,17 @@ class ProxyLoadBalancer(Construct):
             self, "Group", vpc=vpc, description=f"{config.cluster_name}: proxy load balancer", allow_all_outbound=False
         )
         self.group.add_egress_rule(cluster_group, ec2.Port.tcp(port), "to the proxies")
-        health_port = config.serving.proxy.group_health_port
         cluster_group.add_ingress_rule(self.group, ec2.Port.tcp(port), "proxy, from the load balancer")
-        cluster_group.add_ingress_rule(self.group, ec2.Port.tcp(health_port), "group health check, from the load balancer")
-        self.group.add_egress_rule(cluster_group, ec2.Port.tcp(health_port), "health checks of the proxies' groups")
+        # The toy proxy's /healthcheck answers while its servers are dead: the NLB checks the
+        # project's group route. The router's own readiness already says whether it can serve.
+        routed = config.proxy_kind == "vllm-router"
+        health_port = port if routed else config.serving.proxy.group_health_port
+        if not routed:
+            cluster_group.add_ingress_rule(self.group, ec2.Port.tcp(health_port), "group health check, from the load balancer")
+            self.group.add_egress_rule(cluster_group, ec2.Port.tcp(health_port), "health checks of the proxies' groups")
+        # A node's SSM port forward (and bench) opens connections to the NLB: in at the NLB, out of the cluster.
         self.group.add_ingress_rule(cluster_group, ec2.Port.tcp(port), "proxy endpoint, from the cluster (SSM forward, bench)")
+        cluster_group.add_egress_rule(self.group, ec2.Port.tcp(port), "to the proxy endpoint (SSM forward, bench)")
         if config.proxy_ingress_cidr:
             self.group.add_ingress_rule(ec2.Peer.ipv4(config.proxy_ingress_cidr), ec2.Port.tcp(port), "from the operator network")
         if config.proxy_ingress_prefix_list_id:
@@ -73,7 +80,7 @@ class ProxyLoadBalancer(Construct):
             health_check=elbv2.HealthCheck(
                 protocol=elbv2.Protocol.HTTP,
                 port=str(health_port),
-                path="/ready",
+                path=config.proxy_health_path if routed else "/ready",
                 interval=Duration.seconds(10),
                 healthy_threshold_count=2,
                 unhealthy_threshold_count=2,

@@ -29,6 +29,7 @@ class ClusterNode(Construct):
         scripts_uri: str,
         scripts_sha256: str,
         signal_url: str | None = None,
+        router_uri: str | None = None,
     ) -> None:
         super().__init__(scope, construct_id)
         node = render.node
@@ -44,7 +45,9 @@ class ClusterNode(Construct):
             monitoring=config.detailed_monitoring,
             disable_api_termination=config.termination_protection,
             user_data=Fn.base64(
-                user_data(render, peer_ips, scripts_uri=scripts_uri, scripts_sha256=scripts_sha256, signal_url=signal_url)
+                user_data(
+                    render, peer_ips, scripts_uri=scripts_uri, scripts_sha256=scripts_sha256, signal_url=signal_url, router_uri=router_uri
+                )
             ),
             tags=[
                 {"key": "Name", "value": f"{config.cluster_name}-{node.name}"},

@@ -10,7 +10,7 @@ import re
 
 from clusterspec.config import ClusterConfig
 from clusterspec.layout import ProxyPlacement, Replica
-from clusterspec.paths import EXAMPLES_DIR
+from clusterspec.paths import EXAMPLES_DIR, router_venv
 from clusterspec.quoting import Expand
 from clusterspec.serving import Decode, Prefill, Server, Serving, json_arg
 
@@ -113,6 +113,45 @@ def proxy_argv(cfg: ClusterConfig, proxy: ProxyPlacement) -> list[str]:
         "--decoder-hosts", Expand(f"${{{host_var(f'decode-{proxy.decode_server}')}}}"),
         "--decoder-ports", str(s.decode.http_port),
     ]  # fmt: skip
+
+
+def router_argv(cfg: ClusterConfig, proxy: ProxyPlacement, *, bin_dir: str) -> list[str]:
+    """vLLM's router in NIXL P/D mode over every prefill replica and decode server, from the spec."""
+    p, s = cfg.serving.proxy, cfg.serving
+    r = p.router
+    argv = [
+        f"{router_venv(r.version, r.sha256)}/bin/python", f"{bin_dir}/gptoss-router",
+        "--host", p.bind_host,
+        "--port", str(p.port),
+        "--vllm-pd-disaggregation",
+        "--kv-connector", "nixl",
+    ]  # fmt: skip
+    for rep in proxy.replicas:
+        argv += ["--prefill", Expand(f"http://${{{host_var(rep.node)}}}:{rep.http_port}")]
+    for d in proxy.decode_servers:
+        argv += ["--decode", Expand(f"http://${{{host_var(f'decode-{d}')}}}:{s.decode.http_port}")]
+    argv += [
+        "--prefill-policy", r.prefill_policy,
+        "--decode-policy", r.decode_policy,
+        "--health-check-endpoint", s.server_health_path,
+        "--health-check-interval-secs", str(r.health_check_interval_s),
+        "--health-check-timeout-secs", str(r.health_check_timeout_s),
+        "--health-failure-threshold", str(r.health_failure_threshold),
+        "--health-success-threshold", str(r.health_success_threshold),
+        "--retry-max-retries", str(r.retry_max_retries),
+        "--retry-initial-backoff-ms", str(r.retry_initial_backoff_ms),
+        "--retry-max-backoff-ms", str(r.retry_max_backoff_ms),
+        "--cb-failure-threshold", str(r.cb_failure_threshold),
+        "--cb-timeout-duration-secs", str(r.cb_timeout_s),
+        "--request-timeout-secs", str(r.request_timeout_s),
+        # Servers compile for hours; the router health-checks them meanwhile and serves with those that answer.
+        "--worker-startup-timeout-secs", str(s.engine_ready_timeout_s),
+        "--prometheus-host", "127.0.0.1",
+        "--prometheus-port", str(r.metrics_port),
+    ]  # fmt: skip
+    for flag in r.extra_flags:
+        argv += [flag.name] + ([flag.value] if flag.value is not None else [])
+    return argv
 
 
 def endpoint_port(cfg: ClusterConfig) -> int:

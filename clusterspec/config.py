@@ -16,9 +16,12 @@ from clusterspec.boot import SIGNAL_MARGIN_S, BootConfig
 from clusterspec.errors import SpecError, explain, rule_error
 from clusterspec.instance_types import KNOWN_INSTANCE_TYPES, InstanceType
 from clusterspec.layout import Layout, compute_layout
-from clusterspec.serving import Serving
+from clusterspec.serving import ProxyKind, Serving
 
 DEFAULT_AMI_PARAMETER = "/aws/service/neuron/dlami/multi-framework/ubuntu-24.04/latest/image_id"
+
+# vLLM's router answers 200 here while at least one prefill and one decode server are healthy.
+ROUTER_READINESS_PATH = "/readiness"
 
 
 class _Frozen(BaseModel):
@@ -441,6 +444,33 @@ class ClusterConfig(_Frozen):
         return self.ready_timeout_s or max(21600, -(-self.gate_needs_s // 300) * 300)
 
     @property
+    def proxy_kind(self) -> ProxyKind | None:
+        """What serves the endpoint of a DI fleet: serving.proxy.kind, else the router beyond one decode server."""
+        if not self.serving.disaggregated:
+            return None
+        return self.serving.proxy.kind or ("vllm-router" if self.decode_instances > 1 else "toy")
+
+    @property
+    def proxy_kind_reason(self) -> str:
+        """Why `proxy_kind` is what it is, in words `plan` prints."""
+        kind = self.proxy_kind
+        if kind is None:
+            return "a single-instance recipe: clients talk to its one server"
+        if self.serving.proxy.kind:
+            return f"serving.proxy.kind={kind} is set"
+        if kind == "toy":
+            return "one decode server: the references' tested layout and proxy (set serving.proxy.kind=vllm-router for the router)"
+        return (f"{self.decode_instances} decode servers: vLLM's router health-checks and retries across all of them "
+                "(set serving.proxy.kind=toy for the references' toy proxy)")  # fmt: skip
+
+    @property
+    def proxy_health_path(self) -> str:
+        """The endpoint's readiness route: the router's, the toy proxy's, or the single server's."""
+        if self.proxy_kind == "vllm-router":
+            return ROUTER_READINESS_PATH
+        return self.serving.proxy.health_path if self.serving.disaggregated else self.serving.server_health_path
+
+    @property
     def layout(self) -> Layout:
         """The fleet these parameters describe."""
         return compute_layout(
@@ -449,6 +479,7 @@ class ClusterConfig(_Frozen):
             instance_type=self.hardware,
             serving=self.serving,
             replicas_per_prefill_instance=self.replicas_per_prefill_instance,
+            proxy_kind=self.proxy_kind or "toy",
         )
 
     @property

@@ -43,11 +43,17 @@ class Replica(_Frozen):
 
 
 class ProxyPlacement(_Frozen):
-    """One proxy: the node it runs on, its decode server and the replicas it routes to."""
+    """One proxy or router: the node it runs on and the servers it routes to.
+
+    A toy proxy routes to one decode server and its fixed group of replicas; a router to every
+    replica and every decode server of the fleet.
+    """
 
     node: str
     decode_server: int
     replicas: tuple[Replica, ...]
+    decode_servers: tuple[int, ...]
+    kind: Literal["toy", "vllm-router"] = "toy"
 
 
 class Node(_Frozen):
@@ -114,6 +120,7 @@ def compute_layout(
     instance_type: InstanceType,
     serving: Serving,
     replicas_per_prefill_instance: int | None = None,
+    proxy_kind: Literal["toy", "vllm-router"] = "toy",
 ) -> Layout:
     """Place prefill replicas and decode servers on instances from the prefill:decode ratio."""
     if not serving.disaggregated:
@@ -206,13 +213,20 @@ def compute_layout(
         for d in range(decode_instances)
     ]
     all_replicas = [r for reps in by_node.values() for r in reps]
+    groups: dict[int, list[Replica]] = {d: [] for d in range(decode_instances)}
+    for r in all_replicas:
+        groups[r.decode_server].append(r)
     # One decode server: the tested placement, the proxy on prefill node A. Several: one proxy
-    # per decode server on its own decode node, so losing a node loses one proxy, not all.
+    # (or router) on each decode node, so losing a node loses one endpoint, not all. A toy
+    # proxy routes to its own group; a router to every server of the fleet.
+    every_decode = tuple(range(decode_instances))
     proxies = tuple(
         ProxyPlacement(
             node="prefill-0" if decode_instances == 1 else f"decode-{d}",
             decode_server=d,
-            replicas=tuple(r for r in all_replicas if r.decode_server == d),
+            replicas=tuple(all_replicas) if proxy_kind == "vllm-router" else tuple(groups[d]),
+            decode_servers=every_decode if proxy_kind == "vllm-router" else (d,),
+            kind=proxy_kind,
         )
         for d in range(decode_instances)
     )

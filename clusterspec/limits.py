@@ -27,6 +27,8 @@ IP_PLACEHOLDER = "10.255.255.254"
 # As long as the URI CloudFormation fills in: the bootstrap bucket's name and the asset's key.
 SCRIPTS_URI_PLACEHOLDER = "s3://cdk-hnb659fds-assets-123456789012-ap-southeast-4/" + "0" * 64 + ".xz"
 # About as long as a wait condition handle's presigned URL.
+# The members parameter's Fn::Join holds each node's "name=" part and a GetAtt of its PrivateIp.
+MEMBER_BYTES = 140
 SIGNAL_URL_PLACEHOLDER = "https://cloudformation-waitcondition-ap-southeast-4.s3.ap-southeast-4.amazonaws.com/" + "x" * 900
 
 
@@ -54,6 +56,7 @@ def estimate(cfg: ClusterConfig) -> StackSize:
                 scripts_uri=SCRIPTS_URI_PLACEHOLDER,
                 scripts_sha256="0" * 64,
                 signal_url="x" * 60 if cfg.wait_for_ready else None,
+                router_uri=SCRIPTS_URI_PLACEHOLDER,
             ).encode()
         )
         for r in renders
@@ -61,11 +64,13 @@ def estimate(cfg: ClusterConfig) -> StackSize:
     url_growth = len(SIGNAL_URL_PLACEHOLDER) - 60 if cfg.wait_for_ready else 0
     layout = cfg.layout
     nodes = len(renders)
+    routed = cfg.proxy_kind == "vllm-router"
     sg_rules = layout.max_replicas_per_node + 5
     # The template holds user data as text; CloudFormation base64-encodes it at deploy time.
     return StackSize(
         nodes=nodes,
-        resources=BASE_RESOURCES + nodes * (3 if cfg.wait_for_ready else 1) + sg_rules + (6 if cfg.observability.enabled else 0),
+        resources=BASE_RESOURCES + nodes * (3 if cfg.wait_for_ready else 1) + sg_rules + (6 if cfg.observability.enabled else 0)
+        + (1 if routed else 0),
         outputs=BASE_OUTPUTS + 2 * nodes + (1 if len(layout.proxies) > 1 and not cfg.load_balanced else 0),
         template_bytes=BASE_BYTES
         + sum(sizes)
@@ -73,6 +78,7 @@ def estimate(cfg: ClusterConfig) -> StackSize:
         + PER_RULE_BYTES * sg_rules
         + (PER_GATE_BYTES * nodes if cfg.wait_for_ready else 0)
         + (OBSERVABILITY_BYTES if cfg.observability.enabled else 0)
+        + (MEMBER_BYTES * nodes if routed else 0)
         + (LOAD_BALANCER_BYTES if cfg.load_balanced else 0),
         largest_user_data=max(sizes) + url_growth,
     )

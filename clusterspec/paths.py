@@ -39,3 +39,23 @@ def cache_fleet_uri(compile_cache_s3_uri: str) -> str:
 def cache_nodes_uri(compile_cache_s3_uri: str) -> str:
     """Where nodes upload their compile caches: nodes/<role id>:<instance id>/, each node its own."""
     return f"{compile_cache_s3_uri.rstrip('/')}/nodes"
+
+# vLLM's router: its own venv (one per pinned wheel), its fleet members as this boot read them,
+# and this node's private IP for the NIXL side channel (both written at boot under /run).
+ROUTER_VENV_ROOT = "/opt/gptoss/vllm-router"
+RUN_DIR = "/run/gptoss"
+MEMBERS_ENV = f"{RUN_DIR}/members.env"
+NIXL_ENV = f"{RUN_DIR}/nixl.env"
+
+# Where `make setup` keeps the pinned router wheel the stack ships as an asset (not in git).
+WHEELS_DIR = Path(__file__).resolve().parent.parent / ".wheels"
+
+
+def router_venv(version: str, sha256: str) -> str:
+    """The router's venv on a node: a new wheel gets a new venv, so a node never runs a half-replaced one."""
+    return f"{ROUTER_VENV_ROOT}/{version}-{sha256[:12]}"
+
+
+def members_parameter(cluster_name: str) -> str:
+    """The SSM parameter that lists every server node's private IP (the stack writes it, routers read it)."""
+    return f"/gptoss/{cluster_name}/members"

@@ -26,6 +26,7 @@ from clusterspec.commands import (
     prefill_env,
     proxy_argv,
     replica_env,
+    router_argv,
     schedule_path,
     server_env,
     vllm_argv,
@@ -39,15 +40,22 @@ from clusterspec.paths import (
     ETC,
     EXAMPLES_DIR,
     MANIFEST,
+    MEMBERS_ENV,
+    NIXL_ENV,
     NODE_TARGET,
     UNIT_DIR,
     UNITS_FILE,
     USERDATA_DIR,
     cache_fleet_uri,
     cache_nodes_uri,
+    members_parameter,
+    router_venv,
 )
 from clusterspec.quoting import Expand, env_file, expand, systemd_quote
 from clusterspec.userdata import NODE_SCRIPTS, _scripts
+
+# Seconds between two routers' restarts when the fleet's members change (router i waits i times this).
+ROUTER_RESTART_STAGGER_S = 20
 
 _ENV = jinja2.Environment(
     loader=jinja2.FileSystemLoader(USERDATA_DIR / "units"),
@@ -153,6 +161,21 @@ def cluster_env(cfg: ClusterConfig, node: Node) -> dict[str, str]:
         # How long a server waits for this boot's staging before it fails by name.
         "GPTOSS_STAGE_WAIT_S": str(cfg.boot.budget_s(cfg.stage_timeout_s)),
         "GPTOSS_COMPLETION_URL": completion_url(cfg, node),
+    } | _router_env(cfg, node)
+
+
+def _router_env(cfg: ClusterConfig, node: Node) -> dict[str, str]:
+    """What a router node's install and members steps need (nothing on other nodes)."""
+    proxies = [p for p in cfg.layout.proxies_on(node.name) if p.kind == "vllm-router"]
+    if not proxies:
+        return {}
+    r = cfg.serving.proxy.router
+    needs = sorted({rep.node for p in proxies for rep in p.replicas} | {f"decode-{d}" for p in proxies for d in p.decode_servers})
+    return {
+        "GPTOSS_ROUTER_WHEEL": r.wheel,
+        "GPTOSS_ROUTER_SHA256": r.sha256,
+        "GPTOSS_MEMBERS_PARAMETER": members_parameter(cfg.cluster_name),
+        "GPTOSS_MEMBERS_NEED": " ".join(needs),
     }
 
 
@@ -238,17 +261,21 @@ def _render_prefill(cfg: ClusterConfig, node: Node, out: NodeRender, bin_dir: st
         *gate,
         *vllm_argv(cfg, "prefill", port=Expand("${GPTOSS_HTTP_PORT}"), additional_config=Expand("${GPTOSS_ADDITIONAL_CONFIG}")),
     ]
+    # Behind the router, a replica's KV handshake address is this node's private IP (the router
+    # hands the prefill's answer to decode unchanged; the toy proxy rewrites it to the host it used).
+    routed = cfg.proxy_kind == "vllm-router"
     out.files[f"{UNIT_DIR}/gptoss-prefill@.service"] = _unit(
         "gptoss-prefill@.service",
         bin=bin_dir,
-        env_files=[f"{ETC}/prefill.env", f"{ETC}/prefill@%i.env"],
+        env_files=[f"{ETC}/prefill.env", f"{ETC}/prefill@%i.env", *([NIXL_ENV] if routed else [])],
+        needs_identity=routed,
         exec_start=_exec(template_argv),
         **_limits(cfg),
     )
     for r in node.replicas:
         renv = replica_env(cfg, r)
         out.files[f"{ETC}/prefill@{r.index}.env"] = (env_file(renv), 0o644)
-        full = penv | renv
+        full = penv | renv | ({"VLLM_NIXL_SIDE_CHANNEL_HOST": f"<{node.name}>"} if routed else {})
         waits = ("staging",) if r.index == 0 else ("staging", "the node's first replica answers")
         out.services.append(Service(r.unit, full, [expand(a, full, str(r.index)) for a in served(template_argv)], waits=waits))
         out.units.append(r.unit)
@@ -303,6 +330,38 @@ def _render_proxy(cfg: ClusterConfig, node: Node, proxy: ProxyPlacement, out: No
     out.peers = sorted({p[1:-1] for p in hosts_env.values()} - {node.name})
 
 
+def _render_router(cfg: ClusterConfig, node: Node, proxy: ProxyPlacement, out: NodeRender, bin_dir: str) -> None:
+    """vLLM's router over every server of the fleet; it learns their addresses from the members parameter."""
+    s = cfg.serving
+    r = s.proxy.router
+    venv = router_venv(r.version, r.sha256)
+    hosts_env = {host_var(p): f"<{p}>" for p in sorted({rep.node for rep in proxy.replicas} | {f"decode-{d}" for d in proxy.decode_servers})}
+    argv = [f"{bin_dir}/gptoss-exec", "proxy", f"{bin_dir}/gptoss-install-router", venv, "--", *router_argv(cfg, proxy, bin_dir=bin_dir)]
+    out.files[f"{UNIT_DIR}/gptoss-proxy.service"] = _unit(
+        "gptoss-router.service",
+        bin=bin_dir,
+        port=s.proxy.port,
+        prefill=len(proxy.replicas),
+        decode=len(proxy.decode_servers),
+        env_files=[DEPLOY_ENV, MEMBERS_ENV],
+        exec_start=_exec(argv),
+        # A start waits for its back-off, then for the members parameter (gptoss-members: up to 600 s).
+        start_timeout_s=BACKOFF_MAX_S + 660,
+        stop_timeout_s=r.request_timeout_s + 30,
+        restart_sec=RESTART_SEC,
+    )
+    out.services.append(
+        Service("gptoss-proxy.service", hosts_env, [expand(a, hosts_env) for a in served(argv)], waits=("the fleet's members", "the router's venv"))
+    )
+    # Routers restart one after another when the members change, so the endpoint never loses all at once.
+    out.files[f"{UNIT_DIR}/gptoss-router-members.service"] = _unit(
+        "gptoss-router-members.service", bin=bin_dir, delay_s=proxy.decode_server * ROUTER_RESTART_STAGGER_S
+    )
+    out.files[f"{UNIT_DIR}/gptoss-router-members.timer"] = _unit("gptoss-router-members.timer", poll_s=r.members_poll_s)
+    out.units += ["gptoss-proxy.service", "gptoss-router-members.timer"]
+    out.wants += ["gptoss-proxy.service", "gptoss-router-members.timer"]
+
+
 def _render_bench(cfg: ClusterConfig, out: NodeRender, bin_dir: str) -> None:
     """The reference's two benchmark legs as one oneshot unit that never starts by itself."""
     s = cfg.serving
@@ -311,7 +370,7 @@ def _render_bench(cfg: ClusterConfig, out: NodeRender, bin_dir: str) -> None:
     out.files[f"{ETC}/bench.env"] = (env_file(bench_env), 0o644)
     legs = [("warmup", b.warmup_prompts, b.warmup_result_file), ("measured", b.measured_prompts, b.result_file)]
     lines = [[f"{bin_dir}/gptoss-exec", "bench", *bench_argv(cfg, n, f)] for _, n, f in legs]
-    route = s.proxy.health_path if s.disaggregated else s.server_health_path
+    route = cfg.proxy_health_path
     out.files[f"{UNIT_DIR}/gptoss-bench.service"] = _unit(
         "gptoss-bench.service",
         bin=bin_dir,
@@ -377,7 +436,10 @@ def render_node(cfg: ClusterConfig, layout: Layout, node: Node, *, bin_dir: str 
     else:
         _render_server(cfg, out, bin_dir, role=node.role)
     for proxy in layout.proxies_on(node.name):
-        _render_proxy(cfg, node, proxy, out, bin_dir)
+        if proxy.kind == "vllm-router":
+            _render_router(cfg, node, proxy, out, bin_dir)
+        else:
+            _render_proxy(cfg, node, proxy, out, bin_dir)
     if layout.proxies_on(node.name) or node.role == "server":
         _render_bench(cfg, out, bin_dir)
     if cfg.wait_for_ready:
@@ -418,8 +480,9 @@ def health_checks(cfg: ClusterConfig, render: NodeRender) -> list[tuple[str, str
             index = svc.unit.split("@")[1].split(".")[0]
             checks.append((svc.unit, health_url("127.0.0.1", port, s.server_health_path), f"prefill_{index}"))
         elif svc.unit == "gptoss-proxy.service":
-            checks.append((svc.unit, health_url("127.0.0.1", s.proxy.port, s.proxy.health_path), "proxy"))
-            checks.append(("gptoss-group-health.service", health_url("127.0.0.1", s.proxy.group_health_port, "/ready"), None))
+            checks.append((svc.unit, health_url("127.0.0.1", s.proxy.port, cfg.proxy_health_path), "proxy"))
+            if cfg.proxy_kind == "toy":
+                checks.append(("gptoss-group-health.service", health_url("127.0.0.1", s.proxy.group_health_port, "/ready"), None))
     if cfg.observability.enabled:
         checks.append(("gptoss-telemetry.service", None, None))
     return checks

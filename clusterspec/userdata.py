@@ -193,7 +193,13 @@ def _signal_line(url: str | None) -> str:
 
 
 def user_data(
-    render: NodeRender, hosts: Mapping[str, str], *, scripts_uri: str, scripts_sha256: str, signal_url: str | None = None
+    render: NodeRender,
+    hosts: Mapping[str, str],
+    *,
+    scripts_uri: str,
+    scripts_sha256: str,
+    signal_url: str | None = None,
+    router_uri: str | None = None,
 ) -> str:
     """cloud-init user data: the node's bundle, its peers' IPs and where its scripts are.
 
@@ -215,6 +221,10 @@ def user_data(
         raise ValueError(f"{render.node.name}: no address given for peers {missing}")
     values = [f"{host_var(p)}={hosts[p]}" for p in render.peers]
     values += [f"GPTOSS_SCRIPTS_URI={scripts_uri}", f"GPTOSS_SCRIPTS_SHA256={scripts_sha256}"]
+    if "gptoss-install-router" in render.scripts:
+        if router_uri is None:
+            raise ValueError(f"{render.node.name}: runs vLLM's router but no router asset URI was given")
+        values.append(f"GPTOSS_ROUTER_URI={router_uri}")
     doc = {
         "bootcmd": [
             ["sh", "-c", _EXTRACT, base64.b64encode(bundle(render.files)).decode()],

@@ -14,6 +14,7 @@ from cluster_constructs.network import ClusterNetwork
 from cluster_constructs.node import ClusterNode
 from cluster_constructs.observability import FleetObservability
 from cluster_constructs.outputs import ClusterOutputs
+from cluster_constructs.router import FleetMembers, RouterWheel
 from cluster_constructs.scripts import NodeScripts
 from cluster_constructs.security_group import ClusterSecurityGroup
 from clusterspec.commands import model_name
@@ -85,7 +86,8 @@ class GptOssClusterStack(Stack):
         # A node's user data names the private IPs of its peers, so peers are created first.
         renders = render_cluster(config)
         scripts = NodeScripts(self, "NodeScripts", renders=renders)
-        role.allow_read(scripts.object_arn)
+        router = RouterWheel(self, "RouterWheel", config=config) if config.proxy_kind == "vllm-router" else None
+        role.allow_read(scripts.object_arn, *([router.object_arn] if router else []))
         nodes: dict[str, ClusterNode] = {}
         for render in sorted(renders, key=lambda r: bool(r.peers)):
             gate = (
@@ -111,6 +113,7 @@ class GptOssClusterStack(Stack):
                 scripts_uri=scripts.uri,
                 scripts_sha256=scripts.sha256,
                 signal_url=gate.url if gate else None,
+                router_uri=router.uri if router else None,
             )
             # A first boot must not race its network: routes, NAT and endpoints exist before the instance.
             nodes[render.node.name].instance.add_dependency(network_ready)
@@ -118,6 +121,9 @@ class GptOssClusterStack(Stack):
                 # The gate's clock starts when the instance exists, not when the stack does.
                 gate.condition.add_resource_dependency(nodes[render.node.name].instance)
         ordered = [nodes[r.node.name] for r in renders]
+        if router:
+            members = FleetMembers(self, "FleetMembers", config=config, ips={r.node.name: nodes[r.node.name].private_ip for r in renders})
+            role.allow_get_parameter(members.arn)
         # The nodes clients reach: the proxies, or the one server of a single-instance recipe.
         proxy_nodes = [nodes[p.node] for p in layout.proxies] or ordered
         endpoint = None

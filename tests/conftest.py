@@ -151,6 +151,7 @@ ODD_VALUES = [
 
 SCRIPTS_URI = "s3://cdk-hnb659fds-assets-123456789012-us-east-2/scripts.xz"
 SCRIPTS_SHA = "0" * 64
+ROUTER_URI = "s3://cdk-hnb659fds-assets-123456789012-us-east-2/router.whl"
 
 
 def rendered_services(**context: str) -> dict[str, dict[str, Any]]:
@@ -186,7 +187,7 @@ def node_user_data(render: Any, hosts: dict[str, str]) -> str:
     """A node's user data with the deploy-time values a test chooses (CloudFormation's at deploy)."""
     from clusterspec.userdata import user_data
 
-    return user_data(render, hosts, scripts_uri=SCRIPTS_URI, scripts_sha256=SCRIPTS_SHA)
+    return user_data(render, hosts, scripts_uri=SCRIPTS_URI, scripts_sha256=SCRIPTS_SHA, router_uri=ROUTER_URI)
 
 
 @pytest.fixture(scope="module")

@@ -63,13 +63,13 @@ def test_one_internal_endpoint_over_every_proxy(fleet_synth: Synth) -> None:
     assert listener["Properties"]["Port"] == 8000
     _, tg = one(t, "AWS::ElasticLoadBalancingV2::TargetGroup")
     p = tg["Properties"]
-    # The check is the group's health (proxy, decode server, replicas), not the proxy process alone.
-    assert (p["HealthCheckProtocol"], p["HealthCheckPort"], p["HealthCheckPath"], p["Port"]) == ("HTTP", "8001", "/ready", 8000)
+    # The check is the router's readiness (one prefill and one decode server answer), on its own port.
+    assert (p["HealthCheckProtocol"], p["HealthCheckPort"], p["HealthCheckPath"], p["Port"]) == ("HTTP", "8000", "/readiness", 8000)
     attrs = {a["Key"]: a["Value"] for a in p["TargetGroupAttributes"]}
     assert attrs["preserve_client_ip.enabled"] == "false", "the port forward from a proxy node would hairpin"
     rules = ingress_rules(t)
     lb_groups = {r[3] for r in rules if "ProxyEndpointGroup" in r[3]}
-    assert {(r[1], r[2]) for r in rules if r[3] in lb_groups} == {(8000, 8000), (8001, 8001)}
+    assert {(r[1], r[2]) for r in rules if r[3] in lb_groups} == {(8000, 8000)}
     targets = sorted(x["Id"]["Ref"] for x in p["Targets"])
     assert len(targets) == 8 and all(x.startswith("Decode") for x in targets)
     out = t["Outputs"]
@@ -86,7 +86,11 @@ def test_every_node_runs_what_the_plan_shows(fleet_synth: Synth) -> None:
         hosts = dict(zip(r.peers, [f"<{p}>" for p in peer_ids], strict=True))
         uri, sha = re.search(r"GPTOSS_SCRIPTS_URI=(\S+)\n.*GPTOSS_SCRIPTS_SHA256=(\w+)", text, re.S).groups()  # type: ignore[union-attr]
         assert uri.startswith("s3://<bucket>/") and "GPTOSS_SIGNAL_URL=<signal>" in text
-        assert text == user_data(r, hosts, scripts_uri=uri, scripts_sha256=sha, signal_url="<signal>")
+        router = re.search(r"GPTOSS_ROUTER_URI=(\S+)\n", text)
+        assert bool(router) == (r.node.role == "decode"), "every router node, and only those, fetch the router"
+        router_uri = router.group(1) if router else None
+        assert router_uri is None or (router_uri.startswith("s3://<bucket>/") and router_uri.endswith(".whl"))
+        assert text == user_data(r, hosts, scripts_uri=uri, scripts_sha256=sha, signal_url="<signal>", router_uri=router_uri)
 
 
 def test_config_file_gives_the_same_stack_as_context(fleet_synth: Synth, synth_variant: Any, tmp_path: Path) -> None:

@@ -434,6 +434,11 @@ def normalized(template: dict[str, Any]) -> dict[str, Any]:
                 "deploy.env": deploy,
                 "bundle": {path: {"mode": oct(mode), "text": body.splitlines()} for path, (body, mode) in files.items()},
             }
+        if r["Type"] == "AWS::IAM::Policy":
+            # The CLI's minimizePolicies flag sorts a statement's resources; an in-process synth does not.
+            for st in r["Properties"]["PolicyDocument"]["Statement"]:
+                if isinstance(st.get("Resource"), list):
+                    st["Resource"] = sorted(st["Resource"], key=lambda x: json.dumps(x, sort_keys=True))
     return t
 
 

@@ -8,13 +8,15 @@ import os
 import re
 import shlex
 import subprocess
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import yaml
 
+from clusterspec.commands import host_var
 from clusterspec.config import ClusterConfig, load_config
-from clusterspec.paths import BIN, DEPLOY_ENV, MANIFEST, UNITS_FILE
+from clusterspec.paths import BIN, DEPLOY_ENV, MANIFEST, MEMBERS_ENV, NIXL_ENV, UNITS_FILE
 from clusterspec.quoting import parse_env_file, systemd_expand
 from clusterspec.render import NodeRender, render_cluster, render_node, served
 from clusterspec.userdata import NODE_SCRIPTS, USER_DATA_LIMIT, node_script, parse_user_data, scripts_asset, unbundle
@@ -188,11 +190,26 @@ def booted_env(files: dict[str, tuple[str, int]], deploy: dict[str, str], self_i
     return deploy | {parse_env_file(files["/etc/gptoss/cluster.env"][0])["GPTOSS_SELF_HOST_VAR"]: self_ip}
 
 
-def _unit_env(files: dict[str, tuple[str, int]], deploy: dict[str, str], text: str, inst: str | None, self_ip: str) -> dict[str, str]:
+def runtime_env(files: dict[str, tuple[str, int]], path: str, self_ip: str, ip: Callable[[str], str]) -> dict[str, str]:
+    """What the boot writes under /run: the side channel's address (gptoss-identity), the members (gptoss-members)."""
+    if path == NIXL_ENV:
+        return {"VLLM_NIXL_SIDE_CHANNEL_HOST": self_ip}
+    assert path == MEMBERS_ENV, path
+    need = parse_env_file(files["/etc/gptoss/cluster.env"][0])["GPTOSS_MEMBERS_NEED"].split()
+    return {host_var(n): ip(n) for n in need}
+
+
+def _unit_env(files: dict[str, tuple[str, int]], deploy: dict[str, str], text: str, inst: str | None, self_ip: str,
+              ip: Callable[[str], str] = lambda n: LONGEST_IP) -> dict[str, str]:  # fmt: skip
     env: dict[str, str] = {}
     for f in re.findall(r"^EnvironmentFile=(\S+)$", text, re.M):
         f = f.replace("%i", inst or "")
-        env |= booted_env(files, deploy, self_ip) if f == DEPLOY_ENV else parse_env_file(files[f][0])
+        if f == DEPLOY_ENV:
+            env |= booted_env(files, deploy, self_ip)
+        elif f.startswith("/run/"):
+            env |= runtime_env(files, f, self_ip, ip)
+        else:
+            env |= parse_env_file(files[f][0])
     return env
 
 
@@ -220,8 +237,8 @@ def test_plan_and_user_data_agree(layout: str) -> None:
             template = re.sub(r"@\d+\.service$", "@.service", s.unit)
             inst = s.unit.split("@")[1].split(".")[0] if "@" in s.unit else None
             text = files[f"/etc/systemd/system/{template}"][0]
-            env = _unit_env(files, deploy, text, inst, f"<{r.node.name}>")
-            plan_env = {k: v for k, v in env.items() if not k.startswith("GPTOSS_SCRIPTS_")}
+            env = _unit_env(files, deploy, text, inst, f"<{r.node.name}>", lambda n: f"<{n}>")
+            plan_env = {k: v for k, v in env.items() if not k.startswith(("GPTOSS_SCRIPTS_", "GPTOSS_ROUTER_URI"))}
             assert plan_env == s.environment, f"{r.node.name} {s.unit}"
             lines = [shlex.split(line) for line in re.findall(r"^ExecStart=(.*)$", text, re.M)]
             unit_argv = [systemd_expand(a, env, inst) for a in lines[1 if s.step == "measured" else 0]]

@@ -1,7 +1,9 @@
 """Stand-in for the examples' toy proxy in the test guest: the same arguments and routes.
 
-Routes each completion to the next prefill server (round robin), then to the decode server,
-and returns the decode server's answer; GET /healthcheck answers 200. Records its argv in
+Routes each completion to the next prefill server (round robin, no health check: a dead
+server keeps its turn), asking it for the KV of a remote decode with max_tokens 1, then to the
+decode server with the returned KV parameters (remote_host rewritten to the prefill host it
+used), and returns the decode server's answer; GET /healthcheck answers 200. Records its argv in
 /var/lib/fakes/proxy.jsonl.
 """
 
@@ -59,8 +61,18 @@ def main() -> None:
             req = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"{}")
             p_host, p_port = next(prefill)
             d_host, d_port = next(decode)
-            first = post(p_host, p_port, req | {"max_tokens": 1})
-            answer = post(d_host, d_port, req | {"kv_transfer_params": first.get("kv_transfer_params", {})})
+            # As the examples' proxy: ask prefill for the KV of a remote decode, one token; hand its
+            # parameters to decode with remote_host rewritten to the prefill host it used.
+            remote = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
+                      "remote_block_ids": None, "remote_host": None, "remote_port": None}  # fmt: skip
+            try:
+                first = post(p_host, p_port, req | {"max_tokens": 1, "stream": False, "kv_transfer_params": remote})
+                params = dict(first.get("kv_transfer_params") or {})
+                if params:
+                    params["remote_host"] = p_host
+                answer = post(d_host, d_port, req | {"kv_transfer_params": params})
+            except (OSError, ValueError) as e:
+                return self._json({"error": f"toy proxy: {e}"}, 500)
             fakectl.record("proxy.jsonl", {"event": "completion", "prefill": f"{p_host}:{p_port}", "decode": f"{d_host}:{d_port}"})
             self._json(answer)
 

@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 from pathlib import Path
 from typing import Any
 
 FW_CFG = Path("/sys/firmware/qemu_fw_cfg/by_name/opt/gptoss/fakes/raw")
 # A fault injected while the guest runs (the harness writes it over SSH), over the boot's settings.
 OVERRIDES = Path("/run/fakes")
-RECORDS = Path("/var/lib/fakes")
+# FAKES_RECORDS: a loopback test running a guest fake outside the guest keeps its records apart.
+RECORDS = Path(os.environ.get("FAKES_RECORDS", "/var/lib/fakes"))
 
 
 def settings(section: str) -> dict[str, Any]:

@@ -1,0 +1,131 @@
+#!/usr/bin/env python3
+"""Loopback stand-ins for vLLM servers in a NIXL prefill/decode pair, strict about the handoff.
+
+A prefill server answers POST /v1/completions only when the request asks for a remote decode
+(`kv_transfer_params.do_remote_decode` true) and `max_tokens` 1, as a NIXL proxy or router
+must send it; it returns the KV transfer parameters a vLLM kv_producer returns: its engine id,
+blocks derived from the prompt, and `remote_host` from its own VLLM_NIXL_SIDE_CHANNEL_HOST
+(as vLLM reports its side channel). A decode server answers only when the request carries
+exactly the parameters that prefill server returned for that prompt (it recomputes them) and
+`remote_host` is that prefill server's node address: a proxy that forwards a wildcard
+address (0.0.0.0) would send the KV handshake nowhere. Anything else is answered 400 and
+counted as a violation.
+
+Both answer GET /health and GET /stats (requests served, violations, request times).
+Latency per role is a flag. Standard library only.
+
+    python3 vllm_pd.py --role prefill|decode --host IP --port P [--side-channel-port N]
+                       [--latency-ms MS] [--engines JSON]
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import http.server
+import json
+import os
+import threading
+import time
+from typing import Any
+
+
+def engine_id(host: str, port: int) -> str:
+    """The engine id a prefill server reports (its address)."""
+    return f"engine-{host}:{port}"
+
+
+def expected_params(prompt: str, engine: str, remote_host: str, remote_port: int) -> dict[str, Any]:
+    """What a prefill server returns for a prompt: decode must receive exactly this."""
+    digest = hashlib.sha256(f"{engine}|{prompt}".encode()).digest()
+    return {
+        "do_remote_prefill": True,
+        "do_remote_decode": False,
+        "remote_engine_id": engine,
+        "remote_block_ids": [digest[0], digest[1], digest[2]],
+        "remote_host": remote_host,
+        "remote_port": remote_port,
+        "tp_size": 4,
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--role", choices=["prefill", "decode"], required=True)
+    p.add_argument("--host", required=True)
+    p.add_argument("--port", type=int, required=True)
+    p.add_argument("--side-channel-port", type=int, default=5559)
+    p.add_argument("--latency-ms", type=float, default=0)
+    # decode: {engine id: [node address, side channel port]} of every prefill server.
+    p.add_argument("--engines", default="{}")
+    args = p.parse_args()
+    engines = json.loads(args.engines)
+    side_host = os.environ.get("VLLM_NIXL_SIDE_CHANNEL_HOST", "localhost")
+    lock = threading.Lock()
+    stats: dict[str, Any] = {"served": 0, "violations": [], "times": []}
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def log_message(self, format: str, *args: object) -> None:
+            pass
+
+        def _json(self, doc: Any, status: int = 200) -> None:
+            body = json.dumps(doc).encode()
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def _violation(self, why: str) -> None:
+            with lock:
+                stats["violations"].append(why)
+            self._json({"error": why}, 400)
+
+        def do_GET(self) -> None:
+            if self.path == "/health":
+                return self._json({})
+            if self.path == "/stats":
+                with lock:
+                    return self._json(stats)
+            self._json({"error": "not found"}, 404)
+
+        def do_POST(self) -> None:
+            body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
+            if self.path != "/v1/completions":
+                return self._json({"error": "not found"}, 404)
+            req = json.loads(body or b"{}")
+            prompt = str(req.get("prompt", ""))
+            kv = req.get("kv_transfer_params") or {}
+            time.sleep(args.latency_ms / 1000)
+            if args.role == "prefill":
+                if kv.get("do_remote_decode") is not True or req.get("max_tokens") != 1:
+                    return self._violation(f"prefill got max_tokens={req.get('max_tokens')} kv_transfer_params={kv}")
+                params = expected_params(prompt, engine_id(args.host, args.port), side_host, args.side_channel_port)
+                answer = {"id": "cmpl-prefill", "choices": [{"index": 0, "text": "", "finish_reason": "length"}],
+                          "kv_transfer_params": params}  # fmt: skip
+            else:
+                engine = kv.get("remote_engine_id")
+                if engine not in engines:
+                    return self._violation(f"decode got an unknown or missing engine: kv_transfer_params={kv}")
+                node, side_port = engines[engine]
+                if kv != expected_params(prompt, engine, node, side_port):
+                    return self._violation(f"decode got kv_transfer_params={kv}, not what {engine} returned for this prompt")
+                tokens = int(req.get("max_tokens", 16))
+                answer = {"id": "cmpl-decode", "object": "text_completion", "model": req.get("model"),
+                          "choices": [{"index": 0, "text": " ok", "finish_reason": "length"}],
+                          "usage": {"prompt_tokens": 4, "completion_tokens": tokens, "total_tokens": 4 + tokens}}  # fmt: skip
+            with lock:
+                stats["served"] += 1
+                stats["times"].append(round(time.time(), 3))
+            self._json(answer)
+
+    server = http.server.ThreadingHTTPServer((args.host, args.port), Handler)
+    server.daemon_threads = True
+    print(f"ready {args.role} {args.host}:{args.port}", flush=True)
+    server.serve_forever()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,365 @@
+"""vLLM's router as the nodes run it, over strict fake servers on loopback, with servers killed under load.
+
+The router is the pinned wheel, installed by the node's own gptoss-install-router from a moto
+S3 (the stack's asset) with the real AWS CLI, started by the node's gptoss-router with the
+argv `plan` renders for a fleet of 2 decode servers and 6 prefill replicas. Each node gets its
+own loopback address (127.77.1.x prefill, 127.77.2.x decode), so every server keeps its
+rendered port. The fake servers (tests/fakes/vllm_pd.py) refuse a prefill request that does
+not ask for a remote decode of one token and a decode request whose KV parameters are not
+exactly what that prefill server returned, with its node's address.
+
+The same load and the same faults then run through the toy proxy (the guest's stand-in of the
+examples' toy_proxy_server.py, with its rendered argv): the numbers print side by side.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import boto3
+import pytest
+
+from clusterspec.config import load_config
+from clusterspec.paths import WHEELS_DIR
+from clusterspec.render import cluster_env, render_cluster
+from tests.conftest import ROOT, fake_command
+from tests.fakes.vllm_pd import engine_id
+
+AWS_CLI = ROOT / ".aws-cli" / "1.46.3"
+FAKES = ROOT / "tests" / "fakes" / "vllm_pd.py"
+GUEST_FAKES = ROOT / "tests" / "vm" / "guest" / "rootfs" / "usr" / "local" / "lib" / "fakes"
+TOY = ROOT / "tests" / "vm" / "guest" / "examples"
+CREDS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-2"}
+# Ports of their own, so a service of this machine on the defaults cannot collide.
+PORTS = {"serving.proxy.port": 28000, "serving.proxy.group_health_port": 28001, "serving.decode.http_port": 28200,
+         "serving.prefill.http_port_base": 28100, "serving.proxy.router.metrics_port": 28029}  # fmt: skip
+FLEET = {"decode_instances": 2, "prefill_per_decode": 3, "replicas_per_prefill_instance": 3, **PORTS}
+CLIENTS = 64
+DURATION_S = 20.0
+KILL_PREFILL_AT, RESTART_PREFILL_AT, KILL_DECODE_AT = 2.0, 10.0, 12.0
+PREFILL_MS, DECODE_MS = 30, 120
+
+
+def _address(node: str) -> str:
+    role, index = node.split("-")
+    return f"127.77.{1 if role == 'prefill' else 2}.{int(index) + 1}"
+
+
+def _cfg(kind: str) -> Any:
+    return load_config({**FLEET, "serving.proxy.kind": kind})
+
+
+def _free(host: str, port: int) -> bool:
+    with socket.socket() as s:
+        return s.connect_ex((host, port)) != 0
+
+
+def _wait(url: str, timeout_s: float = 30) -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            urllib.request.urlopen(url, timeout=2).read()
+            return
+        except OSError:
+            if time.monotonic() > deadline:
+                raise AssertionError(f"{url} did not answer within {timeout_s}s") from None
+            time.sleep(0.1)
+
+
+@pytest.fixture(scope="module")
+def router_venv(tmp_path_factory: pytest.TempPathFactory, shipped: Any) -> Path:
+    """The router's venv as a node builds it: the wheel from S3, checked, installed offline."""
+    from moto.server import ThreadedMotoServer
+
+    cfg = _cfg("vllm-router")
+    r = cfg.serving.proxy.router
+    wheel = WHEELS_DIR / r.wheel
+    assert wheel.is_file(), f"{wheel} is missing: `make setup` fetches the pinned router wheel"
+    assert AWS_CLI.is_dir(), f"{AWS_CLI} is missing: `make setup` installs the AWS CLI the node scripts run"
+    tmp = tmp_path_factory.mktemp("router")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    try:
+        url = f"http://localhost:{port}"
+        s3 = boto3.client("s3", endpoint_url=url, region_name="us-east-2", **{k.lower(): v for k, v in CREDS.items() if k != "AWS_DEFAULT_REGION"})
+        s3.create_bucket(Bucket="assets", CreateBucketConfiguration={"LocationConstraint": "us-east-2"})
+        s3.upload_file(str(wheel), "assets", "0e2d912c.whl")
+        bindir = tmp / "bin"
+        fake_command(bindir, "aws", f'PYTHONPATH="{AWS_CLI}" exec "{sys.executable}" -m awscli "$@"\n')
+        env_file = tmp / "cluster.env"
+        node = next(n for n in cfg.layout.nodes if n.name == "decode-0")
+        env_file.write_text("".join(f"{k}={v}\n" for k, v in cluster_env(cfg, node).items() if "'" not in v and " " not in v))
+        venv = tmp / "venv"
+        env = {**os.environ, **CREDS, "PATH": f"{bindir}{os.pathsep}{os.environ['PATH']}", "AWS_ENDPOINT_URL": url,
+               "GPTOSS_CLUSTER_ENV": str(env_file), "GPTOSS_ROUTER_URI": "s3://assets/0e2d912c.whl", "GPTOSS_ROOT": str(tmp)}  # fmt: skip
+        res = subprocess.run([str(shipped("gptoss-install-router")), str(venv), "--", "true"], env=env, capture_output=True, text=True, timeout=300)
+        assert res.returncode == 0, res.stdout + res.stderr
+        assert (venv / ".gptoss-wheel-sha256").read_text().strip() == r.sha256
+        # A second start installs nothing and needs no S3.
+        res = subprocess.run([str(shipped("gptoss-install-router")), str(venv), "--", "echo", "started"],
+                             env=env | {"AWS_ENDPOINT_URL": "http://127.0.0.1:9"}, capture_output=True, text=True, timeout=60)  # fmt: skip
+        assert res.returncode == 0 and res.stdout.strip() == "started", res.stdout + res.stderr
+        return venv
+    finally:
+        server.stop()
+
+
+def test_the_node_refuses_a_wheel_whose_sha256_is_not_the_pinned_one(tmp_path: Path, shipped: Any) -> None:
+    cfg = _cfg("vllm-router")
+    bindir = tmp_path / "bin"
+    bad = tmp_path / "bad.whl"
+    bad.write_bytes(b"not the router")
+    fake_command(bindir, "aws", f'cp "{bad}" "$4"\n')  # aws s3 cp --only-show-errors SRC DST
+    env_file = tmp_path / "cluster.env"
+    node = next(n for n in cfg.layout.nodes if n.name == "decode-0")
+    env_file.write_text("".join(f"{k}={v}\n" for k, v in cluster_env(cfg, node).items() if "'" not in v and " " not in v))
+    env = {**os.environ, "PATH": f"{bindir}{os.pathsep}{os.environ['PATH']}", "GPTOSS_CLUSTER_ENV": str(env_file),
+           "GPTOSS_ROUTER_URI": "s3://assets/x.whl", "GPTOSS_ROOT": str(tmp_path), "GPTOSS_ROUTER_FETCH_S": "3"}  # fmt: skip
+    res = subprocess.run([str(shipped("gptoss-install-router")), str(tmp_path / "venv"), "--", "true"], env=env, capture_output=True, text=True, timeout=60)
+    assert res.returncode == 1
+    assert f"no intact copy of s3://assets/x.whl (sha256 {cfg.serving.proxy.router.sha256}) within 3s" in res.stderr
+    assert not (tmp_path / "venv").exists()
+
+
+@dataclass
+class Fleet:
+    """The fake servers of one run, each its own process, and the endpoints clients use."""
+
+    kind: str
+    tmp: Path
+    procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
+    commands: dict[str, list[str]] = field(default_factory=dict)
+    envs: dict[str, dict[str, str]] = field(default_factory=dict)
+    endpoints: list[tuple[str, int]] = field(default_factory=list)
+    routers: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
+
+    def start(self, name: str) -> None:
+        log = (self.tmp / f"{name.replace(':', '_')}.log").open("ab")
+        self.procs[name] = subprocess.Popen(self.commands[name], env=self.envs[name], stdout=log, stderr=subprocess.STDOUT)
+
+    def kill(self, name: str) -> None:
+        self.procs[name].send_signal(signal.SIGKILL)
+        self.procs[name].wait()
+
+    def stats(self, name: str) -> dict[str, Any]:
+        host, port = name.split(":")
+        return json.loads(urllib.request.urlopen(f"http://{host}:{port}/stats", timeout=5).read())
+
+    def stop(self) -> None:
+        for p in [*self.procs.values(), *self.routers.values()]:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+
+
+def _substitute(argv: list[str], names: dict[str, str]) -> list[str]:
+    out = []
+    for a in argv:
+        for node, ip in names.items():
+            a = a.replace(f"<{node}>", ip)
+        out.append(a)
+    return out
+
+
+def _fleet(kind: str, tmp: Path, router_venv: Path | None) -> Fleet:
+    """Start the fake servers and the rendered proxies or routers of a 2-decode, 6-replica fleet."""
+    cfg = _cfg(kind)
+    s = cfg.serving
+    fleet = Fleet(kind, tmp)
+    names = {n.name: _address(n.name) for n in cfg.layout.nodes}
+    engines = {}
+    renders = render_cluster(cfg)
+    for r in renders:
+        for svc in r.services:
+            if not svc.unit.startswith("gptoss-prefill@"):
+                continue
+            ip, port = names[r.node.name], int(svc.environment["GPTOSS_HTTP_PORT"])
+            side = _substitute([svc.environment["VLLM_NIXL_SIDE_CHANNEL_HOST"]], names)[0]
+            side_port = int(svc.environment["VLLM_NIXL_SIDE_CHANNEL_PORT"])
+            # The decode server's check: the address a KV handshake must reach is the node's.
+            engines[engine_id(ip, port)] = [ip, side_port]
+            name = f"{ip}:{port}"
+            fleet.commands[name] = [sys.executable, str(FAKES), "--role", "prefill", "--host", ip, "--port", str(port),
+                                    "--side-channel-port", str(side_port), "--latency-ms", str(PREFILL_MS)]  # fmt: skip
+            fleet.envs[name] = {**os.environ, "VLLM_NIXL_SIDE_CHANNEL_HOST": side}
+    for n in cfg.layout.decode_nodes:
+        name = f"{names[n.name]}:{s.decode.http_port}"
+        fleet.commands[name] = [sys.executable, str(FAKES), "--role", "decode", "--host", names[n.name], "--port", str(s.decode.http_port),
+                                "--latency-ms", str(DECODE_MS), "--engines", json.dumps(engines)]  # fmt: skip
+        fleet.envs[name] = dict(os.environ)
+    for name in fleet.commands:
+        host, port = name.split(":")
+        assert _free(host, int(port)), f"{name} is taken on this machine"
+        fleet.start(name)
+    for name in fleet.commands:
+        _wait(f"http://{name}/health")
+    for r in renders:
+        for svc in r.services:
+            if svc.unit != "gptoss-proxy.service":
+                continue
+            ip = names[r.node.name]
+            argv = _substitute(svc.argv, names)
+            # Each node binds its own address (the spec's 0.0.0.0 would take the port on all of them).
+            argv[argv.index("--host") + 1] = ip
+            env = dict(os.environ)
+            if kind == "vllm-router":
+                assert argv[:2] == [f"{router_venv_path(cfg)}/bin/python", "/opt/gptoss/bin/gptoss-router"], argv[:2]
+                argv[:2] = [str(router_venv / "bin" / "python"), str(ROOT / "userdata" / "bin" / "gptoss-router")]  # type: ignore[operator]
+                argv[argv.index("--prometheus-host") + 1] = ip
+            else:
+                assert argv[:2] == ["python3", f"/opt/gptoss/vllm-neuron/{s.proxy.script}"], argv[:2]
+                argv[:2] = [sys.executable, str(TOY / s.proxy.script)]
+                env |= {"PYTHONPATH": str(GUEST_FAKES), "FAKES_RECORDS": str(tmp / "records")}
+            log = (tmp / f"proxy-{r.node.name}.log").open("ab")
+            fleet.routers[r.node.name] = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT)
+            fleet.endpoints.append((ip, s.proxy.port))
+    for ip, port in fleet.endpoints:
+        _wait(f"http://{ip}:{port}{cfg.proxy_health_path}")
+    return fleet
+
+
+def router_venv_path(cfg: Any) -> str:
+    from clusterspec.paths import router_venv
+
+    return router_venv(cfg.serving.proxy.router.version, cfg.serving.proxy.router.sha256)
+
+
+@dataclass
+class Run:
+    """What the clients saw: (time since start, ok, endpoint) per request, and the servers' own counts."""
+
+    results: list[tuple[float, bool]]
+    served: dict[str, list[float]]
+    violations: list[str]
+    t0: float
+
+    def failed(self, start: float, end: float) -> int:
+        return sum(1 for t, ok in self.results if start <= t < end and not ok)
+
+    def total(self, start: float, end: float) -> int:
+        return sum(1 for t, _ in self.results if start <= t < end)
+
+
+def _load(fleet: Fleet, faults: list[tuple[float, Any]]) -> Run:
+    """CLIENTS clients for DURATION_S seconds, spread over the endpoints as the NLB would; faults at their times."""
+    results: list[tuple[float, bool]] = []
+    lock = threading.Lock()
+    t0 = time.monotonic()
+    stop = t0 + DURATION_S
+
+    def client(i: int) -> None:
+        host, port = fleet.endpoints[i % len(fleet.endpoints)]
+        n = 0
+        conn = http.client.HTTPConnection(host, port, timeout=30)
+        while time.monotonic() < stop:
+            n += 1
+            body = json.dumps({"model": "gpt-oss", "prompt": f"client {i} request {n}", "max_tokens": 8})
+            ok = False
+            try:
+                conn.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
+                resp = conn.getresponse()
+                data = resp.read()
+                ok = resp.status == 200 and json.loads(data).get("choices", [{}])[0].get("text") == " ok"
+            except (OSError, http.client.HTTPException, ValueError):
+                conn.close()
+                conn = http.client.HTTPConnection(host, port, timeout=30)
+            with lock:
+                results.append((time.monotonic() - t0, ok))
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(CLIENTS)]
+    for t in threads:
+        t.start()
+    for at, action in faults:
+        time.sleep(max(0.0, t0 + at - time.monotonic()))
+        action()
+    for t in threads:
+        t.join()
+    served: dict[str, list[float]] = {}
+    violations: list[str] = []
+    wall = time.time() - (time.monotonic() - t0)
+    for name, proc in fleet.procs.items():
+        if proc.poll() is None:
+            st = fleet.stats(name)
+            served[name] = [t - wall for t in st["times"]]
+            violations += st["violations"]
+    return Run(results, served, violations, t0)
+
+
+def _scenario(kind: str, tmp: Path, router_venv: Path | None) -> tuple[Run, Fleet, dict[str, str]]:
+    fleet = _fleet(kind, tmp, router_venv)
+    prefill = sorted(n for n in fleet.commands if n.startswith("127.77.1."))
+    decodes = sorted(n for n in fleet.commands if n.startswith("127.77.2."))
+    victim, dead_decode = prefill[1], decodes[1]
+    try:
+        run = _load(
+            fleet,
+            [(KILL_PREFILL_AT, lambda: fleet.kill(victim)), (RESTART_PREFILL_AT, lambda: fleet.start(victim)),
+             (KILL_DECODE_AT, lambda: fleet.kill(dead_decode))],
+        )  # fmt: skip
+    finally:
+        fleet.stop()
+    return run, fleet, {"victim": victim, "dead_decode": dead_decode, "live_decode": decodes[0]}
+
+
+def _numbers(run: Run, who: dict[str, str], health_window_s: float) -> dict[str, float]:
+    after_restart = [t for t in run.served.get(who["victim"], []) if t >= RESTART_PREFILL_AT]
+    return {
+        "requests": run.total(0, DURATION_S),
+        "failed": run.failed(0, DURATION_S),
+        "failed while the replica was dead": run.failed(KILL_PREFILL_AT, RESTART_PREFILL_AT),
+        "failed after the health window": run.failed(KILL_PREFILL_AT + health_window_s, RESTART_PREFILL_AT)
+        + run.failed(KILL_DECODE_AT + health_window_s, DURATION_S),
+        "failed after the decode kill": run.failed(KILL_DECODE_AT, DURATION_S),
+        "replica used again after (s)": round(min(after_restart) - RESTART_PREFILL_AT, 1) if after_restart else -1,
+        "decode requests on the live server after its peer died": sum(1 for t in run.served.get(who["live_decode"], []) if t >= KILL_DECODE_AT),
+        "violations": len(run.violations),
+    }
+
+
+def test_router_keeps_serving_when_a_prefill_replica_or_a_decode_server_dies(
+    router_venv: Path, tmp_path_factory: pytest.TempPathFactory, capsys: pytest.CaptureFixture[str]
+) -> None:
+    cfg = _cfg("vllm-router")
+    r = cfg.serving.proxy.router
+    # How long a dead server can still be picked: failed checks in a row, the last one's timeout, a second's slack.
+    window = r.health_failure_threshold * r.health_check_interval_s + r.health_check_timeout_s + 1
+    run, _, who = _scenario("vllm-router", tmp_path_factory.mktemp("router-run"), router_venv)
+    router = _numbers(run, who, window)
+    toy_run, _, toy_who = _scenario("toy", tmp_path_factory.mktemp("toy-run"), None)
+    toy = _numbers(toy_run, toy_who, window)
+    with capsys.disabled():
+        print(f"\n{CLIENTS} clients for {DURATION_S:.0f}s over 2 endpoints, 6 prefill replicas ({PREFILL_MS} ms) and 2 decode servers "
+              f"({DECODE_MS} ms), loopback; prefill replica killed at {KILL_PREFILL_AT:.0f}s, back at {RESTART_PREFILL_AT:.0f}s; "
+              f"decode server killed at {KILL_DECODE_AT:.0f}s; health window {window}s")  # fmt: skip
+        print(f"{'':<58}{'router':>10}{'toy':>10}")
+        for key in router:
+            print(f"{key:<58}{router[key]:>10}{toy[key]:>10}")
+    # Every completion went prefill -> decode with the parameters that prefill returned.
+    assert run.violations == [], run.violations[:3]
+    assert router["requests"] > 1000, router
+    # A dead server costs at most its share of the requests for one health window; nothing fails
+    # once it is out of rotation. The toy proxy keeps failing until the server is back.
+    rate = router["requests"] / DURATION_S
+    assert router["failed while the replica was dead"] <= 2 * rate * window / 6, router
+    assert router["failed after the decode kill"] <= 2 * rate * window / 2, router
+    assert router["failed after the health window"] == 0, router
+    assert toy["failed after the health window"] > 0, toy
+    # The replica that came back is used again within the health interval (plus its own start).
+    assert 0 <= router["replica used again after (s)"] <= r.health_check_interval_s * r.health_success_threshold + 3, router
+    # Decode traffic moved to the live server.
+    assert router["decode requests on the live server after its peer died"] > 100, router
