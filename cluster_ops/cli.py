@@ -170,10 +170,12 @@ def _span(names: list[str]) -> str:
     return f"{names[0]}..{names[-1].rsplit('-', 1)[1]}"
 
 
-def _feeds(rs: list[NodeRender]) -> str:
+def _feeds(rs: list[NodeRender], routed: bool) -> str:
     feeds = sorted({rep.decode_server for r in rs for rep in r.node.replicas})
     if not feeds:
         return "-"
+    if routed:
+        return "every decode"
     return f"decode-{feeds[0]}" if len(feeds) == 1 else f"decode-{feeds[0]}..{feeds[-1]}"
 
 
@@ -189,7 +191,8 @@ def summary(cfg: ClusterConfig, renders: list[NodeRender]) -> str:
             f"  {len(layout.nodes)} x {cfg.instance_type}: {len(layout.prefill_nodes)} prefill + {len(layout.decode_nodes)} decode",
             f"  {len(layout.replicas)} prefill replicas (TP{s.prefill.tensor_parallel}), {len(layout.decode_nodes)} decode "
             f"server{'s' if len(layout.decode_nodes) != 1 else ''} (TP{s.decode.tensor_parallel} DP{s.decode.data_parallel}), "
-            f"{len(layout.proxies)} prox{'y' if len(layout.proxies) == 1 else 'ies'}",
+            f"{len(layout.proxies)} {'router' if cfg.proxy_kind == 'vllm-router' else 'prox'}"
+            f"{('' if len(layout.proxies) == 1 else 's') if cfg.proxy_kind == 'vllm-router' else ('y' if len(layout.proxies) == 1 else 'ies')}",
         ]
     else:
         lines.append(f"  1 x {cfg.instance_type}: one server (TP{s.server.tensor_parallel})")
@@ -197,6 +200,11 @@ def summary(cfg: ClusterConfig, renders: list[NodeRender]) -> str:
     lines.append(
         f"  endpoint: internal NLB on :{port}" if cfg.load_balanced else f"  endpoint: {renders[0].node.name if not s.disaggregated else layout.proxies[0].node}:{port} (SSM port forward)"
     )
+    if cfg.proxy_kind:
+        names = [p.node for p in layout.proxies]
+        what = f"vLLM router {s.proxy.router.version}" if cfg.proxy_kind == "vllm-router" else "the examples' toy proxy"
+        lines.append(f"  proxy: {what} on {_span(names) if len(names) > 1 else names[0]}")
+        lines.append(f"    why: {cfg.proxy_kind_reason} (serving.proxy.kind)")
     lines.append(f"  idle cores: {sum(n.idle_cores for n in layout.nodes)}")
     lines.append("")
     lines.append(f"  {'nodes':<20} {'role':<8} {'replicas':>8} {'cores':>7}  {'feeds':<16} {'servers':>7}")
@@ -204,7 +212,7 @@ def summary(cfg: ClusterConfig, renders: list[NodeRender]) -> str:
         n = rs[0].node
         reps = f"{len(n.replicas)} each" if len(rs) > 1 and n.replicas else str(len(n.replicas))
         lines.append(
-            f"  {_span([r.node.name for r in rs]):<20} {role:<8} {reps:>8} {f'{n.used_cores}/{n.cores}':>7}  {_feeds(rs):<16} {len(rs[0].services):>7}"
+            f"  {_span([r.node.name for r in rs]):<20} {role:<8} {reps:>8} {f'{n.used_cores}/{n.cores}':>7}  {_feeds(rs, cfg.proxy_kind == 'vllm-router'):<16} {len(rs[0].services):>7}"
         )
     lines.append("")
     billable = [f"{i.count:g} x {i.name}" if i.unit == "hour" else f"{i.name} x {len(layout.nodes)}" for i in cost.items(cfg)]
@@ -240,6 +248,8 @@ def plan_document(cfg: ClusterConfig, renders: list[NodeRender]) -> dict[str, An
             "nodes": len(layout.nodes), "prefill_nodes": len(layout.prefill_nodes), "decode_nodes": len(layout.decode_nodes),
             "prefill_replicas": len(layout.replicas), "proxies": len(layout.proxies), "idle_cores": sum(n.idle_cores for n in layout.nodes),
         },
+        "proxy": {"kind": cfg.proxy_kind, "why": cfg.proxy_kind_reason, "nodes": [p.node for p in layout.proxies],
+                  "health_path": cfg.proxy_health_path},
         "load_balancer": {"internal_nlb": cfg.load_balanced, "port": cfg.serving.proxy.port if cfg.serving.disaggregated else cfg.serving.server.port},
         "feeds": feeds,
         "billable": [{"item": i.name, "count": i.count, "unit": i.unit, "note": i.note} for i in cost.items(cfg)],

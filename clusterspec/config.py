@@ -452,16 +452,15 @@ class ClusterConfig(_Frozen):
 
     @property
     def proxy_kind_reason(self) -> str:
-        """Why `proxy_kind` is what it is, in words `plan` prints."""
+        """Why `proxy_kind` is what it is, in words `plan` prints (serving.proxy.kind chooses)."""
         kind = self.proxy_kind
         if kind is None:
             return "a single-instance recipe: clients talk to its one server"
         if self.serving.proxy.kind:
-            return f"serving.proxy.kind={kind} is set"
+            return "chosen in the config"
         if kind == "toy":
-            return "one decode server: the references' tested layout and proxy (set serving.proxy.kind=vllm-router for the router)"
-        return (f"{self.decode_instances} decode servers: vLLM's router health-checks and retries across all of them "
-                "(set serving.proxy.kind=toy for the references' toy proxy)")  # fmt: skip
+            return "one decode server, as the references test it"
+        return f"{self.decode_instances} decode servers: it health-checks and retries"
 
     @property
     def proxy_health_path(self) -> str:

@@ -121,6 +121,8 @@ def check(cfg: ClusterConfig) -> StackSize:
     """
     try:
         size = estimate(cfg)
+    except SpecError:
+        raise
     except ValueError as e:  # a value the renderer cannot carry into a unit or env file
         raise SpecError([f"{e}. Fix: remove the quote, backslash or newline from that setting."]) from None
     if size.largest_user_data > USER_DATA_LIMIT:

@@ -52,6 +52,7 @@ from clusterspec.paths import (
     router_venv,
 )
 from clusterspec.quoting import Expand, env_file, expand, systemd_quote
+from clusterspec.router_cli import check_router_argv
 from clusterspec.userdata import NODE_SCRIPTS, _scripts
 
 # Seconds between two routers' restarts when the fleet's members change (router i waits i times this).
@@ -336,7 +337,11 @@ def _render_router(cfg: ClusterConfig, node: Node, proxy: ProxyPlacement, out: N
     r = s.proxy.router
     venv = router_venv(r.version, r.sha256)
     hosts_env = {host_var(p): f"<{p}>" for p in sorted({rep.node for rep in proxy.replicas} | {f"decode-{d}" for d in proxy.decode_servers})}
-    argv = [f"{bin_dir}/gptoss-exec", "proxy", f"{bin_dir}/gptoss-install-router", venv, "--", *router_argv(cfg, proxy, bin_dir=bin_dir)]
+    routed = router_argv(cfg, proxy, bin_dir=bin_dir)
+    if r.extra_flags:
+        extra_tokens = sum(1 + (f.value is not None) for f in r.extra_flags)
+        check_router_argv(routed[2:-extra_tokens], [(f.name, f.value) for f in r.extra_flags], r.wheel, r.sha256)
+    argv = [f"{bin_dir}/gptoss-exec", "proxy", f"{bin_dir}/gptoss-install-router", venv, "--", *routed]
     out.files[f"{UNIT_DIR}/gptoss-proxy.service"] = _unit(
         "gptoss-router.service",
         bin=bin_dir,

@@ -33,6 +33,7 @@ import pytest
 
 from clusterspec.config import load_config
 from clusterspec.paths import WHEELS_DIR
+from clusterspec.quoting import env_file as render_env_file
 from clusterspec.render import cluster_env, render_cluster
 from tests.conftest import ROOT, fake_command
 from tests.fakes.vllm_pd import engine_id
@@ -103,7 +104,7 @@ def router_venv(tmp_path_factory: pytest.TempPathFactory, shipped: Any) -> Path:
         fake_command(bindir, "aws", f'PYTHONPATH="{AWS_CLI}" exec "{sys.executable}" -m awscli "$@"\n')
         env_file = tmp / "cluster.env"
         node = next(n for n in cfg.layout.nodes if n.name == "decode-0")
-        env_file.write_text("".join(f"{k}={v}\n" for k, v in cluster_env(cfg, node).items() if "'" not in v and " " not in v))
+        env_file.write_text(render_env_file(cluster_env(cfg, node)))
         venv = tmp / "venv"
         env = {**os.environ, **CREDS, "PATH": f"{bindir}{os.pathsep}{os.environ['PATH']}", "AWS_ENDPOINT_URL": url,
                "GPTOSS_CLUSTER_ENV": str(env_file), "GPTOSS_ROUTER_URI": "s3://assets/0e2d912c.whl", "GPTOSS_ROOT": str(tmp)}  # fmt: skip
@@ -127,7 +128,7 @@ def test_the_node_refuses_a_wheel_whose_sha256_is_not_the_pinned_one(tmp_path: P
     fake_command(bindir, "aws", f'cp "{bad}" "$4"\n')  # aws s3 cp --only-show-errors SRC DST
     env_file = tmp_path / "cluster.env"
     node = next(n for n in cfg.layout.nodes if n.name == "decode-0")
-    env_file.write_text("".join(f"{k}={v}\n" for k, v in cluster_env(cfg, node).items() if "'" not in v and " " not in v))
+    env_file.write_text(render_env_file(cluster_env(cfg, node)))
     env = {**os.environ, "PATH": f"{bindir}{os.pathsep}{os.environ['PATH']}", "GPTOSS_CLUSTER_ENV": str(env_file),
            "GPTOSS_ROUTER_URI": "s3://assets/x.whl", "GPTOSS_ROOT": str(tmp_path), "GPTOSS_ROUTER_FETCH_S": "3"}  # fmt: skip
     res = subprocess.run([str(shipped("gptoss-install-router")), str(tmp_path / "venv"), "--", "true"], env=env, capture_output=True, text=True, timeout=60)
@@ -363,3 +364,79 @@ def test_router_keeps_serving_when_a_prefill_replica_or_a_decode_server_dies(
     assert 0 <= router["replica used again after (s)"] <= r.health_check_interval_s * r.health_success_threshold + 3, router
     # Decode traffic moved to the live server.
     assert router["decode requests on the live server after its peer died"] > 100, router
+
+
+@pytest.fixture(scope="module")
+def moto_ssm() -> Any:
+    from moto.server import ThreadedMotoServer
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    yield f"http://localhost:{port}"
+    server.stop()
+
+
+def _members_env(tmp: Path, url: str) -> tuple[dict[str, str], Any]:
+    cfg = _cfg("vllm-router")
+    node = next(n for n in cfg.layout.nodes if n.name == "decode-1")
+    values = cluster_env(cfg, node)
+    env_file = tmp / "cluster.env"
+    env_file.write_text(render_env_file(values))
+    bindir = tmp / "bin"
+    fake_command(bindir, "aws", f'PYTHONPATH="{AWS_CLI}" exec "{sys.executable}" -m awscli "$@"\n')
+    fake_command(bindir, "systemctl", f'echo "$*" >> "{tmp}/systemctl.log"\n')
+    env = {**os.environ, **CREDS, "PATH": f"{bindir}{os.pathsep}{os.environ['PATH']}", "AWS_ENDPOINT_URL": url,
+           "GPTOSS_CLUSTER_ENV": str(env_file), "GPTOSS_MEMBERS_ENV": str(tmp / "members.env")}  # fmt: skip
+    ssm = boto3.client("ssm", endpoint_url=url, region_name="us-east-2", aws_access_key_id="testing", aws_secret_access_key="testing")
+    return env, ssm
+
+
+FLEET_IPS = {"prefill-0": "10.0.0.11", "prefill-1": "10.0.0.12", "decode-0": "10.0.0.21", "decode-1": "10.0.0.22"}
+
+
+def test_a_router_reads_the_members_the_stack_writes_once_they_exist_and_restarts_when_they_change(
+    moto_ssm: str, tmp_path: Path, shipped: Any
+) -> None:
+    env, ssm = _members_env(tmp_path, moto_ssm)
+    name = "/gptoss/gptoss-8k1k/members"
+    value = " ".join(f"{n}={ip}" for n, ip in FLEET_IPS.items())
+    # The stack writes the parameter once every instance exists: the router's start waits for it.
+    timer = threading.Timer(3, lambda: ssm.put_parameter(Name=name, Value=value, Type="String"))
+    timer.start()
+    res = subprocess.run([str(shipped("gptoss-members")), "write"], env=env, capture_output=True, text=True, timeout=120)
+    timer.join()
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "not readable or incomplete yet" in res.stdout
+    assert (tmp_path / "members.env").read_text().splitlines() == sorted(
+        f"GPTOSS_HOST_{n.upper().replace('-', '_')}={ip}" for n, ip in FLEET_IPS.items())  # fmt: skip
+    # Unchanged: nothing restarts.
+    res = subprocess.run([str(shipped("gptoss-members")), "sync", "0"], env=env, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0 and not (tmp_path / "systemctl.log").exists(), res.stdout + res.stderr
+    # A redeploy replaced decode-1: the router restarts (and its start writes the new members).
+    ssm.put_parameter(Name=name, Value=value.replace("10.0.0.22", "10.0.0.99"), Type="String", Overwrite=True)
+    res = subprocess.run([str(shipped("gptoss-members")), "sync", "0"], env=env, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "the fleet's members changed" in res.stdout and "10.0.0.99" in res.stdout
+    assert (tmp_path / "systemctl.log").read_text() == "try-restart gptoss-proxy.service\n"
+
+
+@pytest.mark.parametrize(
+    "value,error",
+    [
+        ("prefill-0=10.0.0.11 prefill-1=10.0.0.12 decode-0=10.0.0.21", "lists no address for decode-1"),
+        ("prefill-0=10.0.0.11 prefill-1=bad decode-0=10.0.0.21 decode-1=10.0.0.22", "holds 'prefill-1=bad', not name=IPv4"),
+    ],
+)
+def test_an_incomplete_or_malformed_member_list_fails_by_name_once_the_wait_ends(
+    moto_ssm: str, tmp_path: Path, shipped: Any, value: str, error: str
+) -> None:
+    env, ssm = _members_env(tmp_path, moto_ssm)
+    ssm.put_parameter(Name="/gptoss/gptoss-8k1k/members", Value=value, Type="String", Overwrite=True)
+    res = subprocess.run([str(shipped("gptoss-members")), "write"], env=env | {"GPTOSS_MEMBERS_TIMEOUT_S": "3"},
+                         capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert res.returncode == 1
+    assert error in res.stderr and "no complete member list in /gptoss/gptoss-8k1k/members within 3s; giving up" in res.stderr
+    assert not (tmp_path / "members.env").exists()

@@ -1,0 +1,101 @@
+"""Which proxy runs where, and the router's command line as the pinned router's own parser reads it."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from typing import Any
+
+import pytest
+
+from clusterspec.config import load_config
+from clusterspec.errors import SpecError
+from clusterspec.limits import check
+from clusterspec.paths import WHEELS_DIR
+from clusterspec.recipes import RECIPES
+from clusterspec.render import render_cluster
+from clusterspec.router_cli import router_parser
+from tests.conftest import ROOT
+
+
+def _flags(*flags: dict[str, Any]) -> dict[str, Any]:
+    return {"decode_instances": 8, "serving.proxy.router.extra_flags": json.dumps(list(flags))}
+
+
+def test_the_references_layouts_keep_the_toy_proxy_and_a_fleet_gets_the_router() -> None:
+    assert load_config({}).proxy_kind == "toy"
+    for name in RECIPES:
+        cfg = load_config({"recipe": name})
+        assert cfg.proxy_kind == ("toy" if cfg.serving.disaggregated else None), name
+    fleet = load_config({"decode_instances": 8})
+    assert fleet.proxy_kind == "vllm-router"
+    assert [p.node for p in fleet.layout.proxies] == [f"decode-{d}" for d in range(8)]
+    # Every router knows every replica and every decode server: no fixed groups.
+    assert all(len(p.replicas) == 48 and p.decode_servers == tuple(range(8)) for p in fleet.layout.proxies)
+    toy = load_config({"decode_instances": 8, "serving.proxy.kind": "toy"})
+    assert [len(p.replicas) for p in toy.layout.proxies] == [6] * 8 and all(len(p.decode_servers) == 1 for p in toy.layout.proxies)
+
+
+def test_the_toy_layouts_render_exactly_the_references_proxy() -> None:
+    for r in render_cluster(load_config({})):
+        for s in r.services:
+            if s.unit == "gptoss-proxy.service":
+                assert s.argv[:2] == ["python3", "/opt/gptoss/vllm-neuron/examples/vllm_neuron/vllm/disaggregated_inference/toy_proxy_server.py"]
+        assert not any("VLLM_NIXL_SIDE_CHANNEL_HOST" in s.environment and s.environment["VLLM_NIXL_SIDE_CHANNEL_HOST"] != "0.0.0.0" for s in r.services)
+
+
+def test_behind_the_router_a_replica_hands_out_its_node_address() -> None:
+    for r in render_cluster(load_config({"decode_instances": 8})):
+        for s in r.services:
+            if s.unit.startswith("gptoss-prefill@"):
+                assert s.environment["VLLM_NIXL_SIDE_CHANNEL_HOST"] == f"<{r.node.name}>"
+
+
+def test_plan_says_which_proxy_runs_and_why() -> None:
+    def plan(*ctx: str) -> str:
+        res = subprocess.run([str(ROOT / ".venv/bin/gptoss"), "plan", *ctx], capture_output=True, text=True, timeout=120, cwd=ROOT)
+        assert res.returncode == 0, res.stderr
+        return res.stdout
+
+    assert "proxy: the examples' toy proxy on prefill-0\n    why: one decode server, as the references test it" in plan()
+    assert "proxy: vLLM router 0.1.17 on decode-0..7\n    why: 8 decode servers: it health-checks and retries" in plan("-c", "decode_instances=8")
+    doc = json.loads(plan("-c", "decode_instances=8", "--json"))
+    assert doc["proxy"] == {"kind": "vllm-router", "why": "8 decode servers: it health-checks and retries",
+                            "nodes": [f"decode-{d}" for d in range(8)], "health_path": "/readiness"}  # fmt: skip
+
+
+def test_the_rendered_router_command_line_parses_with_the_pinned_routers_own_parser() -> None:
+    cfg = load_config({"decode_instances": 8})
+    r = cfg.serving.proxy.router
+    parser = router_parser(WHEELS_DIR / r.wheel, r.sha256)
+    (svc,) = [s for s in render_cluster(cfg)[-1].services if s.unit == "gptoss-proxy.service"]
+    args = parser.parse_args(svc.argv[2:])
+    assert args.vllm_pd_disaggregation and args.kv_connector == "nixl"
+    assert len(args.prefill) == 48 and len(args.decode) == 8
+    assert (args.health_check_interval_secs, args.health_failure_threshold, args.retry_max_retries) == (
+        r.health_check_interval_s, r.health_failure_threshold, r.retry_max_retries)  # fmt: skip
+    assert args.worker_startup_timeout_secs == cfg.serving.engine_ready_timeout_s
+
+
+@pytest.mark.parametrize(
+    "flag,rule",
+    [
+        ({"name": "--queue-siz", "value": "200"}, "is not a flag of vllm-router (abbreviations are refused)"),
+        ({"name": "--port", "value": "9000"}, "sets what the spec already sets from a typed field"),
+        ({"name": "--retry-max-retries", "value": "9"}, "sets what the spec already sets from a typed field"),
+        ({"name": "--queue-size"}, "takes a value"),
+        ({"name": "--disable-retries", "value": "yes"}, "takes no value"),
+        ({"name": "--log-level", "value": "loud"}, "vllm-router refuses the command line: argument --log-level: invalid choice"),
+    ],
+)
+def test_extra_router_flags_are_refused_at_plan_time_by_the_routers_parser(flag: dict[str, Any], rule: str) -> None:
+    with pytest.raises(SpecError) as e:
+        check(load_config(_flags({**flag, "reason": "test"})))
+    assert str(e.value).startswith("  - serving.proxy.router.extra_flags=") and rule in str(e.value)
+
+
+def test_an_extra_router_flag_the_router_knows_reaches_its_command_line() -> None:
+    cfg = load_config(_flags({"name": "--queue-size", "value": "400", "reason": "bursts"}, {"name": "--log-level", "value": "debug", "reason": "x"}))
+    check(cfg)
+    (svc,) = [s for s in render_cluster(cfg)[-1].services if s.unit == "gptoss-proxy.service"]
+    assert svc.argv[-4:] == ["--queue-size", "400", "--log-level", "debug"]
