@@ -51,7 +51,7 @@ def router_parser(wheel: Path, sha256: str) -> argparse.ArgumentParser:
     # dataclasses look their class's module up in sys.modules while the class is made.
     sys.modules[name] = module
     try:
-        exec(compile(source, f"{wheel.name}/vllm_router/router_args.py", "exec"), module.__dict__)  # noqa: S102 - the pinned, checked wheel
+        exec(compile(source, f"{wheel.name}/vllm_router/router_args.py", "exec"), module.__dict__)  # the pinned wheel, its sha256 checked above
     finally:
         del sys.modules[name]
     parser = _Parser(prog="vllm-router", allow_abbrev=False, exit_on_error=False, add_help=False)
