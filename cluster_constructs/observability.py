@@ -83,12 +83,27 @@ def dashboard_body(cfg: ClusterConfig, *, region: str, lb: tuple[str, str] | Non
             )
         )  # fmt: skip
     y = 8
+    if cfg.proxy_kind == "vllm-router":
+        routers = [p.node for p in cfg.layout.proxies]
+        for x, (title, names, stat) in enumerate((
+            ("Routers: requests and errors per second", ("RouterRequestsPerSecond", "RouterErrorsPerSecond", "RouterRetriesPerSecond"), "Sum"),
+            ("Routers: servers out of rotation, decode queue", ("RouterUnhealthyServers", "RouterPendingDecode"), "Maximum"),
+            ("Routers: mean request time (ms)", ("RouterRequestMs",), "Average"),
+        )):  # fmt: skip
+            widgets.append(_widget(title, [[telemetry.NAMESPACE, n, "Cluster", cfg.cluster_name, "Node", node, "Role", "decode" if node.startswith("decode") else "prefill"]
+                                           for n in names for node in routers], x=8 * x, y=y, stat=stat))  # fmt: skip
+        y += 6
     for role, label in roles:
         y = _grid(widgets, cfg, label, SERVER_GRAPHS, role, "Cluster,Node,Role,Server", y)
     _grid(widgets, cfg, "Per node", NODE_GRAPHS, None, "Cluster,Node,Role", y)
     for w in widgets:
         w["properties"].setdefault("region", region)
     return {"widgets": widgets}
+
+
+# A router's error share that is not a dead server's few seconds in flight (README 'Router': one dead
+# prefill replica of six costs about 2 % of one interval's requests, once).
+ROUTER_ERROR_PERCENT = 5
 
 
 class FleetObservability(Construct):
@@ -159,6 +174,17 @@ class FleetObservability(Construct):
                 "Staging (checkpoint, examples, caches) has been failing on a node for 15 minutes.",
             ),
         ]
+        if config.proxy_kind == "vllm-router":
+            self.alarms.append(
+                alarm(
+                    "RouterErrors",
+                    "RouterErrorPercent",
+                    ROUTER_ERROR_PERCENT,
+                    3,
+                    f"A router answered {ROUTER_ERROR_PERCENT}% or more of its requests with an error for 3 periods in a row "
+                    "(servers dying faster than its health checks take them out, or none left to route to).",
+                )
+            )
         if load_balancer:
             tg, nlb = load_balancer
             dims = [{"Name": "TargetGroup", "Value": tg}, {"Name": "LoadBalancer", "Value": nlb}]

@@ -405,7 +405,9 @@ def _render_telemetry(cfg: ClusterConfig, node: Node, out: NodeRender, bin_dir: 
         servers.append({"name": name, "unit": svc.unit, "health_url": health_url("127.0.0.1", port, cfg.serving.server_health_path),
                         "metrics_url": health_url("127.0.0.1", port, "/metrics")})  # fmt: skip
     units = [u for u in out.units if u.endswith(".service")] + ["gptoss-telemetry.service"]
-    out.files[f"{ETC}/telemetry.json"] = (telemetry.node_config(cfg, node, servers, units), 0o644)
+    routed = any(p.kind == "vllm-router" for p in cfg.layout.proxies_on(node.name))
+    router_url = health_url("127.0.0.1", cfg.serving.proxy.router.metrics_port, "/metrics") if routed else None
+    out.files[f"{ETC}/telemetry.json"] = (telemetry.node_config(cfg, node, servers, units, router_url), 0o644)
     out.files[f"{UNIT_DIR}/gptoss-telemetry.service"] = _unit(
         "gptoss-telemetry.service", bin=bin_dir, log_group=telemetry.log_group(cfg), namespace=telemetry.NAMESPACE
     )

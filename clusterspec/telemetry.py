@@ -22,7 +22,7 @@ class Metric:
 
     name: str
     unit: str
-    scope: str  # "server": dims Cluster/Node/Role/Server; "node": Cluster/Node/Role; "cluster": Cluster
+    scope: str  # "server": dims Cluster/Node/Role/Server; "node" and "router": Cluster/Node/Role; "cluster": Cluster
     source: str
 
 
@@ -48,12 +48,22 @@ NODE_METRICS = (
     Metric("EfaRxBytesPerSecond", "Bytes/Second", "node", "rate of /sys/class/infiniband/*/ports/*/hw_counters/rx_bytes"),
     Metric("EfaTxBytesPerSecond", "Bytes/Second", "node", "rate of /sys/class/infiniband/*/ports/*/hw_counters/tx_bytes"),
 )
+# vLLM's router (proxy.kind=vllm-router): its Prometheus metrics, read on 127.0.0.1:metrics_port.
+ROUTER_METRICS = (
+    Metric("RouterRequestsPerSecond", "Count/Second", "router", "rate of vllm_router_pd_requests_total"),
+    Metric("RouterErrorsPerSecond", "Count/Second", "router", "rate of vllm_router_pd_{prefill,decode,stream}_errors_total"),
+    Metric("RouterRetriesPerSecond", "Count/Second", "router", "rate of vllm_router_retries_total"),
+    Metric("RouterUnhealthyServers", "Count", "router", "servers whose vllm_router_worker_health is 0"),
+    Metric("RouterPendingDecode", "Count", "router", "vllm_router_pd_pending_decode_requests (the decode queue)"),
+    Metric("RouterRequestMs", "Milliseconds", "router", "mean of vllm_router_pd_request_duration_seconds over the interval"),
+    Metric("RouterErrorPercent", "Percent", "cluster", "errors / requests over the interval, on the worst router"),
+)
 CLUSTER_METRICS = (
     Metric("UnitsNotReady", "Count", "cluster", "units of the plan not active or not answering, on the worst node"),
     Metric("ServersDown", "Count", "cluster", "servers that answered earlier in this boot and no longer do"),
     Metric("StagingFailing", "Count", "cluster", "1 while gptoss-stage.service has failed or is retrying"),
 )
-ALL_METRICS = SERVER_METRICS + NODE_METRICS + CLUSTER_METRICS
+ALL_METRICS = SERVER_METRICS + NODE_METRICS + ROUTER_METRICS + CLUSTER_METRICS
 
 
 def log_group(cfg: ClusterConfig) -> str:
@@ -61,8 +71,8 @@ def log_group(cfg: ClusterConfig) -> str:
     return f"/gptoss/{cfg.cluster_name}"
 
 
-def node_config(cfg: ClusterConfig, node: Node, servers: list[dict[str, str]], units: list[str]) -> str:
-    """The collector's telemetry.json for one node."""
+def node_config(cfg: ClusterConfig, node: Node, servers: list[dict[str, str]], units: list[str], router_metrics_url: str | None = None) -> str:
+    """The collector's telemetry.json for one node (`router_metrics_url` on a router's node)."""
     doc = {
         "namespace": NAMESPACE,
         "region": cfg.region,
@@ -76,4 +86,6 @@ def node_config(cfg: ClusterConfig, node: Node, servers: list[dict[str, str]], u
         "efa": cfg.serving.disaggregated,
         "metrics": [m.name for m in ALL_METRICS],
     }
+    if router_metrics_url:
+        doc["router_metrics_url"] = router_metrics_url
     return json.dumps(doc, indent=1) + "\n"

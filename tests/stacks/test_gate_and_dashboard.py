@@ -142,13 +142,14 @@ def _referenced(t: dict[str, Any]) -> set[str]:
     return names
 
 
-def test_the_dashboard_and_alarms_name_only_metrics_the_nodes_publish(default_synth: Synth) -> None:
+def test_the_dashboard_and_alarms_name_only_metrics_the_nodes_publish(default_synth: Synth, fleet_synth: Synth) -> None:
     """A metric renamed on one side only fails here: the dashboard would show an empty graph."""
-    referenced = _referenced(default_synth.template)
-    published = {m.name for m in telemetry.ALL_METRICS}
-    assert referenced <= published, referenced - published
-    # ... and the dashboard shows every metric the nodes pay to publish.
-    assert referenced == published, published - referenced
+    router = {m.name for m in telemetry.ROUTER_METRICS}
+    for synth, published in ((default_synth, {m.name for m in telemetry.ALL_METRICS} - router), (fleet_synth, {m.name for m in telemetry.ALL_METRICS})):
+        referenced = _referenced(synth.template)
+        assert referenced <= published, referenced - published
+        # ... and the dashboard shows every metric the nodes pay to publish (the router's where routers run).
+        assert referenced == published, published - referenced
 
 
 def test_the_dashboard_has_a_graph_per_role_and_the_load_balancer(
@@ -169,10 +170,13 @@ def test_alarms_notify_the_operators_topic(synth_variant: Callable[..., dict[str
         "gptoss-8k1k-ServersDown",
         "gptoss-8k1k-StagingFailing",
         "gptoss-8k1k-NlbUnhealthyHosts",
+        "gptoss-8k1k-RouterErrors",
     }
     for a in alarms.values():
         assert a["Properties"]["AlarmActions"] == [topic] and a["Properties"]["OKActions"] == [topic]
         assert a["Properties"]["TreatMissingData"] == "notBreaching"
+    router = next(a["Properties"] for a in alarms.values() if a["Properties"]["AlarmName"].endswith("RouterErrors"))
+    assert (router["MetricName"], router["Statistic"], router["Threshold"], router["EvaluationPeriods"]) == ("RouterErrorPercent", "Maximum", 5, 3)
     nlb = next(a for a in alarms.values() if a["Properties"]["AlarmName"].endswith("NlbUnhealthyHosts"))
     (expr,) = [m for m in nlb["Properties"]["Metrics"] if "Expression" in m]
     assert expr["Expression"] == "IF(h >= 1, u, 0)" and expr["ReturnData"] is True

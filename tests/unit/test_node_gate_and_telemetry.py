@@ -285,6 +285,23 @@ class _VllmMetrics(http.server.BaseHTTPRequestHandler):
 
     def do_GET(self) -> None:
         n = type(self).n
+        if self.path == "/router-metrics":  # vllm-router 0.1.17's names: 10 requests and 1 decode error per step
+            body = (
+                f'vllm_router_pd_requests_total{{route="/v1/completions"}} {10.0 * n}\n'
+                f'vllm_router_pd_decode_errors_total{{worker="http://10.0.0.2:8200"}} {1.0 * n}\n'
+                f'vllm_router_retries_total{{route="/v1/completions"}} {2.0 * n}\n'
+                'vllm_router_worker_health{worker="http://10.0.0.1:8100"} 1\n'
+                'vllm_router_worker_health{worker="http://10.0.0.2:8200"} 0\n'
+                'vllm_router_pd_pending_decode_requests{worker="http://10.0.0.3:8200",rank="aggregate"} 4\n'
+                f'vllm_router_pd_request_duration_seconds_sum{{route="/v1/completions"}} {2.5 * n}\n'
+                f'vllm_router_pd_request_duration_seconds_count{{route="/v1/completions"}} {10.0 * n}\n'
+            )
+            data = body.encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+            return
         body = "ok" if self.path == "/health" else (
             "# HELP vllm:num_requests_running Number of requests in model execution batches.\n"
             "# TYPE vllm:num_requests_running gauge\n"
@@ -338,7 +355,7 @@ def test_collector_publishes_every_catalog_metric_in_a_payload_cloudwatch_accept
     cfg = {"namespace": telemetry.NAMESPACE, "region": "us-east-2", "cluster": "c1", "node": "decode-0", "role": "decode", "interval_s": 60,
            "log_group": "/gptoss/c1", "efa": True, "metrics": [m.name for m in telemetry.ALL_METRICS],
            "servers": [{"name": "decode-0/decode", "unit": "gptoss-decode.service", "health_url": f"{base}/health", "metrics_url": f"{base}/metrics"}],
-           "units": ["gptoss-stage.service", "gptoss-decode.service"]}  # fmt: skip
+           "units": ["gptoss-stage.service", "gptoss-decode.service"], "router_metrics_url": f"{base}/router-metrics"}  # fmt: skip
     try:
         for dev in ("rdmap0s0", "rdmap1s0"):
             (ib / dev / "ports/1/hw_counters/rx_bytes").write_text("1000\n")
@@ -379,6 +396,9 @@ def test_collector_publishes_every_catalog_metric_in_a_payload_cloudwatch_accept
         2 * 600_000 / 60
     )
     assert (values["UnitsNotReady"], values["StagingFailing"], values["ServersDown"]) == (1, 1, 0)
+    assert values["RouterRequestsPerSecond"] == pytest.approx(100 / 60, abs=1e-5) and values["RouterErrorsPerSecond"] == pytest.approx(10 / 60, abs=1e-5)
+    assert values["RouterErrorPercent"] == pytest.approx(10.0) and values["RouterRetriesPerSecond"] == pytest.approx(20 / 60, abs=1e-5)
+    assert (values["RouterUnhealthyServers"], values["RouterPendingDecode"], values["RouterRequestMs"]) == (1, 4, pytest.approx(250.0))
     # Staged: the same collector reports it (the decode server is gone by now: one unit not ready).
     stage_state.write_text("ActiveState=active\nSubState=exited\nNRestarts=1\n")
     again = {d["MetricName"]: d["Value"] for d in c.collect(1120.0)}

@@ -31,6 +31,7 @@ from typing import Any
 import boto3
 import pytest
 
+from clusterspec import telemetry
 from clusterspec.config import load_config
 from clusterspec.paths import WHEELS_DIR
 from clusterspec.quoting import env_file as render_env_file
@@ -301,20 +302,37 @@ def _load(fleet: Fleet, faults: list[tuple[float, Any]]) -> Run:
     return Run(results, served, violations, t0)
 
 
-def _scenario(kind: str, tmp: Path, router_venv: Path | None) -> tuple[Run, Fleet, dict[str, str]]:
+def _scenario(kind: str, tmp: Path, router_venv: Path | None, collect: Any = None) -> tuple[Run, Fleet, dict[str, str]]:
     fleet = _fleet(kind, tmp, router_venv)
     prefill = sorted(n for n in fleet.commands if n.startswith("127.77.1."))
     decodes = sorted(n for n in fleet.commands if n.startswith("127.77.2."))
     victim, dead_decode = prefill[1], decodes[1]
+    faults = [(KILL_PREFILL_AT, lambda: fleet.kill(victim)), (RESTART_PREFILL_AT, lambda: fleet.start(victim)),
+              (KILL_DECODE_AT, lambda: fleet.kill(dead_decode))]  # fmt: skip
+    if collect:
+        faults = sorted([(0.5, collect), *faults, (DURATION_S - 0.5, collect)], key=lambda f: f[0])
     try:
-        run = _load(
-            fleet,
-            [(KILL_PREFILL_AT, lambda: fleet.kill(victim)), (RESTART_PREFILL_AT, lambda: fleet.start(victim)),
-             (KILL_DECODE_AT, lambda: fleet.kill(dead_decode))],
-        )  # fmt: skip
+        run = _load(fleet, faults)
     finally:
         fleet.stop()
     return run, fleet, {"victim": victim, "dead_decode": dead_decode, "live_decode": decodes[0]}
+
+
+class RouterTelemetry:
+    """The node's collector (gptoss-telemetry) reading one real router's metrics, as it does every interval."""
+
+    def __init__(self, url: str) -> None:
+        from tests.unit.test_node_gate_and_telemetry import _collector
+
+        cfg = {"cluster": "c", "node": "decode-0", "role": "decode", "interval_s": 60, "neuron": False, "servers": [], "units": [],
+               "metrics": [m.name for m in telemetry.ALL_METRICS], "router_metrics_url": url}  # fmt: skip
+        self.collector = _collector().Collector(cfg)
+        self.values: list[dict[str, float]] = []
+
+    def __call__(self) -> None:
+        out: dict[str, float] = {}
+        self.collector.router(time.monotonic(), lambda name, value, unit, dims: out.__setitem__(name, value), [])
+        self.values.append(out)
 
 
 def _numbers(run: Run, who: dict[str, str], health_window_s: float) -> dict[str, float]:
@@ -339,7 +357,8 @@ def test_router_keeps_serving_when_a_prefill_replica_or_a_decode_server_dies(
     r = cfg.serving.proxy.router
     # How long a dead server can still be picked: failed checks in a row, the last one's timeout, a second's slack.
     window = r.health_failure_threshold * r.health_check_interval_s + r.health_check_timeout_s + 1
-    run, _, who = _scenario("vllm-router", tmp_path_factory.mktemp("router-run"), router_venv)
+    probe = RouterTelemetry(f"http://{_address('decode-0')}:{r.metrics_port}/metrics")
+    run, _, who = _scenario("vllm-router", tmp_path_factory.mktemp("router-run"), router_venv, probe)
     router = _numbers(run, who, window)
     toy_run, _, toy_who = _scenario("toy", tmp_path_factory.mktemp("toy-run"), None)
     toy = _numbers(toy_run, toy_who, window)
@@ -364,6 +383,12 @@ def test_router_keeps_serving_when_a_prefill_replica_or_a_decode_server_dies(
     assert 0 <= router["replica used again after (s)"] <= r.health_check_interval_s * r.health_success_threshold + 3, router
     # Decode traffic moved to the live server.
     assert router["decode requests on the live server after its peer died"] > 100, router
+    # The node's collector reads the real router's metrics: what it served, what failed, who is out.
+    first, last = probe.values
+    assert first["RouterUnhealthyServers"] == 0 and last["RouterUnhealthyServers"] == 1, probe.values
+    seen = run.total(0.5, DURATION_S - 0.5) / 2  # half the clients use this router
+    assert last["RouterRequestsPerSecond"] == pytest.approx(seen / (DURATION_S - 1), rel=0.25), (last, seen)
+    assert 0 < last["RouterErrorPercent"] < 25 and last["RouterErrorsPerSecond"] > 0, last
 
 
 @pytest.fixture(scope="module")
