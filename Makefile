@@ -19,7 +19,7 @@ DEPLOY_ARGS ?=
 YES ?=
 NODE_MAJOR := 22
 
-.PHONY: setup synth plan test test-vm vm-root lint bootstrap deploy destroy diff bench-scale bench-synth bench-ready diagrams clean
+.PHONY: setup synth plan test test-vm vm-root lint bootstrap deploy destroy diff bench-scale bench-synth bench-ready bench-proxy diagrams clean
 
 setup: .make/python .make/node .make/system .make/hf-clients .make/aws-cli .make/router-wheel
 
@@ -122,6 +122,10 @@ bench-synth: setup
 
 vm-root:
 	@[ "$$(id -u)" = 0 ] || { echo "make test-vm: the VM scenarios need root (the guest image is built with mmdebstrap --mode=root); run it as root"; exit 2; }
+
+# vLLM's router vs the toy proxy over the same fake servers on loopback: req/s and added latency at 1, 32, 128 clients.
+bench-proxy: setup
+	$(PY) -m tests.bench_proxy $(BENCH_ARGS)
 
 # Time to ready: the default layout's nodes booted in VMs with fake servers of known compile and load times.
 bench-ready: setup .make/vm-system

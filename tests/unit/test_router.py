@@ -178,7 +178,7 @@ def _substitute(argv: list[str], names: dict[str, str]) -> list[str]:
     return out
 
 
-def _fleet(kind: str, tmp: Path, router_venv: Path | None) -> Fleet:
+def _fleet(kind: str, tmp: Path, router_venv: Path | None, prefill_ms: float = PREFILL_MS, decode_ms: float = DECODE_MS) -> Fleet:
     """Start the fake servers and the rendered proxies or routers of a 2-decode, 6-replica fleet."""
     cfg = _cfg(kind)
     s = cfg.serving
@@ -197,12 +197,12 @@ def _fleet(kind: str, tmp: Path, router_venv: Path | None) -> Fleet:
             engines[engine_id(ip, port)] = [ip, side_port]
             name = f"{ip}:{port}"
             fleet.commands[name] = [sys.executable, str(FAKES), "--role", "prefill", "--host", ip, "--port", str(port),
-                                    "--side-channel-port", str(side_port), "--latency-ms", str(PREFILL_MS)]  # fmt: skip
+                                    "--side-channel-port", str(side_port), "--latency-ms", str(prefill_ms)]  # fmt: skip
             fleet.envs[name] = {**os.environ, "VLLM_NIXL_SIDE_CHANNEL_HOST": side}
     for n in cfg.layout.decode_nodes:
         name = f"{names[n.name]}:{s.decode.http_port}"
         fleet.commands[name] = [sys.executable, str(FAKES), "--role", "decode", "--host", names[n.name], "--port", str(s.decode.http_port),
-                                "--latency-ms", str(DECODE_MS), "--engines", json.dumps(engines)]  # fmt: skip
+                                "--latency-ms", str(decode_ms), "--engines", json.dumps(engines)]  # fmt: skip
         fleet.envs[name] = dict(os.environ)
     for name in fleet.commands:
         host, port = name.split(":")

@@ -76,6 +76,7 @@ def main() -> None:
             fakectl.record("proxy.jsonl", {"event": "completion", "prefill": f"{p_host}:{p_port}", "decode": f"{d_host}:{d_port}"})
             self._json(answer)
 
+    http.server.ThreadingHTTPServer.request_queue_size = 1024  # the examples' proxy runs uvicorn (backlog 2048)
     http.server.ThreadingHTTPServer((args.host, args.port), Handler).serve_forever()
 
 
