@@ -228,13 +228,16 @@ def plan_document(cfg: ClusterConfig, renders: list[NodeRender]) -> dict[str, An
 
     layout = cfg.layout
     doc = json.loads(plan_json(renders))
+    # A toy proxy's fixed groups; behind the router every replica feeds every decode server.
+    routed = cfg.proxy_kind == "vllm-router"
     feeds: dict[str, list[str]] = {}
-    for rep in layout.replicas:
+    for rep in [] if routed else layout.replicas:
         feeds.setdefault(f"decode-{rep.decode_server}", []).append(rep.unit.replace("gptoss-prefill@", f"{rep.node}:").removesuffix(".service"))
+    every_decode = [n.name for n in layout.decode_nodes]
     for node in doc["nodes"]:
         r = next(r for r in renders if r.node.name == node["name"])
         node["cores"] = {"used": r.node.used_cores, "total": r.node.cores}
-        node["feeds"] = sorted({f"decode-{rep.decode_server}" for rep in r.node.replicas})
+        node["feeds"] = (every_decode if r.node.replicas else []) if routed else sorted({f"decode-{rep.decode_server}" for rep in r.node.replicas})
     return {
         "stack": cfg.stack_name,
         "region": cfg.region,

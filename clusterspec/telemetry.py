@@ -84,7 +84,7 @@ def node_config(cfg: ClusterConfig, node: Node, servers: list[dict[str, str]], u
         "servers": servers,
         "units": units,
         "efa": cfg.serving.disaggregated,
-        "metrics": [m.name for m in ALL_METRICS],
+        "metrics": [m.name for m in ALL_METRICS if router_metrics_url or m not in ROUTER_METRICS],
     }
     if router_metrics_url:
         doc["router_metrics_url"] = router_metrics_url

@@ -74,13 +74,16 @@ def test_production_plan_is_three_plus_eight() -> None:
         assert units[:2] == ["gptoss-decode.service", "gptoss-proxy.service"]
     assert doc["totals"] == {"nodes": 11, "prefill_nodes": 3, "decode_nodes": 8, "prefill_replicas": 48, "proxies": 8, "idle_cores": 0}
     assert doc["load_balancer"] == {"internal_nlb": True, "port": 8000}
-    assert doc["feeds"]["decode-2"] == [f"prefill-0:{i}" for i in (12, 13, 14, 15)] + ["prefill-1:0", "prefill-1:1"]
+    # Behind the router every replica feeds every decode server; the toy proxy's groups are fixed.
+    assert doc["feeds"] == {} and all(n["feeds"] == [f"decode-{d}" for d in range(8)] for n in nodes[:3])
+    toy = plan_json("--decode-instances", "8", "-c", "serving.proxy.kind=toy")
+    assert toy["feeds"]["decode-2"] == [f"prefill-0:{i}" for i in (12, 13, 14, 15)] + ["prefill-1:0", "prefill-1:1"]
     assert (doc["stack"], doc["region"], doc["cluster_tag"]) == ("GptOss8k1kStack", "us-east-2", {"gptoss:cluster": "gptoss-8k1k"})
     assert doc["billable"][0] == {"item": "trn3.48xlarge (on-demand)", "count": 11, "unit": "hour", "note": ""}
-    assert [n["feeds"] for n in nodes[:3]] == [["decode-0", "decode-1", "decode-2"], ["decode-2", "decode-3", "decode-4", "decode-5"],
-                                                ["decode-5", "decode-6", "decode-7"]]  # fmt: skip
+    assert [n["feeds"] for n in toy["nodes"][:3]] == [["decode-0", "decode-1", "decode-2"], ["decode-2", "decode-3", "decode-4", "decode-5"],
+                                                       ["decode-5", "decode-6", "decode-7"]]  # fmt: skip
     out = plan("--decode-instances", "8").stdout
-    assert "  11 x trn3.48xlarge: 3 prefill + 8 decode\n  48 prefill replicas (TP4), 8 decode servers (TP8 DP16), 8 proxies" in out
+    assert "  11 x trn3.48xlarge: 3 prefill + 8 decode\n  48 prefill replicas (TP4), 8 decode servers (TP8 DP16), 8 routers" in out
     assert "endpoint: internal NLB on :8000" in out and "idle cores: 0" in out
     assert "  decode-0..7          decode          0 128/128  -" in out
 

@@ -4,6 +4,8 @@
 "hub_prefixes": {"s3://bucket/prefix": "org/name"}: the fake Hub's repository, file by file.
 Section "logs", "groups": [...]: CloudWatch Logs groups the stack would have made (moto serves
 CloudWatch and CloudWatch Logs on the same port).
+Section "ssm", "parameters": {name: value}: what the stack writes to Parameter Store (the fleet's
+members for the routers).
 Section "secrets", "name" and "hf_token": the Hugging Face token as the operator stores it in
 Secrets Manager (the node asks for it by its partial ARN).
 """
@@ -58,4 +60,10 @@ if secrets.get("name"):
     sm = boto3.client("secretsmanager", endpoint_url="http://127.0.0.1:5000", region_name="us-east-2",
                       aws_access_key_id="testing", aws_secret_access_key="testing")
     sm.create_secret(Name=secrets["name"], SecretString=secrets["hf_token"])
+ssm_parameters = fakectl.settings("ssm").get("parameters", {})
+if ssm_parameters:
+    ssm = boto3.client("ssm", endpoint_url="http://127.0.0.1:5000", region_name="us-east-2",
+                       aws_access_key_id="testing", aws_secret_access_key="testing")
+    for name, value in ssm_parameters.items():
+        ssm.put_parameter(Name=name, Value=value, Type="String", Overwrite=True)
 print(json.dumps({"seeded": sorted(settings.get("objects", {})) + sorted(settings.get("hub_prefixes", {}))}))

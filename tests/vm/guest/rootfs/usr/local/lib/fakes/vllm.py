@@ -116,8 +116,10 @@ def serve(argv: list[str]) -> None:
             served["prompt"] += 6
             served["ttft"] += 0.05
             if role == "prefill":
+                # As vLLM's NIXL connector: the side channel's host is whatever VLLM_NIXL_SIDE_CHANNEL_HOST says.
                 return self._json({"id": "cmpl-prefill", "choices": [{"text": "", "index": 0, "finish_reason": "length"}],
-                                   "kv_transfer_params": {"remote_port": port, "remote_block_ids": [0]}})
+                                   "kv_transfer_params": {"remote_host": os.environ.get("VLLM_NIXL_SIDE_CHANNEL_HOST", "localhost"),
+                                                          "remote_port": port, "remote_block_ids": [0]}})
             tokens = int(req.get("max_tokens", 16))
             served["generated"] += tokens
             self._json({"id": "cmpl-fake", "object": "text_completion", "model": model,
