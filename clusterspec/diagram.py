@@ -35,7 +35,10 @@ def draw(cfg: ClusterConfig, path: Path) -> Path:
         graph_attr={"fontsize": "20", "pad": "0.4", "nodesep": "0.7", "ranksep": "1.0"},
     ):
         client = Client(f"client\n(SSM port forward :{s.proxy.port})")
-        entry = NLB(f"internal NLB :{s.proxy.port}\nhealth {s.proxy.health_path}") if cfg.load_balanced else None
+        routed = cfg.proxy_kind == "vllm-router"
+        # What the target group checks: the router's readiness, or the toy proxy's whole group (gptoss-group-health).
+        health = f":{s.proxy.port} {cfg.proxy_health_path}" if routed else f":{s.proxy.group_health_port} /ready"
+        entry = NLB(f"internal NLB :{s.proxy.port}\nhealth {health}") if cfg.load_balanced else None
         if entry is not None:
             client >> entry
         # One icon per decode instance; a proxy on it is named in the label.
@@ -45,7 +48,7 @@ def draw(cfg: ClusterConfig, path: Path) -> Path:
             proxied = bool(layout.proxies_on(node.name))
             decode[node.index] = ElasticInference(
                 f"{node.name}\nTP{s.decode.tensor_parallel} DP{s.decode.data_parallel} :{s.decode.http_port}"
-                + (f"\n+ proxy :{s.proxy.port}" if proxied else "")
+                + (f"\n+ {'router' if routed else 'proxy'} :{s.proxy.port}" if proxied else "")
             )
             for p in layout.proxies_on(node.name):
                 targets[p.decode_server] = decode[node.index]
@@ -53,7 +56,7 @@ def draw(cfg: ClusterConfig, path: Path) -> Path:
         for node in layout.prefill_nodes:
             with Cluster(f"{node.name}  ({node.idle_cores} idle cores)"):
                 for p in layout.proxies_on(node.name):
-                    targets[p.decode_server] = EC2Instance(f"proxy :{s.proxy.port}")
+                    targets[p.decode_server] = EC2Instance(f"{'router' if routed else 'proxy'} :{s.proxy.port}")
                 for d, group in groupby(node.replicas, key=lambda r: r.decode_server):
                     reps = list(group)
                     label = (
