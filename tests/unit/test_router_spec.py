@@ -99,3 +99,21 @@ def test_an_extra_router_flag_the_router_knows_reaches_its_command_line() -> Non
     check(cfg)
     (svc,) = [s for s in render_cluster(cfg)[-1].services if s.unit == "gptoss-proxy.service"]
     assert svc.argv[-4:] == ["--queue-size", "400", "--log-level", "debug"]
+
+
+def test_either_kind_deploys_anywhere_the_router_on_the_references_layout_too(synth_variant: Any) -> None:
+    from tests.stacks.test_template import of_type
+
+    t = synth_variant(**{"serving.proxy.kind": "vllm-router"})
+    (param,) = of_type(t, "AWS::SSM::Parameter").values()
+    assert param["Properties"]["Name"] == "/gptoss/gptoss-8k1k/members"
+    joined = json.dumps(param["Properties"]["Value"])
+    assert "prefill-0=" in joined and "decode-0=" in joined
+    assert not of_type(t, "AWS::ElasticLoadBalancingV2::LoadBalancer"), "one router: no load balancer"
+    statements = [st for p in of_type(t, "AWS::IAM::Policy").values() for st in p["Properties"]["PolicyDocument"]["Statement"]]
+    (get,) = [st for st in statements if st["Action"] == "ssm:GetParameter"]
+    assert "parameter/gptoss/gptoss-8k1k/members" in json.dumps(get["Resource"]), "the one parameter, by its ARN"
+    reads = next(st for st in statements if st["Action"] == "s3:GetObject" and isinstance(st["Resource"], list))
+    assert any(".whl" in json.dumps(r) for r in reads["Resource"]), "the router wheel asset, by its ARN"
+    toy = synth_variant(decode_instances="8", **{"serving.proxy.kind": "toy"})
+    assert not of_type(toy, "AWS::SSM::Parameter"), "the toy proxy needs no members"
