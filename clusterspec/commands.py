@@ -115,8 +115,8 @@ def proxy_argv(cfg: ClusterConfig, proxy: ProxyPlacement) -> list[str]:
     ]  # fmt: skip
 
 
-def router_argv(cfg: ClusterConfig, proxy: ProxyPlacement, *, bin_dir: str) -> list[str]:
-    """vLLM's router in NIXL P/D mode over every prefill replica and decode server, from the spec."""
+def router_argv(cfg: ClusterConfig, *, bin_dir: str) -> list[str]:
+    """vLLM's router in NIXL P/D mode, from the spec: everything but its servers (router_pool_args)."""
     p, s = cfg.serving.proxy, cfg.serving
     r = p.router
     argv = [
@@ -125,12 +125,6 @@ def router_argv(cfg: ClusterConfig, proxy: ProxyPlacement, *, bin_dir: str) -> l
         "--port", str(p.port),
         "--vllm-pd-disaggregation",
         "--kv-connector", "nixl",
-    ]  # fmt: skip
-    for rep in proxy.replicas:
-        argv += ["--prefill", Expand(f"http://${{{host_var(rep.node)}}}:{rep.http_port}")]
-    for d in proxy.decode_servers:
-        argv += ["--decode", Expand(f"http://${{{host_var(f'decode-{d}')}}}:{s.decode.http_port}")]
-    argv += [
         "--prefill-policy", r.prefill_policy,
         "--decode-policy", r.decode_policy,
         "--health-check-endpoint", s.server_health_path,
@@ -152,6 +146,33 @@ def router_argv(cfg: ClusterConfig, proxy: ProxyPlacement, *, bin_dir: str) -> l
     for flag in r.extra_flags:
         argv += [flag.name] + ([flag.value] if flag.value is not None else [])
     return argv
+
+
+def router_pool(cfg: ClusterConfig, proxy: ProxyPlacement) -> list[tuple[str, str, int, int]]:
+    """The servers a router routes to, one line per node: (role, node, first port, last port).
+
+    A node's replicas hold consecutive ports, so the pool grows by one line per node, not per
+    replica: every router node carries the whole fleet's pool (gptoss-router-pool expands it).
+    """
+    ports: dict[str, list[int]] = {}
+    for rep in proxy.replicas:
+        ports.setdefault(rep.node, []).append(rep.http_port)
+    pool = []
+    for node, ps in ports.items():
+        assert ps == list(range(ps[0], ps[0] + len(ps))), f"{node}: replica ports not consecutive: {ps}"
+        pool.append(("prefill", node, ps[0], ps[-1]))
+    port = cfg.serving.decode.http_port
+    pool += [("decode", f"decode-{d}", port, port) for d in proxy.decode_servers]
+    return pool
+
+
+def router_pool_args(pool: list[tuple[str, str, int, int]]) -> list[str]:
+    """The router's --prefill and --decode URLs of a pool, with each node's address as a plan placeholder."""
+    out: list[str] = []
+    for role, node, first, last in pool:
+        for port in range(first, last + 1):
+            out += [f"--{role}", f"http://<{node}>:{port}"]
+    return out
 
 
 def endpoint_port(cfg: ClusterConfig) -> int:

@@ -45,6 +45,8 @@ def cache_nodes_uri(compile_cache_s3_uri: str) -> str:
 ROUTER_VENV_ROOT = "/opt/gptoss/vllm-router"
 RUN_DIR = "/run/gptoss"
 MEMBERS_ENV = f"{RUN_DIR}/members.env"
+# The servers a router routes to, one line per node (role node first-port last-port).
+ROUTER_POOL = f"{ETC}/router-pool"
 NIXL_ENV = f"{RUN_DIR}/nixl.env"
 
 # Where `make setup` keeps the pinned router wheel the stack ships as an asset (not in git).

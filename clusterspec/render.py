@@ -27,6 +27,8 @@ from clusterspec.commands import (
     proxy_argv,
     replica_env,
     router_argv,
+    router_pool,
+    router_pool_args,
     schedule_path,
     server_env,
     vllm_argv,
@@ -43,6 +45,7 @@ from clusterspec.paths import (
     MEMBERS_ENV,
     NIXL_ENV,
     NODE_TARGET,
+    ROUTER_POOL,
     UNIT_DIR,
     UNITS_FILE,
     USERDATA_DIR,
@@ -332,16 +335,25 @@ def _render_proxy(cfg: ClusterConfig, node: Node, proxy: ProxyPlacement, out: No
 
 
 def _render_router(cfg: ClusterConfig, node: Node, proxy: ProxyPlacement, out: NodeRender, bin_dir: str) -> None:
-    """vLLM's router over every server of the fleet; it learns their addresses from the members parameter."""
+    """vLLM's router over every server of the fleet; it learns their addresses from the members parameter.
+
+    The unit carries the pool (one line per node, /etc/gptoss/router-pool) rather than one URL per
+    replica: gptoss-router-pool expands it with the members' addresses into the router's --prefill
+    and --decode arguments. The plan shows the command line that results.
+    """
     s = cfg.serving
     r = s.proxy.router
     venv = router_venv(r.version, r.sha256)
-    hosts_env = {host_var(p): f"<{p}>" for p in sorted({rep.node for rep in proxy.replicas} | {f"decode-{d}" for d in proxy.decode_servers})}
-    routed = router_argv(cfg, proxy, bin_dir=bin_dir)
+    pool = router_pool(cfg, proxy)
+    pool_args = router_pool_args(pool)
+    routed = router_argv(cfg, bin_dir=bin_dir)
     if r.extra_flags:
         extra_tokens = sum(1 + (f.value is not None) for f in r.extra_flags)
-        check_router_argv(routed[2:-extra_tokens], [(f.name, f.value) for f in r.extra_flags], r.wheel, r.sha256)
-    argv = [f"{bin_dir}/gptoss-exec", "proxy", f"{bin_dir}/gptoss-install-router", venv, "--", *routed]
+        check_router_argv(routed[2:-extra_tokens] + pool_args, [(f.name, f.value) for f in r.extra_flags], r.wheel, r.sha256)
+    out.files[ROUTER_POOL] = ("".join(f"{role} {n} {first} {last}\n" for role, n, first, last in pool), 0o644)
+    argv = [f"{bin_dir}/gptoss-exec", "proxy", f"{bin_dir}/gptoss-install-router", venv, "--",
+            f"{bin_dir}/gptoss-router-pool", ROUTER_POOL, "--", *routed]  # fmt: skip
+    hosts_env = {host_var(n): f"<{n}>" for _, n, _, _ in sorted(pool, key=lambda p: p[1])}
     out.files[f"{UNIT_DIR}/gptoss-proxy.service"] = _unit(
         "gptoss-router.service",
         bin=bin_dir,
@@ -356,7 +368,7 @@ def _render_router(cfg: ClusterConfig, node: Node, proxy: ProxyPlacement, out: N
         restart_sec=RESTART_SEC,
     )
     out.services.append(
-        Service("gptoss-proxy.service", hosts_env, [expand(a, hosts_env) for a in served(argv)], waits=("the fleet's members", "the router's venv"))
+        Service("gptoss-proxy.service", hosts_env, [*served(argv), *pool_args], waits=("the fleet's members", "the router's venv"))
     )
     # Routers restart one after another when the members change, so the endpoint never loses all at once.
     out.files[f"{UNIT_DIR}/gptoss-router-members.service"] = _unit(

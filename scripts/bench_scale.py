@@ -51,7 +51,7 @@ def synth(decode: int, outdir: Path) -> tuple[float, dict[str, object], int]:
 def main() -> int:
     """Print one row per fleet size."""
     p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("sizes", nargs="*", type=int, default=[1, 8, 32, 49, 50], help="decode instances (default: up to the largest one stack holds, and one more)")
+    p.add_argument("sizes", nargs="*", type=int, default=[1, 8, 32, 50, 51], help="decode instances (default: up to the largest one stack holds, and one more)")
     args = p.parse_args()
     t = Table(title="Stack size by fleet (pinned CDK CLI, this machine)")
     for col in ("decode", "nodes", "replicas", "synth s", "resources", "outputs", "template bytes", "estimate", "largest user data"):

@@ -16,7 +16,7 @@ import yaml
 
 from clusterspec.commands import host_var
 from clusterspec.config import ClusterConfig, load_config
-from clusterspec.paths import BIN, DEPLOY_ENV, MANIFEST, MEMBERS_ENV, NIXL_ENV, UNITS_FILE
+from clusterspec.paths import BIN, DEPLOY_ENV, MANIFEST, MEMBERS_ENV, NIXL_ENV, ROUTER_POOL, UNITS_FILE
 from clusterspec.quoting import parse_env_file, systemd_expand
 from clusterspec.render import NodeRender, render_cluster, render_node, served
 from clusterspec.userdata import NODE_SCRIPTS, USER_DATA_LIMIT, node_script, parse_user_data, scripts_asset, unbundle
@@ -227,7 +227,7 @@ def test_every_exec_variable_is_defined_by_the_units_environment(layout: str) ->
 
 
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
-def test_plan_and_user_data_agree(layout: str) -> None:
+def test_plan_and_user_data_agree(layout: str, tmp_path: Path, shipped: Callable[[str], Path]) -> None:
     """Each plan service is what its unit runs once systemd expands the node's env files."""
     for r in renders(layout):
         files, deploy, doc = parse_user_data(node_user_data(r, {p: f"<{p}>" for p in r.peers}))
@@ -243,7 +243,15 @@ def test_plan_and_user_data_agree(layout: str) -> None:
             lines = [shlex.split(line) for line in re.findall(r"^ExecStart=(.*)$", text, re.M)]
             unit_argv = [systemd_expand(a, env, inst) for a in lines[1 if s.step == "measured" else 0]]
             assert unit_argv[0] == f"{BIN}/gptoss-exec"
-            assert served(unit_argv) == s.argv, f"{r.node.name} {s.unit}"
+            final = served(unit_argv)
+            if f"{BIN}/gptoss-router-pool" in unit_argv:
+                # The router's servers come from its pool file and the members: the shipped step adds them.
+                pool = tmp_path / f"{r.node.name}-pool"
+                pool.write_text(files[ROUTER_POOL][0])
+                res = subprocess.run([str(shipped("gptoss-router-pool")), str(pool), "--", "printf", "%s\\0", *final],
+                                     env={"PATH": os.environ["PATH"], **env}, capture_output=True, text=True, timeout=30, check=True)  # fmt: skip
+                final = res.stdout.split("\0")[:-1]
+            assert final == s.argv, f"{r.node.name} {s.unit}"
             assert (s.unit in listed) == (s.unit != "gptoss-bench.service"), s.unit
 
 

@@ -429,12 +429,14 @@ def test_a_router_reads_the_members_the_stack_writes_once_they_exist_and_restart
     name = "/gptoss/gptoss-8k1k/members"
     value = " ".join(f"{n}={ip}" for n, ip in FLEET_IPS.items())
     # The stack writes the parameter once every instance exists: the router's start waits for it.
-    timer = threading.Timer(3, lambda: ssm.put_parameter(Name=name, Value=value, Type="String"))
-    timer.start()
-    res = subprocess.run([str(shipped("gptoss-members")), "write"], env=env, capture_output=True, text=True, timeout=120)
-    timer.join()
-    assert res.returncode == 0, res.stdout + res.stderr
-    assert "not readable or incomplete yet" in res.stdout
+    # It appears here once the script has asked and been told it is not there.
+    proc = subprocess.Popen([str(shipped("gptoss-members")), "write"], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert proc.stdout is not None
+    first = proc.stdout.readline()
+    assert "not readable or incomplete yet; asking again" in first, first
+    ssm.put_parameter(Name=name, Value=value, Type="String")
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, first + out + err
     assert (tmp_path / "members.env").read_text().splitlines() == sorted(
         f"GPTOSS_HOST_{n.upper().replace('-', '_')}={ip}" for n, ip in FLEET_IPS.items())  # fmt: skip
     # Unchanged: nothing restarts.

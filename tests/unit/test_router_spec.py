@@ -98,7 +98,8 @@ def test_an_extra_router_flag_the_router_knows_reaches_its_command_line() -> Non
     cfg = load_config(_flags({"name": "--queue-size", "value": "400", "reason": "bursts"}, {"name": "--log-level", "value": "debug", "reason": "x"}))
     check(cfg)
     (svc,) = [s for s in render_cluster(cfg)[-1].services if s.unit == "gptoss-proxy.service"]
-    assert svc.argv[-4:] == ["--queue-size", "400", "--log-level", "debug"]
+    i = svc.argv.index("--queue-size")
+    assert svc.argv[i : i + 4] == ["--queue-size", "400", "--log-level", "debug"]
 
 
 def test_either_kind_deploys_anywhere_the_router_on_the_references_layout_too(synth_variant: Any) -> None:
@@ -117,3 +118,21 @@ def test_either_kind_deploys_anywhere_the_router_on_the_references_layout_too(sy
     assert any(".whl" in json.dumps(r) for r in reads["Resource"]), "the router wheel asset, by its ARN"
     toy = synth_variant(decode_instances="8", **{"serving.proxy.kind": "toy"})
     assert not of_type(toy, "AWS::SSM::Parameter"), "the toy proxy needs no members"
+
+
+def test_the_router_pool_is_one_line_per_node_and_expands_to_every_server(tmp_path: Any, shipped: Any) -> None:
+    cfg = load_config({"decode_instances": 8})
+    r = render_cluster(cfg)[-1]
+    pool = r.files["/etc/gptoss/router-pool"][0]
+    assert pool.splitlines() == [f"prefill prefill-{i} 8100 8115" for i in range(3)] + [f"decode decode-{d} 8200 8200" for d in range(8)]
+    (tmp_path / "pool").write_text(pool)
+    env = {"PATH": "/usr/bin:/bin"} | {f"GPTOSS_HOST_{n.upper().replace('-', '_')}": f"10.0.0.{i}" for i, n in enumerate([*(f"prefill-{i}" for i in range(3)), *(f"decode-{d}" for d in range(8))])}
+    res = subprocess.run([str(shipped("gptoss-router-pool")), str(tmp_path / "pool"), "--", "printf", "%s\\n", "router"], env=env,
+                         capture_output=True, text=True, timeout=30, check=True)  # fmt: skip
+    out = res.stdout.split()
+    assert out[0] == "router" and len(out) == 1 + 2 * (48 + 8)
+    assert out[1:3] == ["--prefill", "http://10.0.0.0:8100"] and out[-2:] == ["--decode", "http://10.0.0.10:8200"]
+    # A member without an address: the router does not start with a hole in its pool.
+    del env["GPTOSS_HOST_DECODE_5"]
+    res = subprocess.run([str(shipped("gptoss-router-pool")), str(tmp_path / "pool"), "--", "true"], env=env, capture_output=True, text=True, timeout=30)
+    assert res.returncode == 1 and "no address for decode-5 (GPTOSS_HOST_DECODE_5)" in res.stderr
