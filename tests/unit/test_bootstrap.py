@@ -355,3 +355,18 @@ def test_health_list_names_every_unit_a_ready_node_runs() -> None:
     assert ["gptoss-prefill@3.service", "http://127.0.0.1:8103/health", "prefill_3"] in lines
     assert ["gptoss-group-health.service", "http://127.0.0.1:8001/ready", "-"] in lines
 
+
+
+def test_user_data_text_is_the_same_with_libyamls_emitter_and_pythons() -> None:
+    import clusterspec.userdata as ud
+
+    assert ud._DUMPER is yaml.CSafeDumper, "this PyYAML has libyaml: the comparison below means something"
+    for layout in LAYOUTS:
+        for r in renders(layout):
+            fast = node_user_data(r, {p: LONGEST_IP for p in r.peers})
+            try:
+                ud._DUMPER = yaml.SafeDumper
+                slow = node_user_data(r, {p: LONGEST_IP for p in r.peers})
+            finally:
+                ud._DUMPER = getattr(yaml, "CSafeDumper", yaml.SafeDumper)
+            assert fast == slow, r.node.name
