@@ -5,11 +5,22 @@ from __future__ import annotations
 import ipaddress
 import json
 import re
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError, ValidationInfo, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    StrictInt,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from clusterspec import validate
 from clusterspec.boot import SIGNAL_MARGIN_S, BootConfig
@@ -310,6 +321,8 @@ RecipeName = Literal["gptoss-120b-8k1k", "gptoss-120b-single", "gptoss-20b-singl
 class ClusterConfig(_Frozen):
     """Every parameter of one deployment; defaults give the tested two-node 6P1D cluster."""
 
+    _layout: Layout | None = PrivateAttr(default=None)
+
     recipe: RecipeName = Field("gptoss-120b-8k1k", description="The documented deployment to run (README 'Recipes').")
     stack_name: str = Field("GptOss8k1kStack", pattern=r"^[A-Za-z][A-Za-z0-9-]{0,127}$")
     cluster_name: str = Field("gptoss-8k1k", pattern=r"^[a-z](-?[a-z0-9])*$", max_length=31)
@@ -471,7 +484,18 @@ class ClusterConfig(_Frozen):
 
     @property
     def layout(self) -> Layout:
-        """The fleet these parameters describe."""
+        """The fleet these parameters describe (computed once per config: every node's rendering asks)."""
+        if self._layout is None:
+            self._layout = self._compute_layout()
+        return self._layout
+
+    def model_copy(self, *, update: Mapping[str, Any] | None = None, deep: bool = False) -> ClusterConfig:
+        """A copy (with `update` applied) that computes its own layout."""
+        copy = super().model_copy(update=update, deep=deep)
+        copy._layout = None
+        return copy
+
+    def _compute_layout(self) -> Layout:
         return compute_layout(
             decode_instances=self.decode_instances,
             prefill_per_decode=self.prefill_per_decode,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -84,3 +85,22 @@ def test_layout_properties(decode: int, ratio: int, per_node: int | None) -> Non
     assert len(lay.prefill_nodes) == -(-decode * ratio // lay.replicas_per_prefill_instance)
     for node in lay.decode_nodes:
         assert node.idle_cores >= 0
+
+
+def test_rendering_a_fleet_computes_its_layout_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The work's shape, not the clock: every node's rendering asks for the layout; it is computed once."""
+    import clusterspec.config as config_module
+    from clusterspec.limits import check
+    from clusterspec.render import render_cluster
+
+    calls = []
+    real = config_module.compute_layout
+    monkeypatch.setattr(config_module, "compute_layout", lambda **kw: calls.append(kw) or real(**kw))
+    cfg = config_module.load_config({"decode_instances": 8})
+    calls.clear()
+    render_cluster(cfg)
+    assert len(calls) == 0, "load_config validated the fleet: its layout is already there"
+    fresh = cfg.model_copy(update={"decode_instances": 9})
+    render_cluster(fresh)
+    check(fresh)
+    assert len(calls) == 1 and calls[0]["decode_instances"] == 9
