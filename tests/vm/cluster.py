@@ -118,12 +118,14 @@ class VmCluster:
         # The instance's devices as the instance table says (a fault replaces them).
         hw = {"devices": DEVICES}
         # What the stack makes before the instances: the scripts asset, the log group.
-        objects = {self.scripts_uri: "scripts"} | ({self.router_uri: "router"} if self.router_uri else {})
-        made = {"s3": {"objects": objects}, "logs": {"groups": [telemetry.log_group(self.cfg)]},
+        # The router's wheel (23 MB) only where a router runs, on a disk of its own (fw_cfg is too slow for it).
+        wheel = WHEELS_DIR / self.cfg.serving.proxy.router.wheel
+        routes = self.router_uri and "gptoss-install-router" in self.renders[name].scripts
+        disk_objects = {self.router_uri: {"disk": "router", "size": wheel.stat().st_size}} if routes else {}
+        made = {"s3": {"objects": {self.scripts_uri: "scripts"}, "disk_objects": disk_objects}, "logs": {"groups": [telemetry.log_group(self.cfg)]},
                 "secrets": {"name": HF_TOKEN_NAME, "hf_token": HF_TOKEN}, "ssm": {"parameters": self.members}}  # fmt: skip
         settings = hw | self.fakes | made
-        files = {"scripts": self.asset} | ({"router": WHEELS_DIR / self.cfg.serving.proxy.router.wheel} if self.router_uri else {})
-        self.vms[name].start(settings, files)
+        self.vms[name].start(settings, {"scripts": self.asset}, {"router": wheel} if routes else None)
         if wait:
             self.vms[name].wait_ssh(600)
 

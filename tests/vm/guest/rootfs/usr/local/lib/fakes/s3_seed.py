@@ -1,6 +1,8 @@
 """Fill the guest's moto S3 with what the harness passed (fw_cfg section "s3").
 
 "objects": {"s3://bucket/key": "fw_cfg file name"}: the bytes of that fw_cfg file.
+"disk_objects": {"s3://bucket/key": {"disk": NAME, "size": N}}: the first N bytes of the virtio disk
+/dev/disk/by-id/virtio-gptoss-NAME (large files: fw_cfg is read byte by byte).
 "hub_prefixes": {"s3://bucket/prefix": "org/name"}: the fake Hub's repository, file by file.
 Section "logs", "groups": [...]: CloudWatch Logs groups the stack would have made (moto serves
 CloudWatch and CloudWatch Logs on the same port).
@@ -41,6 +43,14 @@ def put(uri: str, body: bytes) -> None:
 
 for uri, name in settings.get("objects", {}).items():
     put(uri, Path(f"/sys/firmware/qemu_fw_cfg/by_name/opt/gptoss/{name}/raw").read_bytes())
+for uri, disk in settings.get("disk_objects", {}).items():
+    device = Path(f"/dev/disk/by-id/virtio-gptoss-{disk['disk']}")
+    for _ in range(120):  # udev makes the link during coldplug, which may still run
+        if device.exists():
+            break
+        time.sleep(0.5)
+    with device.open("rb") as f:
+        put(uri, f.read(disk["size"]))
 for prefix, repo in settings.get("hub_prefixes", {}).items():
     root = Path("/srv/hub") / repo
     for p in sorted(root.rglob("*")):
