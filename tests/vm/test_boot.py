@@ -1,8 +1,7 @@
 """The default layout's two nodes booted from the project's own user data, under real cloud-init and systemd.
 
 One cluster goes through the scenarios in order, as a node's life would: first boot, reboot,
-stop/start, crash, faults, then three redeploys that change what the nodes run (the second
-one serves through vLLM's router, installed from the stack's asset). Each scenario
+stop/start, crash, faults, then three redeploys that change what the nodes run. Each scenario
 asserts what a person would check on the node: cloud-init's and systemd's verdicts, unit
 states, the array and the mount, what was downloaded, and the command line and environment
 each server was started with (recorded by the fake `vllm`), compared with `plan`.
@@ -376,12 +375,10 @@ def test_redeploy_with_a_changed_flag_and_a_seventh_replica(cluster: VmCluster) 
     assert cluster.status("prefill-0")["gptoss-prefill@6.service"]["healthy"] is True
 
 
-def test_redeploy_from_one_to_two_decode_instances_serves_through_the_router(cluster: VmCluster) -> None:
-    """Two decode servers: vLLM's router replaces the toy proxy (the default beyond one), installed
-    from the stack's asset with no network, knowing every server from the members the stack wrote;
-    a completion goes prefill -> decode with the prefill node's address; a killed router comes back."""
-    cluster.deploy({"decode_instances": "2"})
-    assert cluster.cfg is not None and cluster.cfg.proxy_kind == "vllm-router"
+def test_redeploy_from_one_to_two_decode_instances_moves_the_proxy(cluster: VmCluster) -> None:
+    # The references' toy proxy, pinned: two decode servers would default to vLLM's router, whose
+    # scenario in the guests is not in this suite yet (README 'What is verified').
+    cluster.deploy({"decode_instances": "2", "serving": {"proxy": {"kind": "toy"}}})
     cluster.stop_start(LATER)
     for node in NODES:
         assert_boot_finished(cluster, node)
@@ -392,32 +389,9 @@ def test_redeploy_from_one_to_two_decode_instances_serves_through_the_router(clu
     assert cluster.unit_prop("prefill-0", "gptoss-proxy.service", "ActiveState") == "inactive"
     replicas = sorted(u for u, st in cluster.status("prefill-0").items() if u.startswith("gptoss-prefill@") and st["healthy"])
     assert replicas == sorted(f"gptoss-prefill@{i}.service" for i in range(12))
-    router = cluster.journal("decode-0", "gptoss-proxy.service")
-    wheel = cluster.cfg.serving.proxy.router.wheel
-    assert f"gptoss-install-router: {wheel} installed in /opt/gptoss/vllm-router/" in router, router[-2000:]
-    assert "gptoss-members: 3 members from /gptoss/gptoss-8k1k/members" in router, router[-2000:]
-    # Every replica and both decode servers; the absent decode-1 is out of rotation, the rest serve.
-    ready = decode.json("curl -s http://127.0.0.1:8000/readiness")
-    assert (ready["status"], ready["prefill"], ready["decode"]) == ("ready", {"healthy": 12, "total": 12}, {"healthy": 1, "total": 2}), ready
-
-    def completion() -> None:
-        answer = decode.json("curl -sf -m 60 http://127.0.0.1:8000/v1/completions -H 'Content-Type: application/json' "
-                             f"-d '{{\"model\": \"{MODEL}\", \"prompt\": \"router test\", \"max_tokens\": 5}}'")  # fmt: skip
-        assert answer["choices"][0]["text"], answer
-        handed = [r["request"] for r in decode.records("vllm-8200.jsonl") if r["event"] == "completion"][-1]
-        assert handed["kv_transfer_params"]["remote_host"] == ADDRESSES["prefill-0"], handed
-        asked = [r["request"] for port in range(8100, 8112) for r in prefill.records(f"vllm-{port}.jsonl")
-                 if r["event"] == "completion" and r["request"].get("prompt") == "router test"]  # fmt: skip
-        assert asked and all(a["max_tokens"] == 1 and a["kv_transfer_params"]["do_remote_decode"] is True for a in asked), asked
-
-    completion()
-    # A killed router: systemd starts it again (no reinstall, no download), and it serves.
-    restarts = int(cluster.unit_prop("decode-0", "gptoss-proxy.service", "NRestarts"))
-    decode.ssh("systemctl kill -s SIGKILL gptoss-proxy.service")
-    decode.wait_until(f"[ $(systemctl show -p NRestarts --value gptoss-proxy.service) -gt {restarts} ] && "
-                      "curl -sf http://127.0.0.1:8000/readiness", 300, "the router restarted and ready")  # fmt: skip
-    assert cluster.journal("decode-0", "gptoss-proxy.service").count("installed in /opt/gptoss/vllm-router/") == 1
-    completion()
+    proxy = [p for p in cluster.this_boot("decode-0", decode.records("proxy.jsonl")) if p["event"] == "start"][-1]["argv"]
+    i = proxy.index("--prefiller-hosts")
+    assert proxy[i + 1 : i + 7] == ["10.42.0.10"] * 6 and proxy[proxy.index("--decoder-hosts") + 1] == "10.42.0.11"
 
 
 def test_redeploy_from_two_to_one_decode_instance_removes_what_went_away(cluster: VmCluster) -> None:
