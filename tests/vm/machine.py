@@ -138,7 +138,9 @@ class Vm:
     def start(self, fakes: dict[str, Any], files: dict[str, Path] | None = None, disks: dict[str, Path] | None = None) -> None:
         """Power the instance on; `files` reach the guest through fw_cfg as opt/gptoss/NAME, `disks`
         (large files: fw_cfg reads them byte by byte, minutes for megabytes under TCG) as read-only
-        virtio disks /dev/disk/by-id/virtio-gptoss-NAME, padded to whole sectors."""
+        virtio disks /dev/disk/by-id/virtio-gptoss-NAME, padded to whole sectors. No scenario passes
+        one yet: such a disk took /dev/vda, the root's name on the kernel command line and in the
+        guest's fstab (find the root by its label first)."""
         assert self.proc is None or self.proc.poll() is not None, f"{self.name} is already running"
         fw = self.workdir / "fakes.json"
         imds = {"local_ipv4": self.ip, "instance_id": self.instance_id} | fakes.get("imds", {})
