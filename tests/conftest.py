@@ -264,3 +264,19 @@ def cfn_lint(paths: list[Path]) -> subprocess.CompletedProcess[str]:
 def recipe_synth(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """The four other recipes' stacks, synthesized once in one app with cdk-nag."""
     return nag_synth(tmp_path_factory.mktemp("recipes.out"), {r: {"recipe": r} for r in OTHER_RECIPES})
+
+
+@pytest.fixture(scope="module")
+def moto_url() -> Iterator[str]:
+    """A moto server on a free loopback port (the host name `localhost`, as the CDK and the AWS CLI need)."""
+    import socket
+
+    from moto.server import ThreadedMotoServer
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    yield f"http://localhost:{port}"
+    server.stop()

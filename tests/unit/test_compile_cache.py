@@ -14,10 +14,9 @@ import hashlib
 import json
 import os
 import re
-import socket
 import subprocess
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -36,19 +35,6 @@ BUCKET = "gptoss-cache"
 CFG = load_config({"compile_cache_s3_uri": f"s3://{BUCKET}/neuron/2.33", "model": {"source": "s3", "s3_uri": f"s3://{BUCKET}/models/gpt-oss-120b"},
                    "examples": {"s3_uri": f"s3://{BUCKET}/models/vllm-neuron"}})  # fmt: skip
 CREDS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-2"}
-
-
-@pytest.fixture(scope="module")
-def moto_url() -> Iterator[str]:
-    from moto.server import ThreadedMotoServer
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
-    server.start()
-    yield f"http://localhost:{port}"
-    server.stop()
 
 
 @pytest.fixture

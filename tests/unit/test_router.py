@@ -81,44 +81,34 @@ def _wait(url: str, timeout_s: float = 30) -> None:
 
 
 @pytest.fixture(scope="module")
-def router_venv(tmp_path_factory: pytest.TempPathFactory, shipped: Any) -> Path:
+def router_venv(tmp_path_factory: pytest.TempPathFactory, shipped: Any, moto_url: str) -> Path:
     """The router's venv as a node builds it: the wheel from S3, checked, installed offline."""
-    from moto.server import ThreadedMotoServer
-
     cfg = _cfg("vllm-router")
     r = cfg.serving.proxy.router
     wheel = WHEELS_DIR / r.wheel
     assert wheel.is_file(), f"{wheel} is missing: `make setup` fetches the pinned router wheel"
     assert AWS_CLI.is_dir(), f"{AWS_CLI} is missing: `make setup` installs the AWS CLI the node scripts run"
     tmp = tmp_path_factory.mktemp("router")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
-    server.start()
-    try:
-        url = f"http://localhost:{port}"
-        s3 = boto3.client("s3", endpoint_url=url, region_name="us-east-2", **{k.lower(): v for k, v in CREDS.items() if k != "AWS_DEFAULT_REGION"})
-        s3.create_bucket(Bucket="assets", CreateBucketConfiguration={"LocationConstraint": "us-east-2"})
-        s3.upload_file(str(wheel), "assets", "0e2d912c.whl")
-        bindir = tmp / "bin"
-        fake_command(bindir, "aws", f'PYTHONPATH="{AWS_CLI}" exec "{sys.executable}" -m awscli "$@"\n')
-        env_file = tmp / "cluster.env"
-        node = next(n for n in cfg.layout.nodes if n.name == "decode-0")
-        env_file.write_text(render_env_file(cluster_env(cfg, node)))
-        venv = tmp / "venv"
-        env = {**os.environ, **CREDS, "PATH": f"{bindir}{os.pathsep}{os.environ['PATH']}", "AWS_ENDPOINT_URL": url,
-               "GPTOSS_CLUSTER_ENV": str(env_file), "GPTOSS_ROUTER_URI": "s3://assets/0e2d912c.whl", "GPTOSS_ROOT": str(tmp)}  # fmt: skip
-        res = subprocess.run([str(shipped("gptoss-install-router")), str(venv), "--", "true"], env=env, capture_output=True, text=True, timeout=300)
-        assert res.returncode == 0, res.stdout + res.stderr
-        assert (venv / ".gptoss-wheel-sha256").read_text().strip() == r.sha256
-        # A second start installs nothing and needs no S3.
-        res = subprocess.run([str(shipped("gptoss-install-router")), str(venv), "--", "echo", "started"],
-                             env=env | {"AWS_ENDPOINT_URL": "http://127.0.0.1:9"}, capture_output=True, text=True, timeout=60)  # fmt: skip
-        assert res.returncode == 0 and res.stdout.strip() == "started", res.stdout + res.stderr
-        return venv
-    finally:
-        server.stop()
+    url = moto_url
+    s3 = boto3.client("s3", endpoint_url=url, region_name="us-east-2", **{k.lower(): v for k, v in CREDS.items() if k != "AWS_DEFAULT_REGION"})
+    s3.create_bucket(Bucket="assets", CreateBucketConfiguration={"LocationConstraint": "us-east-2"})
+    s3.upload_file(str(wheel), "assets", "0e2d912c.whl")
+    bindir = tmp / "bin"
+    fake_command(bindir, "aws", f'PYTHONPATH="{AWS_CLI}" exec "{sys.executable}" -m awscli "$@"\n')
+    env_file = tmp / "cluster.env"
+    node = next(n for n in cfg.layout.nodes if n.name == "decode-0")
+    env_file.write_text(render_env_file(cluster_env(cfg, node)))
+    venv = tmp / "venv"
+    env = {**os.environ, **CREDS, "PATH": f"{bindir}{os.pathsep}{os.environ['PATH']}", "AWS_ENDPOINT_URL": url,
+           "GPTOSS_CLUSTER_ENV": str(env_file), "GPTOSS_ROUTER_URI": "s3://assets/0e2d912c.whl", "GPTOSS_ROOT": str(tmp)}  # fmt: skip
+    res = subprocess.run([str(shipped("gptoss-install-router")), str(venv), "--", "true"], env=env, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert (venv / ".gptoss-wheel-sha256").read_text().strip() == r.sha256
+    # A second start installs nothing and needs no S3.
+    res = subprocess.run([str(shipped("gptoss-install-router")), str(venv), "--", "echo", "started"],
+                         env=env | {"AWS_ENDPOINT_URL": "http://127.0.0.1:9"}, capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert res.returncode == 0 and res.stdout.strip() == "started", res.stdout + res.stderr
+    return venv
 
 
 def test_the_node_refuses_a_wheel_whose_sha256_is_not_the_pinned_one(tmp_path: Path, shipped: Any) -> None:
@@ -391,19 +381,6 @@ def test_router_keeps_serving_when_a_prefill_replica_or_a_decode_server_dies(
     assert 0 < last["RouterErrorPercent"] < 25 and last["RouterErrorsPerSecond"] > 0, last
 
 
-@pytest.fixture(scope="module")
-def moto_ssm() -> Any:
-    from moto.server import ThreadedMotoServer
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
-    server.start()
-    yield f"http://localhost:{port}"
-    server.stop()
-
-
 def _members_env(tmp: Path, url: str) -> tuple[dict[str, str], Any]:
     cfg = _cfg("vllm-router")
     node = next(n for n in cfg.layout.nodes if n.name == "decode-1")
@@ -423,9 +400,9 @@ FLEET_IPS = {"prefill-0": "10.0.0.11", "prefill-1": "10.0.0.12", "decode-0": "10
 
 
 def test_a_router_reads_the_members_the_stack_writes_once_they_exist_and_restarts_when_they_change(
-    moto_ssm: str, tmp_path: Path, shipped: Any
+    moto_url: str, tmp_path: Path, shipped: Any
 ) -> None:
-    env, ssm = _members_env(tmp_path, moto_ssm)
+    env, ssm = _members_env(tmp_path, moto_url)
     name = "/gptoss/gptoss-8k1k/members"
     value = " ".join(f"{n}={ip}" for n, ip in FLEET_IPS.items())
     # The stack writes the parameter once every instance exists: the router's start waits for it.
@@ -458,9 +435,9 @@ def test_a_router_reads_the_members_the_stack_writes_once_they_exist_and_restart
     ],
 )
 def test_an_incomplete_or_malformed_member_list_fails_by_name_once_the_wait_ends(
-    moto_ssm: str, tmp_path: Path, shipped: Any, value: str, error: str
+    moto_url: str, tmp_path: Path, shipped: Any, value: str, error: str
 ) -> None:
-    env, ssm = _members_env(tmp_path, moto_ssm)
+    env, ssm = _members_env(tmp_path, moto_url)
     ssm.put_parameter(Name="/gptoss/gptoss-8k1k/members", Value=value, Type="String", Overwrite=True)
     res = subprocess.run([str(shipped("gptoss-members")), "write"], env=env | {"GPTOSS_MEMBERS_TIMEOUT_S": "3"},
                          capture_output=True, text=True, timeout=120)  # fmt: skip
