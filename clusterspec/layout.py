@@ -9,7 +9,7 @@ from pydantic import BaseModel, ConfigDict
 
 from clusterspec.errors import SpecError
 from clusterspec.instance_types import InstanceType
-from clusterspec.serving import Serving
+from clusterspec.serving import ProxyKind, Serving
 
 Role = Literal["prefill", "decode", "server"]
 
@@ -53,7 +53,7 @@ class ProxyPlacement(_Frozen):
     decode_server: int
     replicas: tuple[Replica, ...]
     decode_servers: tuple[int, ...]
-    kind: Literal["toy", "vllm-router"] = "toy"
+    kind: ProxyKind = "toy"
 
 
 class Node(_Frozen):
@@ -120,7 +120,7 @@ def compute_layout(
     instance_type: InstanceType,
     serving: Serving,
     replicas_per_prefill_instance: int | None = None,
-    proxy_kind: Literal["toy", "vllm-router"] = "toy",
+    proxy_kind: ProxyKind = "toy",
 ) -> Layout:
     """Place prefill replicas and decode servers on instances from the prefill:decode ratio."""
     if not serving.disaggregated:

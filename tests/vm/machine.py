@@ -135,12 +135,8 @@ class Vm:
             check=True,
         )  # fmt: skip
 
-    def start(self, fakes: dict[str, Any], files: dict[str, Path] | None = None, disks: dict[str, Path] | None = None) -> None:
-        """Power the instance on; `files` reach the guest through fw_cfg as opt/gptoss/NAME, `disks`
-        (large files: fw_cfg reads them byte by byte, minutes for megabytes under TCG) as read-only
-        virtio disks /dev/disk/by-id/virtio-gptoss-NAME, padded to whole sectors. No scenario passes
-        one yet: such a disk took /dev/vda, the root's name on the kernel command line and in the
-        guest's fstab (find the root by its label first)."""
+    def start(self, fakes: dict[str, Any], files: dict[str, Path] | None = None) -> None:
+        """Power the instance on; `files` reach the guest through fw_cfg as opt/gptoss/NAME."""
         assert self.proc is None or self.proc.poll() is not None, f"{self.name} is already running"
         fw = self.workdir / "fakes.json"
         imds = {"local_ipv4": self.ip, "instance_id": self.instance_id} | fakes.get("imds", {})
@@ -163,12 +159,6 @@ class Vm:
         ]  # fmt: skip
         for name, path in (files or {}).items():
             cmd += ["-fw_cfg", f"name=opt/gptoss/{name},file={path}"]
-        for name, path in (disks or {}).items():
-            padded = self.workdir / f"disk-{name}.raw"
-            data = path.read_bytes()
-            padded.write_bytes(data + b"\0" * (-len(data) % 512))
-            cmd += ["-drive", f"file={padded},if=none,id=disk-{name},format=raw,readonly=on",
-                    "-device", f"virtio-blk-pci,drive=disk-{name},serial=gptoss-{name}"]  # fmt: skip
         for n in range(NVME_DISKS):
             cmd += [
                 "-drive", f"file={self.workdir / f'nvme{n}.raw'},if=none,id=nvme{n},format=raw,cache=writeback",

@@ -21,7 +21,7 @@ from typing import Any
 from clusterspec.paths import MANIFEST
 from clusterspec.render import Service
 from tests.conftest import ODD_VALUES
-from tests.vm.cluster import ABSENT, ADDRESSES, DEVICES, HF_TOKEN, VmCluster
+from tests.vm.cluster import ADDRESSES, DEVICES, HF_TOKEN, VmCluster
 
 # The fake servers "compile" for COMPILE_S the first time a role runs on a node (blank compile
 # cache), then "load" for LOAD_S.
@@ -75,9 +75,7 @@ def assert_runs_the_plan(cluster: VmCluster) -> None:
             loaded[unit] = (active, sub)
         for unit in r.units:
             assert loaded.get(unit, ("missing",))[0] == "active", f"{node}: {unit} is {loaded.get(unit)}"
-        # A timer's service runs now and then (gptoss-router-members): the plan lists the timer.
-        timed = {u.removesuffix(".timer") + ".service" for u in r.units if u.endswith(".timer")}
-        running_outside = {u: st for u, st in loaded.items() if u not in r.units and u not in timed and u != "gptoss-node.target" and st[0] != "inactive"}
+        running_outside = {u: st for u, st in loaded.items() if u not in r.units and u != "gptoss-node.target" and st[0] != "inactive"}
         assert running_outside == {}, f"{node}: units outside the plan are running: {running_outside}"
         shipped = set(vm.ssh(f"cat {MANIFEST}").stdout.split())
         on_disk = set(vm.ssh("ls -d /etc/systemd/system/gptoss-* /opt/gptoss/bin/* /etc/gptoss/* 2>/dev/null").stdout.split())
@@ -85,19 +83,14 @@ def assert_runs_the_plan(cluster: VmCluster) -> None:
         assert on_disk - shipped - {"/etc/gptoss/deploy.env", "/etc/gptoss/signal.env"} == set(), f"{node}: files of an earlier bundle remain"
         assert vm.ssh("ls /etc/systemd/system/*.wants/ | grep gptoss || true").stdout.strip() == "", f"{node}: a unit is enabled"
         for unit, s in services(cluster, node).items():
-            if unit == "gptoss-proxy.service" and cluster.cfg is not None and cluster.cfg.proxy_kind == "vllm-router":
-                # The router is the unit's main process once the exec chain is done: its argv as the kernel has it.
-                pid = cluster.unit_prop(node, unit, "MainPID")
-                argv = vm.ssh(f"tr '\\0' '\\n' </proc/{pid}/cmdline").stdout.splitlines()
-                assert argv == [with_hosts(a) for a in s.argv], f"{node}: router argv"
-                continue
             if unit == "gptoss-proxy.service":
                 (proxy,) = [p for p in cluster.this_boot(node, vm.records("proxy.jsonl")) if p["event"] == "start"][-1:]
-                assert proxy["argv"][1:] == [with_hosts(a) for a in s.argv[2:]], f"{node}: proxy argv"
+                hosts = {f"<{n}>": ip for n, ip in ADDRESSES.items()}
+                assert proxy["argv"][1:] == [hosts.get(a, a) for a in s.argv[2:]], f"{node}: proxy argv"
                 continue
             rec = last_start(cluster, node, port_of(s))
             assert rec["argv"][1:] == s.argv[1:], f"{node} {unit}: argv differs from the plan"
-            missing = {k: v for k, v in s.environment.items() if rec["env"].get(k) != with_hosts(v)}
+            missing = {k: v for k, v in s.environment.items() if rec["env"].get(k) != v}
             assert missing == {}, f"{node} {unit}: environment differs from the plan"
             # Beyond the plan: only what systemd, bash and the venv set, and the guest's own knobs
             # (90-fakes.conf); never a secret, and no project setting the plan does not show.
@@ -105,13 +98,6 @@ def assert_runs_the_plan(cluster: VmCluster) -> None:
             assert not extra & NEVER_IN_A_SERVER, f"{node} {unit}: {sorted(extra & NEVER_IN_A_SERVER)} in a server's environment"
             project = {k for k in extra if k.startswith(("GPTOSS_", "VLLM_", "NEURON_"))} - GUEST_KNOBS - {"GPTOSS_PHASE_FILE"}
             assert project == set(), f"{node} {unit}: settings outside the plan: {sorted(project)}"
-
-
-def with_hosts(text: str) -> str:
-    """A plan value with each node placeholder (<prefill-0>) replaced by that node's address."""
-    for n, ip in (ADDRESSES | ABSENT).items():
-        text = text.replace(f"<{n}>", ip)
-    return text
 
 
 def assert_the_array_came_before_its_lagging_link(cluster: VmCluster, node: str, source: str) -> None:
@@ -403,8 +389,7 @@ def test_redeploy_from_two_to_one_decode_instance_removes_what_went_away(cluster
     assert_runs_the_plan(cluster)
     prefill, decode = cluster.vms["prefill-0"], cluster.vms["decode-0"]
     assert prefill.ssh("ls /etc/gptoss/prefill@*.env | wc -l").stdout.strip() == "6"
-    for unit in ("gptoss-proxy.service", "gptoss-group-health.service", "gptoss-bench.service", "gptoss-router-members.timer",
-                 "gptoss-router-members.service"):  # fmt: skip
+    for unit in ("gptoss-proxy.service", "gptoss-group-health.service", "gptoss-bench.service"):
         assert decode.ssh(f"test -e /etc/systemd/system/{unit}", check=False).returncode == 1, unit
     assert cluster.unit_prop("prefill-0", "gptoss-prefill@6.service", "ActiveState") == "inactive"
 
