@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 from clusterspec.config import ClusterConfig
 from clusterspec.errors import SpecError
-from clusterspec.render import render_cluster
+from clusterspec.layout import Layout, Node
+from clusterspec.render import render_node
 from clusterspec.userdata import USER_DATA_LIMIT, user_data
 
 MAX_TEMPLATE_BYTES = 1_000_000  # CloudFormation: 1 MB for a template uploaded to S3
@@ -22,6 +24,15 @@ LOAD_BALANCER_BYTES = 6_000
 PER_GATE_BYTES = 900  # a node's wait condition and handle (deploy gate)
 OBSERVABILITY_BYTES = 16_000  # log group, dashboard body, alarms, publishing rights
 BASE_RESOURCES = 40
+# Nodes of one shape differ only in digits; xz packs different digits into a few bytes more or
+# less. Measured over the examples and recipes (tests/unit/test_limits.py compares with every
+# node rendered): under 16 bytes of user data. Twice that, per node.
+SHAPE_SLACK = 32
+_DIGIT = re.compile(r"\d")
+
+
+def _zero(text: str) -> str:
+    return _DIGIT.sub("0", text)
 BASE_OUTPUTS = 2
 IP_PLACEHOLDER = "10.255.255.254"
 # As long as the URI CloudFormation fills in: the bootstrap bucket's name and the asset's key.
@@ -43,27 +54,52 @@ class StackSize:
     largest_user_data: int
 
 
-def estimate(cfg: ClusterConfig) -> StackSize:
-    """Size the stack from the exact user data of every node plus measured per-node overhead."""
-    renders = render_cluster(cfg)
+def node_shape(layout: Layout, node: Node) -> tuple[object, ...]:
+    """What a node's user data depends on, with every digit made 0: nodes of one shape render the
+    same files up to the digits of their names, ports and indices (same count of digits), so
+    their user data has the same length up to what xz makes of those digits (SHAPE_SLACK)."""
+    # A toy proxy names the nodes of its group (one or two); a router names every node, the same for all.
+    proxies = tuple(
+        (p.kind, len(p.replicas), len(p.decode_servers), _zero(str(p.decode_server)),
+         tuple(sorted(_zero(n) for n in {r.node for r in p.replicas})) if p.kind == "toy" else ())
+        for p in layout.proxies_on(node.name)
+    )  # fmt: skip
+    return (node.index == 0, _zero(node.model_dump_json()), proxies)
+
+
+def shapes(layout: Layout) -> list[list[Node]]:
+    """The fleet's nodes grouped by shape, in fleet order."""
+    groups: dict[tuple[object, ...], list[Node]] = {}
+    for n in layout.nodes:
+        groups.setdefault(node_shape(layout, n), []).append(n)
+    return list(groups.values())
+
+
+def _user_data_bytes(cfg: ClusterConfig, layout: Layout, node: Node) -> int:
+    r = render_node(cfg, layout, node)
     # In the template the gate's URL is a Ref of about 60 characters; on the instance it is the
     # presigned URL, which counts against EC2's 16 KB.
-    sizes = [
-        len(
-            user_data(
-                r,
-                {p: IP_PLACEHOLDER for p in r.peers},
-                scripts_uri=SCRIPTS_URI_PLACEHOLDER,
-                scripts_sha256="0" * 64,
-                signal_url="x" * 60 if cfg.wait_for_ready else None,
-                router_uri=SCRIPTS_URI_PLACEHOLDER,
-            ).encode()
-        )
-        for r in renders
-    ]
-    url_growth = len(SIGNAL_URL_PLACEHOLDER) - 60 if cfg.wait_for_ready else 0
+    return len(
+        user_data(
+            r,
+            {p: IP_PLACEHOLDER for p in r.peers},
+            scripts_uri=SCRIPTS_URI_PLACEHOLDER,
+            scripts_sha256="0" * 64,
+            signal_url="x" * 60 if cfg.wait_for_ready else None,
+            router_uri=SCRIPTS_URI_PLACEHOLDER,
+        ).encode()
+    )
+
+
+def estimate(cfg: ClusterConfig) -> StackSize:
+    """Size the stack from the exact user data of one node per shape (plus SHAPE_SLACK) and measured
+    per-node overhead: linear in the fleet, with one render and one xz per shape, not per node."""
     layout = cfg.layout
-    nodes = len(renders)
+    groups = shapes(layout)
+    sizes = [_user_data_bytes(cfg, layout, group[-1]) + SHAPE_SLACK for group in groups]
+    counts = [len(group) for group in groups]
+    url_growth = len(SIGNAL_URL_PLACEHOLDER) - 60 if cfg.wait_for_ready else 0
+    nodes = len(layout.nodes)
     routed = cfg.proxy_kind == "vllm-router"
     sg_rules = layout.max_replicas_per_node + 5
     # The template holds user data as text; CloudFormation base64-encodes it at deploy time.
@@ -73,7 +109,7 @@ def estimate(cfg: ClusterConfig) -> StackSize:
         + (1 if routed else 0),
         outputs=BASE_OUTPUTS + 2 * nodes + (1 if len(layout.proxies) > 1 and not cfg.load_balanced else 0),
         template_bytes=BASE_BYTES
-        + sum(sizes)
+        + sum(size * count for size, count in zip(sizes, counts, strict=True))
         + PER_NODE_BYTES * nodes
         + PER_RULE_BYTES * sg_rules
         + (PER_GATE_BYTES * nodes if cfg.wait_for_ready else 0)
@@ -95,15 +131,14 @@ def _over(size: StackSize) -> list[str]:
     return over
 
 
-def largest_fleet(cfg: ClusterConfig, size: StackSize | None = None) -> int:
-    """The most decode instances one stack holds with the other parameters of `cfg`."""
-    size = size or estimate(cfg)
-    # Size grows linearly with the fleet: guess from this size, then search near the guess.
-    per_decode = size.nodes / cfg.decode_instances
-    per_node = (size.template_bytes - BASE_BYTES) / size.nodes
-    max_nodes = min((MAX_OUTPUTS - BASE_OUTPUTS) // 2, (MAX_TEMPLATE_BYTES - BASE_BYTES) / per_node)
-    guess = int(max_nodes / per_decode)
-    lo, hi = max(1, guess - 2), min(cfg.decode_instances, guess + 2)
+def largest_fleet(cfg: ClusterConfig) -> int:
+    """The most decode instances one stack holds with the other parameters of `cfg`.
+
+    A binary search over estimates (cheap: one render per node shape). Each decode instance is at
+    least one node with two outputs, so the outputs limit bounds the search; the size per node is
+    not a constant (a router's pool names every server), so no guess from one size is trusted.
+    """
+    lo, hi = 0, min(cfg.decode_instances - 1, (MAX_OUTPUTS - BASE_OUTPUTS) // 2)
     while lo < hi:
         mid = (lo + hi + 1) // 2
         if _over(estimate(cfg.model_copy(update={"decode_instances": mid}))):
@@ -139,7 +174,7 @@ def check(cfg: ClusterConfig) -> StackSize:
             [
                 f"decode_instances={cfg.decode_instances}: {size.nodes} instances in one stack need "
                 + " and ".join(over)
-                + f". Fix: keep one stack at or below {largest_fleet(cfg, size)} decode instances and deploy a larger "
+                + f". Fix: keep one stack at or below {largest_fleet(cfg)} decode instances and deploy a larger "
                 "fleet as several stacks, each with its own stack_name and cluster_name."
             ]
         )

@@ -1,0 +1,94 @@
+"""The stack-size estimate: one render per node shape, never under what every node renders to.
+
+`plan`, the app and a refusal's "keep at or below N" all size the fleet before synthesis. Rendering
+and compressing every node made a refusal of 1000 decode instances take a minute; the estimate now
+renders one node per shape. These tests hold the shape of that work and its accuracy against
+rendering every node.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from clusterspec import limits, render
+from clusterspec.config import load_config
+from clusterspec.errors import SpecError
+
+ROOT = Path(__file__).resolve().parents[2]
+CONTEXTS: list[dict[str, Any]] = [
+    {},
+    {"decode_instances": "8"},
+    {"decode_instances": "32"},
+    {"decode_instances": "11", "prefill_per_decode": "7"},
+    # Toy proxies: a group of six replicas spans one prefill node or two.
+    {"decode_instances": "12", "serving": {"proxy": {"kind": "toy"}}},
+    {"decode_instances": "9", "wait_for_ready": "false"},
+    *({"recipe": r} for r in ("gptoss-20b-single", "gptoss-120b-single", "gptoss-20b-di", "gptoss-120b-di")),
+    *({"config": str(p)} for p in sorted((ROOT / "examples").glob("*.yaml"))),
+]
+
+
+def count_renders(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Every node rendered from now on, by name, wherever the render is called from."""
+    rendered: list[str] = []
+    real = render.render_node
+
+    def counted(cfg: Any, layout: Any, node: Any, **kw: Any) -> Any:
+        rendered.append(node.name)
+        return real(cfg, layout, node, **kw)
+
+    monkeypatch.setattr(render, "render_node", counted)
+    monkeypatch.setattr(limits, "render_node", counted, raising=False)
+    return rendered
+
+
+@pytest.mark.parametrize("ctx", CONTEXTS, ids=lambda c: ",".join(f"{k}={Path(str(v)).name}" for k, v in c.items()) or "default")
+def test_one_node_per_shape_sizes_every_node_of_that_shape_within_the_slack(ctx: dict[str, Any]) -> None:
+    cfg = load_config(ctx)
+    layout = cfg.layout
+    groups = limits.shapes(layout)
+    assert sorted(n.name for g in groups for n in g) == sorted(n.name for n in layout.nodes)
+    for group in groups:
+        representative = limits._user_data_bytes(cfg, layout, group[-1])
+        for node in group:
+            exact = limits._user_data_bytes(cfg, layout, node)
+            assert exact <= representative + limits.SHAPE_SLACK, f"{node.name}: {exact} bytes, its shape says {representative}"
+            assert exact >= representative - limits.SHAPE_SLACK, f"{node.name}: {exact} bytes, far below its shape's {representative}"
+
+
+def test_the_largest_user_data_is_never_below_the_largest_node_rendered() -> None:
+    """EC2's 16 KB is checked against this number: it may be high, never low."""
+    for ctx in CONTEXTS:
+        cfg = load_config(ctx)
+        exact = max(limits._user_data_bytes(cfg, cfg.layout, n) for n in cfg.layout.nodes)
+        growth = len(limits.SIGNAL_URL_PLACEHOLDER) - 60 if cfg.wait_for_ready else 0
+        assert exact + growth <= limits.estimate(cfg).largest_user_data <= exact + growth + 2 * limits.SHAPE_SLACK, ctx
+
+
+def test_sizing_a_fleet_renders_one_node_per_shape_not_every_node(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The work's shape, not the clock: 400 decode instances (550 nodes) have a handful of shapes."""
+    rendered = count_renders(monkeypatch)
+    cfg = load_config({"decode_instances": "8"}).model_copy(update={"decode_instances": 400})
+    size = limits.estimate(cfg)
+    assert size.nodes == len(cfg.layout.nodes) == 550
+    assert len(rendered) == len(limits.shapes(cfg.layout)) <= 16
+    assert len(set(rendered)) == len(rendered)
+
+
+def test_a_refusal_renders_a_bounded_number_of_nodes_however_large_the_fleet(monkeypatch: pytest.MonkeyPatch) -> None:
+    """decode_instances=1000 is refused with the largest fleet that fits, after a search over
+    estimates bounded by the outputs limit: never a render of each of the 1375 nodes."""
+    rendered = count_renders(monkeypatch)
+    with pytest.raises(SpecError) as err:
+        limits.check(load_config({"decode_instances": "8"}).model_copy(update={"decode_instances": 1000}))
+    largest = int(re.search(r"at or below (\d+) decode instances", str(err.value)).group(1))  # type: ignore[union-attr]
+    assert len(rendered) < 200, f"{len(rendered)} nodes rendered to refuse one fleet"
+    # The same answer as refusing a fleet just over the limit (the per-node size grows with the
+    # fleet, so the answer is searched, not extrapolated from 1000).
+    with pytest.raises(SpecError) as near:
+        limits.check(load_config({"decode_instances": str(largest + 1)}))
+    assert f"at or below {largest} decode instances" in str(near.value)
