@@ -8,12 +8,18 @@ benchmark, not a test: the numbers depend on the machine.
 from __future__ import annotations
 
 import argparse
+import base64
+import gzip
 import json
+import lzma
 import os
+import resource
+import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -25,6 +31,8 @@ from rich.table import Table  # noqa: E402
 from clusterspec.config import ClusterConfig  # noqa: E402
 from clusterspec.errors import SpecError  # noqa: E402
 from clusterspec.limits import check, estimate  # noqa: E402
+from clusterspec.render import render_node  # noqa: E402
+from clusterspec.userdata import XZ_PRESET, tarball  # noqa: E402
 
 
 def synth(decode: int, outdir: Path) -> tuple[float, dict[str, object], int]:
@@ -48,11 +56,59 @@ def synth(decode: int, outdir: Path) -> tuple[float, dict[str, object], int]:
     return elapsed, json.loads(path.read_text()), path.stat().st_size
 
 
+def plan_times(decode: int, rounds: int) -> tuple[float, float, str]:
+    """Medians of `gptoss plan` for a fleet: (wall s, CPU s, what it printed: plan or refusal)."""
+    walls, cpus, outcome = [], [], ""
+    for _ in range(rounds):
+        before = resource.getrusage(resource.RUSAGE_CHILDREN)
+        t0 = time.perf_counter()
+        r = subprocess.run([str(Path(sys.executable).parent / "gptoss"), "plan", "-c", f"decode_instances={decode}"], cwd=ROOT, capture_output=True, text=True)
+        walls.append(time.perf_counter() - t0)
+        after = resource.getrusage(resource.RUSAGE_CHILDREN)
+        cpus.append(after.ru_utime - before.ru_utime + after.ru_stime - before.ru_stime)
+        if r.returncode not in (0, 2) or "Traceback" in r.stderr:
+            raise RuntimeError(f"gptoss plan -c decode_instances={decode}: exit {r.returncode}\n{r.stderr[-2000:]}")
+        outcome = "plan" if r.returncode == 0 else "refused"
+    return statistics.median(walls), statistics.median(cpus), outcome
+
+
+def xz_table() -> Table:
+    """The bundle's compression, measured on the default layout's nodes: bytes and time per preset."""
+    cfg = ClusterConfig(decode_instances=8)
+    t = Table(title="A node's bundle by compression (8 decode instances' prefill-0 and decode-0; CPU ms per node, median of 9)")
+    for col in ("node", "tarball B", "setting", "compressed B", "base64 B", "ms"):
+        t.add_column(col, justify="right")
+    for node in (cfg.layout.nodes[0], cfg.layout.decode_nodes[0]):
+        raw = tarball(render_node(cfg, cfg.layout, node).files)
+        settings: list[tuple[str, Callable[[bytes], bytes]]] = [("gzip -9", lambda b: gzip.compress(b, 9, mtime=0))]
+        for label, preset in (("xz 1", 1), ("xz 6", 6), ("xz 9", 9), ("xz 9e", 9 | lzma.PRESET_EXTREME)):
+            f = [{"id": lzma.FILTER_LZMA2, "preset": preset, "dict_size": 1 << 20}]
+            settings.append((label + (" (used)" if preset == XZ_PRESET else ""), lambda b, f=f: lzma.compress(b, format=lzma.FORMAT_XZ, filters=f)))  # type: ignore[misc]
+        for label, fn in settings:
+            times = []
+            for _ in range(9):
+                t0 = time.process_time()
+                out = fn(raw)
+                times.append(time.process_time() - t0)
+            t.add_row(node.name, f"{len(raw):,}", label, f"{len(out):,}", f"{len(base64.b64encode(out)):,}", f"{statistics.median(times) * 1000:.1f}")
+    return t
+
+
 def main() -> int:
     """Print one row per fleet size."""
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("sizes", nargs="*", type=int, default=[1, 8, 32, 50, 51], help="decode instances (default: up to the largest one stack holds, and one more)")
+    p.add_argument("--plan-sizes", nargs="*", type=int, default=[1, 8, 50, 51, 56, 57, 100, 1000], help="decode instances to time `gptoss plan` at")
+    p.add_argument("--rounds", type=int, default=3, help="runs of `gptoss plan` per size (medians)")
     args = p.parse_args()
+    pt = Table(title=f"gptoss plan: median of {args.rounds} runs on {os.cpu_count()} cores (this machine)")
+    for col in ("decode", "outcome", "wall s", "cpu s"):
+        pt.add_column(col, justify="right")
+    for n in args.plan_sizes:
+        wall, cpu, outcome = plan_times(n, args.rounds)
+        pt.add_row(str(n), outcome, f"{wall:.2f}", f"{cpu:.2f}")
+    Console(width=140).print(pt)
+    Console(width=140).print(xz_table())
     t = Table(title="Stack size by fleet (pinned CDK CLI, this machine)")
     for col in ("decode", "nodes", "replicas", "synth s", "resources", "outputs", "template bytes", "estimate", "largest user data"):
         t.add_column(col, justify="right")

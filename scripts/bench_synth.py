@@ -1,11 +1,12 @@
 #!/usr/bin/env python3
-"""Synth speed: `cdk synth` of the default stack against a minimal one-queue CDK app, side by side.
+"""Synth speed: `cdk synth` of the stack at several fleet sizes against a minimal one-queue CDK app.
 
-Both run through the pinned CLI with the project's Node, alternately, ROUNDS times each; the
-script prints wall and CPU seconds (the CLI, the Python app and its jsii runtime) and the
-ratios of the medians. The app leaves CDK's built-in CloudFormation validator off (cfn-lint,
-which the test gate runs on every template, checks the same); the last row turns it back on
-(CDK_VALIDATION=true) to show what it costs.
+Like for like: every row states CDK's built-in CloudFormation validator setting (CDK_VALIDATION),
+and each ratio divides by the minimal app run with the same setting. The project's app leaves the
+validator off by default (cfn-lint, which the test gate runs on every template, checks the same);
+the minimal app is run both ways. All cases run through the pinned CLI with the project's Node,
+interleaved, ROUNDS times each; the script prints the medians of wall and CPU seconds (the CLI,
+the Python app and its jsii runtime) and their ratios.
 """
 
 from __future__ import annotations
@@ -20,6 +21,9 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from clusterspec.config import ClusterConfig
 
 ROOT = Path(__file__).resolve().parent.parent
 CDK = ROOT / "node_modules" / ".bin" / "cdk"
@@ -59,31 +63,41 @@ def synth(cwd: Path, outdir: Path, *context: str, env: dict[str, str] | None = N
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--fleets", type=int, nargs="*", default=[8, 32, 50], help="decode instances of the larger rows (default: 8, 32 and the most one stack holds)")
     args = p.parse_args()
+    args.fleets = [(n, len(ClusterConfig(decode_instances=n).layout.nodes)) for n in args.fleets]
     work = Path(tempfile.mkdtemp(prefix="bench-synth-"))
     try:
         minimal = work / "minimal"
         minimal.mkdir()
         (minimal / "app.py").write_text(MINIMAL_APP)
         (minimal / "cdk.json").write_text(f'{{"app": "{sys.executable} app.py"}}\n')
-        cases: dict[str, tuple[Path, dict[str, str]]] = {
-            "minimal one-queue app": (minimal, {}),
-            "GptOss8k1kStack (default)": (ROOT, {}),
-            "GptOss8k1kStack, CDK_VALIDATION=true": (ROOT, {"CDK_VALIDATION": "true"}),
-        }
-        results: dict[str, list[tuple[float, float]]] = {name: [] for name in cases}
+        off, on = {"CDK_VALIDATION": "false"}, {"CDK_VALIDATION": "true"}
+        # (label, directory, validator setting, context)
+        cases: list[tuple[str, Path, dict[str, str], list[str]]] = [
+            ("minimal one-queue app", minimal, off, []),
+            ("GptOss8k1kStack (default, 2 nodes)", ROOT, off, []),
+            *((f"{n} decode instances ({nodes} nodes)", ROOT, off, [f"decode_instances={n}"]) for n, nodes in args.fleets),
+            ("minimal one-queue app", minimal, on, []),
+            ("GptOss8k1kStack (default, 2 nodes)", ROOT, on, []),
+        ]
+        results: list[list[tuple[float, float]]] = [[] for _ in cases]
         synth(minimal, work / "warm")  # the first run pays for caches of both
+        synth(ROOT, work / "warm-app", env=off)
         for i in range(args.rounds):
-            for n, (name, (cwd, extra)) in enumerate(cases.items()):
-                results[name].append(synth(cwd, work / f"out-{i}-{n}", env=extra))
-        base_wall = statistics.median(w for w, _ in results["minimal one-queue app"])
-        base_cpu = statistics.median(c for _, c in results["minimal one-queue app"])
-        print(f"cdk synth, median of {args.rounds} rounds on {os.cpu_count()} cores (Node {_node()}):")
-        print(f"  {'case':<38} {'wall s':>7} {'cpu s':>7} {'x wall':>7} {'x cpu':>7}")
-        for name, runs in results.items():
+            for n, (_, cwd, env, context) in enumerate(cases):
+                results[n].append(synth(cwd, work / f"out-{i}-{n}", *context, env=env))
+        base: dict[str, tuple[float, float]] = {}
+        for (_, cwd, env, _), runs in zip(cases, results, strict=True):
+            if cwd == minimal:
+                base[env["CDK_VALIDATION"]] = (statistics.median(w for w, _ in runs), statistics.median(c for _, c in runs))
+        print(f"cdk synth, median of {args.rounds} rounds on {os.cpu_count()} cores (Node {_node()}); x = this case / the minimal app with the same validator setting:")
+        print(f"  {'case':<38} {'validator':>9} {'wall s':>7} {'cpu s':>7} {'x wall':>7} {'x cpu':>7}")
+        for (label, _, env, _), runs in zip(cases, results, strict=True):
             wall = statistics.median(w for w, _ in runs)
             cpu = statistics.median(c for _, c in runs)
-            print(f"  {name:<38} {wall:7.2f} {cpu:7.2f} {wall / base_wall:7.2f} {cpu / base_cpu:7.2f}")
+            bw, bc = base[env["CDK_VALIDATION"]]
+            print(f"  {label:<38} {env['CDK_VALIDATION']:>9} {wall:7.2f} {cpu:7.2f} {wall / bw:7.2f} {cpu / bc:7.2f}")
     finally:
         shutil.rmtree(work, ignore_errors=True)
     return 0
