@@ -22,9 +22,9 @@ from pydantic import (
     model_validator,
 )
 
-from clusterspec import validate
+from clusterspec import strict_yaml, validate
 from clusterspec.boot import SIGNAL_MARGIN_S, BootConfig
-from clusterspec.errors import SpecError, explain, rule_error
+from clusterspec.errors import SpecError, explain, rule_error, show
 from clusterspec.instance_types import KNOWN_INSTANCE_TYPES, InstanceType
 from clusterspec.layout import Layout, compute_layout
 from clusterspec.serving import ProxyKind, Serving
@@ -139,7 +139,7 @@ class NetworkConfig(_Frozen):
         return self
 
 
-SECRET_ARN = r"^arn:(aws[a-z-]*):secretsmanager:([a-z0-9-]+):(\d{12}):secret:[A-Za-z0-9/_+=.@-]+$"
+SECRET_ARN = r"^arn:(aws[a-z-]*):secretsmanager:([a-z0-9-]+):([0-9]{12}):secret:[A-Za-z0-9/_+=.@-]+$"
 
 
 class ModelSource(_Frozen):
@@ -208,7 +208,7 @@ class ObservabilityConfig(_Frozen):
     interval_s: int = Field(60, ge=10, le=3600, description="How often each node publishes its metrics and ships its logs.")
     log_retention_days: int = Field(30, description="Retention of the cluster's log group (a CloudWatch Logs value).")
     alarm_topic_arn: str | None = Field(
-        None, pattern=r"^arn:aws[a-z-]*:sns:[a-z0-9-]+:\d{12}:[A-Za-z0-9_-]{1,256}$", description="SNS topic the alarms notify."
+        None, pattern=r"^arn:aws[a-z-]*:sns:[a-z0-9-]+:[0-9]{12}:[A-Za-z0-9_-]{1,256}$", description="SNS topic the alarms notify."
     )
 
     @field_validator("log_retention_days")
@@ -223,7 +223,7 @@ class ObservabilityConfig(_Frozen):
 
 
 CR_ID = r"^cr-[0-9a-f]{8,17}$"
-CR_GROUP_ARN = r"^arn:(aws[a-z-]*):resource-groups:([a-z0-9-]+):\d{12}:group/[A-Za-z0-9_.-]{1,300}$"
+CR_GROUP_ARN = r"^arn:(aws[a-z-]*):resource-groups:([a-z0-9-]+):[0-9]{12}:group/[A-Za-z0-9_.-]{1,300}$"
 
 
 class RoleCapacity(_Frozen):
@@ -417,9 +417,18 @@ class ClusterConfig(_Frozen):
     @field_validator("kms_key_arns")
     @classmethod
     def _kms(cls, v: tuple[str, ...]) -> tuple[str, ...]:
+        if len(v) > MAX_KMS_KEYS:
+            raise rule_error(
+                "kms_key_arns", f"{len(v)} keys",
+                f"each key adds about 80 characters to the node role's inline policy, which IAM caps at 10,240 for a role; "
+                f"at most {MAX_KMS_KEYS} keys", "list only the keys of the buckets and the secret this cluster uses",
+            )  # fmt: skip
         for arn in v:
-            if not re.match(r"^arn:aws[a-z-]*:kms:[a-z0-9-]+:\d{12}:key/[0-9a-f-]{36}$", arn):
+            # A single-region key id is a UUID; a multi-region key's is mrk- and 32 hex digits.
+            if not re.fullmatch(r"arn:aws[a-z-]*:kms:[a-z0-9-]+:[0-9]{12}:key/(?:[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}|mrk-[0-9a-f]{32})", arn):
                 raise rule_error("kms_key_arns", arn, "is not a KMS key ARN (an alias grants nothing in IAM)", "give arn:aws:kms:REGION:ACCOUNT:key/KEY-ID")
+        if len(set(v)) != len(v):
+            raise rule_error("kms_key_arns", sorted(a for a in set(v) if v.count(a) > 1)[0], "is listed twice", "keep one")
         return v
 
     @field_validator("nvme_mount", "results_dir")
@@ -552,7 +561,7 @@ class ClusterConfig(_Frozen):
         validate.availability_zone("availability_zone", self.availability_zone, self.region)
         partition = validate.region_partition(self.region)
         if self.model.hf_token_secret_arn:
-            m = re.match(SECRET_ARN, self.model.hf_token_secret_arn)
+            m = re.fullmatch(SECRET_ARN, self.model.hf_token_secret_arn)
             assert m is not None
             if (m.group(1), m.group(2)) != (partition, self.region):
                 raise rule_error(
@@ -711,7 +720,7 @@ def _check_capacity(self: ClusterConfig, partition: str | None) -> None:  # the 
             )  # fmt: skip
     groups = {"capacity": cap.reservation_group_arn} | {f"capacity.roles.{r}": c.reservation_group_arn for r, c in cap.roles.items()}
     for where, group in groups.items():
-        m = re.match(CR_GROUP_ARN, group or "")
+        m = re.fullmatch(CR_GROUP_ARN, group or "")
         if m and (m.group(1), m.group(2)) != (partition, self.region):
             raise rule_error(
                 f"{where}.reservation_group_arn", group, f"instances in {self.region} launch into reservations of {self.region}",
@@ -754,9 +763,18 @@ def _parse_context_value(key: str, value: Any) -> Any:
         return None
     if text in {"true", "false"}:
         return text == "true"
+    if re.fullmatch(r"[-+]?(?:[0-9]+_[0-9_]*|0[0-9]{1,19})", text, re.ASCII):
+        raise SpecError(
+            [
+                f"{key}={show(value)}: is a number with an underscore or a leading zero, which tools read differently "
+                "(10 or 1_0, 1000 or octal 512). Fix: write the decimal number without underscores or leading zeros."
+            ]
+        )
     if text[:1] and text[:1] in "{[":
         try:
             return json.loads(text)
+        except RecursionError:
+            raise SpecError([f"{key}: nests lists or mappings too deeply to read. Fix: {_JSON_FIX}."]) from None
         except json.JSONDecodeError as e:
             raise SpecError([f"{key}={value!r}: is not valid JSON ({e.msg} at column {e.colno}). Fix: {_JSON_FIX}."]) from None
     return value
@@ -784,13 +802,21 @@ def _read_file(path: str) -> dict[str, Any]:
     if p.is_dir():
         raise SpecError([f"{where}: is a directory. Fix: name a YAML or JSON file in it, e.g. examples/production-3p8d.yaml."])
     try:
+        size = p.stat().st_size
+        if size > MAX_CONFIG_BYTES:
+            raise SpecError([f"{where}: is {size:,} bytes; a config file is at most {MAX_CONFIG_BYTES:,} (the examples are under 1,000). Fix: keep only the settings you change."])
         text = p.read_text(encoding="utf-8")
     except UnicodeDecodeError:
         raise SpecError([f"{where}: is not UTF-8 text. Fix: save it as UTF-8."]) from None
     except OSError as e:
         raise SpecError([f"{where}: cannot be read ({e.strerror}). Fix: check the path and its permissions."]) from None
     try:
-        loaded = yaml.safe_load(text)
+        loaded = strict_yaml.load(text)
+    except strict_yaml.StrictYamlError as e:
+        mark = e.problem_mark
+        raise SpecError([f"{where}: {e.problem} (line {mark.line + 1}, column {mark.column + 1}). Fix: {e.fix}."]) from None
+    except RecursionError:
+        raise SpecError([f"{where}: nests lists or mappings too deeply to read. Fix: write the settings as README 'Parameters' shows them."]) from None
     except yaml.constructor.ConstructorError as e:
         raise SpecError(
             [f"{where}: uses a YAML tag a config may not use ({e.problem}). Fix: write plain values (no !! or ! tags)."]
@@ -822,8 +848,8 @@ def _with_recipe(data: dict[str, Any]) -> dict[str, Any]:
     from clusterspec.recipes import DEFAULT_RECIPE, RECIPES
 
     name = data.get("recipe", DEFAULT_RECIPE)
-    if name not in RECIPES:
-        raise SpecError([f"recipe={name!r}: is not a recipe. Fix: use one of {', '.join(RECIPES)} (README 'Recipes')."])
+    if not isinstance(name, str) or name not in RECIPES:
+        raise SpecError([f"recipe={show(name)}: is not a recipe. Fix: use one of {', '.join(RECIPES)} (README 'Recipes')."])
     return deep_merge(RECIPES[name].defaults(), data)
 
 
@@ -846,6 +872,52 @@ def _apply_pin(data: dict[str, Any], context: dict[str, Any]) -> None:
         data["ami_id"], data["ami_ssm_parameter"] = pin.get("ami_id"), None
 
 
+# C0 and C1 controls, DEL, and the Unicode line and paragraph separators: systemd, bash and YAML
+# read each of them as the end of a line or drop it; no setting documents one.
+_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f\u2028\u2029]")
+MAX_DEPTH = 10
+MAX_KMS_KEYS = 64
+MAX_CONFIG_BYTES = 256 * 1024
+MAX_ITEMS = 1000
+
+
+def check_text(value: Any, where: str = "", depth: int = 0) -> None:
+    """Every setting, at any depth: one line of printable, valid text, in bounded structures.
+
+    Runs on the merged settings before the model sees them, so each refusal names the user's
+    field (`serving.server_health_path`), not the variable a unit would have carried it in.
+    """
+    at = where or "config"
+    if depth > MAX_DEPTH:
+        raise SpecError([f"{at}: nested more than {MAX_DEPTH} levels deep; no setting is. Fix: write the setting as README 'Parameters' shows it."])
+    if isinstance(value, dict | list | tuple) and len(value) > MAX_ITEMS:
+        raise SpecError([f"{at}: holds {len(value):,} entries; no setting takes more than {MAX_ITEMS:,}. Fix: remove the extra entries."])
+    if isinstance(value, dict):
+        for k, v in value.items():
+            name = f"{where}.{k}" if where else str(k)
+            if isinstance(k, str):
+                _check_string(f"{at} (a name in it)", k)
+            check_text(v, name, depth + 1)
+    elif isinstance(value, list | tuple):
+        for i, v in enumerate(value):
+            check_text(v, f"{at}[{i}]", depth + 1)
+    elif isinstance(value, str):
+        _check_string(at, value)
+
+
+def _check_string(where: str, value: str) -> None:
+    if any("\ud800" <= ch <= "\udfff" for ch in value):
+        raise SpecError([f"{where}={show(value)}: is not valid UTF-8 text. Fix: give the value as UTF-8 text."])
+    m = _CONTROL.search(value)
+    if m:
+        raise SpecError(
+            [
+                f"{where}={show(value)}: holds the control character {m.group()!r} at position {m.start()}; "
+                "a setting is one line of printable text (systemd and bash would end or drop the line there). Fix: remove it."
+            ]
+        )
+
+
 def load_config(context: dict[str, Any]) -> ClusterConfig:
     """Build the config from a `config` file (YAML/JSON) and CDK context keys; context wins."""
     data: dict[str, Any] = {}
@@ -861,6 +933,14 @@ def load_config(context: dict[str, Any]) -> ClusterConfig:
                 [
                     f"{key}={value!r}: is not a known setting. Fix: remove -c {key} or check its spelling "
                     f"(known: {', '.join(sorted(_CONTEXT_KEYS))})."
+                ]
+            )
+        if isinstance(value, str) and ("\n" in value or "\r" in value):
+            raise SpecError(
+                [
+                    f"{key}={show(value)}: holds a line break; the CDK CLI keeps only the text before the first line "
+                    "break of a -c value, so the template would get another value than plan checks. "
+                    "Fix: give the value on one line (JSON for nested values)."
                 ]
             )
         parsed = _parse_context_value(key, value)
@@ -879,6 +959,7 @@ def load_config(context: dict[str, Any]) -> ClusterConfig:
                 "(or capacity.type: capacity-block for a Capacity Block for ML)."
             ]
         )
+    check_text(data)
     data = _with_recipe(data)
     _apply_pin(data, context)
     try:

@@ -7,13 +7,23 @@ from typing import Any
 from pydantic import ValidationError
 from pydantic_core import PydanticCustomError
 
+SHOWN_CHARS = 120
+
+
+def show(value: Any) -> str:
+    """A value as a message quotes it: repr for text, bounded (a message never echoes a megabyte)."""
+    text = repr(value) if isinstance(value, str) else str(value)
+    if len(text) > SHOWN_CHARS:
+        return f"{text[: SHOWN_CHARS - 20]}... ({len(text):,} characters)"
+    return text
+
 
 def rule_error(field: str, value: Any, rule: str, fix: str) -> PydanticCustomError:
     """Build an error for a broken rule; raised inside pydantic validators or on its own."""
     return PydanticCustomError(
         "spec_rule",
         "{field}={value}: {rule}. Fix: {fix}.",
-        {"field": field, "value": repr(value) if isinstance(value, str) else str(value), "rule": rule, "fix": fix},
+        {"field": field, "value": show(value), "rule": rule, "fix": fix},
     )
 
 
@@ -53,7 +63,7 @@ def explain(exc: ValidationError, prefix: str = "") -> SpecError:
             continue
         field = _loc(err, prefix) or prefix or "config"
         value = err.get("input")
-        shown = repr(value) if not isinstance(value, dict) else "{...}"
+        shown = show(value) if not isinstance(value, dict) else "{...}"
         if err["type"] == "extra_forbidden":
             rule, fix = "is not a known setting", f"remove `{field}` or check its spelling (see README 'Parameters')"
         elif err["type"] == "missing":

@@ -25,7 +25,7 @@ def systemd_quote(arg: str) -> str:
         arg = arg.replace("$", "$$").replace("%", "%%")
     elif re.search(r"%(?![in])", arg):
         raise ValueError(f"argument {arg!r} holds a systemd specifier other than %i and %n")
-    if _SAFE.match(arg):
+    if _SAFE.fullmatch(arg):
         return arg
     if "'" in arg or "\\" in arg or "\n" in arg:
         raise ValueError(f"argument {arg!r} cannot be single-quoted for systemd")
@@ -38,7 +38,7 @@ def env_file(env: Mapping[str, str]) -> str:
     for k, v in env.items():
         if "'" in v or "\n" in v:
             raise ValueError(f"environment value of {k} holds a quote or a newline: {v!r}")
-        lines.append(f"{k}={v}" if _SAFE.match(v) and "$" not in v else f"{k}='{v}'")
+        lines.append(f"{k}={v}" if _SAFE.fullmatch(v) and "$" not in v else f"{k}='{v}'")
     return "\n".join(lines) + "\n"
 
 

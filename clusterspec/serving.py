@@ -119,6 +119,10 @@ SECONDS_ENV = {
 }
 
 
+# What a server's process needs as the units and the venv set it: an env table may not replace it.
+UNIT_ENV = frozenset({"PATH", "HOME", "LD_PRELOAD", "LD_LIBRARY_PATH", "PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV", "NEURON_RT_VISIBLE_CORES"})
+
+
 def _drop_removed(v: Any) -> Any:
     """An env table entry set to null is removed (-c serving.common_env.X=null): tables merge key by key."""
     return {k: e for k, e in v.items() if e is not None} if isinstance(v, dict) else v
@@ -129,6 +133,13 @@ def _check_env(field: str, env: dict[str, EnvSetting]) -> None:
         validate.env_name(f"{field}.{name}", name)
         if name in SECONDS_ENV:
             validate.positive_int_text(f"{field}.{name}", setting.value, maximum=SECONDS_ENV[name])
+    owned = sorted(UNIT_ENV & set(env))
+    if owned:
+        raise rule_error(
+            field, owned,
+            "the units and the venv set these for every server (the command search path, the loader, the NeuronCores a server binds)",
+            "remove them from the env table (NeuronCores follow the layout: replicas_per_prefill_instance and lnc)",
+        )  # fmt: skip
     derived = sorted(DERIVED_ENV & set(env))
     if derived:
         raise rule_error(
@@ -531,7 +542,7 @@ class Serving(_Frozen):
     @field_validator("model_id")
     @classmethod
     def _model_id(cls, v: str) -> str:
-        if not re.match(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,95}/[A-Za-z0-9][A-Za-z0-9._-]{0,95}$", v) or ".." in v:
+        if not re.fullmatch(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,95}/[A-Za-z0-9][A-Za-z0-9._-]{0,95}$", v) or ".." in v:
             raise rule_error("serving.model_id", v, "is not a Hugging Face model id (org/name)", "give e.g. openai/gpt-oss-120b")
         return v
 
@@ -598,13 +609,38 @@ MODELED_FLAGS = frozenset(
 )
 
 
+# Flags the units and the deploy gate depend on without a typed field: the model's name (the gate
+# and the proxy ask for the model by its path) and a file of flags that would override the rest.
+OWNED_FLAGS = frozenset(["--model", "--served-model-name", "--config"])
+
+
+def _owned_spellings() -> frozenset[str]:
+    """Every spelling argparse maps to a modeled or owned flag: the flag, its --no- negation
+    (BooleanOptionalAction) and, for a --no- flag, its positive form."""
+    out = set(MODELED_FLAGS | OWNED_FLAGS)
+    for flag in MODELED_FLAGS:
+        out.add(f"--{flag[5:]}" if flag.startswith("--no-") else f"--no-{flag[2:]}")
+    return frozenset(out)
+
+
+OWNED_SPELLINGS = _owned_spellings()
+
+
 def _check_extra_flags(field: str, flags: tuple[ExtraFlag, ...]) -> None:
     seen: set[str] = set()
     for flag in flags:
-        if flag.name in MODELED_FLAGS:
+        # vLLM's parser takes any unambiguous prefix of a flag (--max-num-seq is --max-num-seqs).
+        owned = sorted(o for o in OWNED_SPELLINGS if o.startswith(flag.name))
+        as_read = "" if flag.name in owned else f" (vLLM reads it as {' or '.join(owned)})"
+        if any(o not in OWNED_FLAGS for o in owned):
             raise rule_error(
-                field, flag.name, "the spec sets this flag from a typed field; a second copy would decide which one vLLM reads",
+                field, flag.name, f"the spec sets this flag from a typed field{as_read}; a second copy would decide which one vLLM reads",
                 "set the typed field under serving.* instead (see README 'Parameters')",
+            )  # fmt: skip
+        if owned:
+            raise rule_error(
+                field, flag.name, f"the units set this flag themselves{as_read}: the deploy gate and the proxy ask for the model by its path",
+                "remove it",
             )  # fmt: skip
         if flag.name in seen:
             raise rule_error(field, flag.name, "is given twice", "keep one")
@@ -622,13 +658,13 @@ def _carried_json(field: str, value: Any) -> None:
 def _repo_path(field: str, value: str) -> str:
     """A relative path inside the examples repository."""
     parts = value.split("/")
-    if value.startswith("/") or ".." in parts or "." in parts or "" in parts or not re.match(r"^[A-Za-z0-9_./-]+$", value):
+    if value.startswith("/") or ".." in parts or "." in parts or "" in parts or not re.fullmatch(r"^[A-Za-z0-9_./-]+$", value):
         raise rule_error(field, value, "must be a relative path inside the vLLM Neuron repository (no '..', no leading '/')", "give the path as in the repository")
     return value
 
 
 def _route_path(field: str, value: str) -> str:
-    if not re.match(r"^/[A-Za-z0-9/_.-]*$", value):
+    if not re.fullmatch(r"^/[A-Za-z0-9/_.-]*$", value):
         raise rule_error(field, value, "must be an HTTP path starting with /", "give a route like /health")
     return value
 

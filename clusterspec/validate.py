@@ -62,7 +62,7 @@ def node_path(field: str, value: str, *, glob: bool = False, not_above: tuple[st
 
 def file_name(field: str, value: str) -> str:
     """A plain file name (no directory part)."""
-    if "/" in value or value in {"", ".", ".."} or not re.match(r"^[A-Za-z0-9_.-]+$", value) or len(value) > 100:
+    if "/" in value or value in {"", ".", ".."} or not re.fullmatch(r"^[A-Za-z0-9_.-]+$", value) or len(value) > 100:
         raise rule_error(field, value, "must be a file name (letters, digits, _ . -; no '/')", "give only the name, e.g. bench_clean.json")
     return value
 
@@ -79,7 +79,7 @@ def carried(field: str, value: str, *, extra: dict[str, str] | None = None, max_
 
 def env_name(field: str, value: str) -> str:
     """An environment variable name bash and systemd both accept; GPTOSS_* belongs to the project."""
-    if not ENV_NAME.match(value):
+    if not ENV_NAME.fullmatch(value):
         raise rule_error(field, value, "is not a valid environment variable name", "use letters, digits and _ , not starting with a digit")
     if value.startswith("GPTOSS_"):
         raise rule_error(field, value, "GPTOSS_* variables are the project's own", "choose another name")
@@ -88,7 +88,7 @@ def env_name(field: str, value: str) -> str:
 
 def positive_int_text(field: str, value: str, *, maximum: int) -> str:
     """An environment value that must be a whole number of seconds."""
-    if not re.match(r"^[0-9]+$", value) or not 0 < int(value) <= maximum:
+    if not re.fullmatch(r"^[0-9]+$", value) or not 0 < int(value) <= maximum:
         raise rule_error(
             field, value, f"must be a whole number of seconds from 1 to {maximum}",
             "set it to a positive whole number (a negative or empty value would make systemd drop the unit's timeouts)",
@@ -98,12 +98,12 @@ def positive_int_text(field: str, value: str, *, maximum: int) -> str:
 
 def git_ref(field: str, value: str) -> str:
     """A tag or a full commit id: never a branch, which moves under a running fleet."""
-    if re.match(r"^[0-9a-f]{40}$", value):
+    if re.fullmatch(r"^[0-9a-f]{40}$", value):
         return value
     name = value.removeprefix("refs/tags/")
     if value.startswith("refs/") and not value.startswith("refs/tags/"):
         raise rule_error(field, value, "names a branch or another moving ref", "pin a tag (release-...) or a 40-character commit id")
-    if name.startswith("-") or not re.match(r"^[A-Za-z0-9][A-Za-z0-9._-]*$", name) or ".." in name or name.endswith((".", ".lock")):
+    if name.startswith("-") or not re.fullmatch(r"^[A-Za-z0-9][A-Za-z0-9._-]*$", name) or ".." in name or name.endswith((".", ".lock")):
         raise rule_error(field, value, "is not a valid git tag name", "give a tag such as release-0.29.0.1.2.0, or a 40-character commit id")
     if not re.search(r"[0-9]", name) or name.lower() in {"head", "main", "master", "develop", "trunk", "latest", "stable"}:
         raise rule_error(
@@ -120,7 +120,7 @@ def https_url(field: str, value: str) -> str:
         raise rule_error(field, value, "must be an https:// URL (the security group opens only HTTPS to the world)", "give the repository's https:// URL")
     if "@" in value[8:].split("/", 1)[0]:
         raise rule_error(field, value, "holds credentials, which anyone who can read the instance's user data would see", "use a public URL")
-    if not re.match(r"^https://[A-Za-z0-9.-]+(:[0-9]+)?(/[A-Za-z0-9._~/-]*)?$", value):
+    if not re.fullmatch(r"^https://[A-Za-z0-9.-]+(:[0-9]+)?(/[A-Za-z0-9._~/-]*)?$", value):
         raise rule_error(field, value, "is not a plain https:// URL (host, optional port, path of letters, digits and . _ ~ / -)", "give the repository's https:// URL")
     return value
 
@@ -180,8 +180,8 @@ def region(field: str, value: str) -> str:
 
 
 def availability_zone(field: str, value: str, region_name: str) -> str:
-    if not re.match(rf"^{re.escape(region_name)}[a-z]$", value):
-        if re.match(r"^[a-z]{2,4}[0-9]-az[0-9]+$", value):
+    if not re.fullmatch(rf"^{re.escape(region_name)}[a-z]$", value):
+        if re.fullmatch(r"^[a-z]{2,4}[0-9]-az[0-9]+$", value):
             raise rule_error(
                 field, value, "is a zone id; the cluster takes the zone name", f"look it up with aws ec2 describe-availability-zones --zone-ids {value}"
             )  # fmt: skip
@@ -195,19 +195,19 @@ S3_KEY_CHARS = re.compile(r"^[A-Za-z0-9!_.*()/-]*$")
 
 def s3_uri(field: str, value: str) -> str:
     """An s3:// location: a valid bucket name and a prefix of S3's safe characters, without a trailing '/'."""
-    m = re.match(r"^s3://([^/]*)(/.*)?$", value)
+    m = re.fullmatch(r"^s3://([^/]*)(/.*)?$", value)
     if not m:
         raise rule_error(field, value, "must be an s3:// location", "give s3://bucket/prefix")
     bucket, key = m.group(1), (m.group(2) or "").lstrip("/")
     if (
-        not re.match(r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$", bucket)
+        not re.fullmatch(r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$", bucket)
         or ".." in bucket
-        or re.match(r"^\d+\.\d+\.\d+\.\d+$", bucket)
+        or re.fullmatch(r"^[0-9]+\.[0-9]+\.[0-9]+\.[0-9]+$", bucket)
         or bucket.startswith(("xn--", "sthree-"))
         or bucket.endswith(("-s3alias", "--ol-s3"))
     ):
         raise rule_error(field, value, f"{bucket!r} is not a valid S3 bucket name", "use 3-63 lowercase letters, digits, '.' and '-'")
-    if not S3_KEY_CHARS.match(key) or "//" in key or value.endswith("/"):
+    if not S3_KEY_CHARS.fullmatch(key) or "//" in key or value.endswith("/"):
         raise rule_error(
             field, value, "the prefix must use S3's safe characters (letters, digits, ! _ . * ( ) - /), no '//' and no trailing '/'",
             f"write it as s3://{bucket}/{key.strip('/')}" if key.strip("/") else f"write it as s3://{bucket}",
