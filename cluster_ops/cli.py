@@ -109,6 +109,8 @@ def _context(items: list[str]) -> dict[str, Any]:
         key, sep, value = item.partition("=")
         if not sep:
             raise SpecError([f"-c {item!r}: context must be KEY=VALUE. Fix: e.g. -c decode_instances=8."])
+        if key.startswith("aws:"):  # the CDK CLI refuses these before the app runs
+            raise SpecError([f"-c {key}: keys that start with 'aws:' are the CDK's own and the CDK CLI refuses them. Fix: remove -c {key}."])
         ctx[key] = value
     return ctx
 
@@ -179,6 +181,37 @@ def _feeds(rs: list[NodeRender], routed: bool) -> str:
     return f"decode-{feeds[0]}" if len(feeds) == 1 else f"decode-{feeds[0]}..{feeds[-1]}"
 
 
+# A deploy asks before it bills this many times the fleet the user can be expected to have in mind.
+GROWTH_FACTOR = 4
+GROWTH_MIN_NODES = 8
+
+
+def fleet_growth(cfg: ClusterConfig) -> str | None:
+    """Why this fleet may be bigger than meant, or None: at least GROWTH_FACTOR times (and
+    GROWTH_MIN_NODES instances) the fleet last deployed under this stack name from this checkout,
+    or, on a first deploy, the recipe's own fleet for the same decode_instances and instance type
+    (so prefill_per_decode=1000 or a replicas_per_prefill_instance of 1 is caught, the 3 + 8
+    layout asked with decode_instances=8 is not)."""
+    nodes = len(cfg.layout.nodes)
+    if nodes < GROWTH_MIN_NODES:
+        return None
+    record = deployed().get(cfg.stack_name)
+    try:
+        if record is not None:
+            before = len(load_config(_context(list(record["context"]))).layout.nodes)
+            than = f"the {before} instance{'s' * (before != 1)} last deployed as {cfg.stack_name} from this checkout"
+        else:
+            base = load_config({"recipe": cfg.recipe, "decode_instances": cfg.decode_instances, "instance_type": cfg.instance_type})
+            before = len(base.layout.nodes)
+            than = (f"the {cfg.recipe} recipe's {before} for decode_instances={cfg.decode_instances} "
+                    f"(prefill_per_decode={cfg.prefill_per_decode}, replicas_per_prefill_instance={cfg.replicas_per_prefill_instance or 'fill'})")  # fmt: skip
+    except (SpecError, ValueError, KeyError, TypeError):
+        return None  # no baseline to compare with: nothing to say
+    if nodes < GROWTH_FACTOR * before:
+        return None
+    return f"{nodes} x {cfg.instance_type} is {nodes / before:.0f}x {than}"
+
+
 def summary(cfg: ClusterConfig, renders: list[NodeRender]) -> str:
     """The plan in 80 columns: what is deployed, where the endpoint is, what bills."""
     from cluster_ops import cost
@@ -219,6 +252,11 @@ def summary(cfg: ClusterConfig, renders: list[NodeRender]) -> str:
     lines.append("  billed by the hour: " + billable[0])
     lines += [f"    {b}" for b in billable[1:]]
     lines.append("  prices: --cost (AWS credentials)   every unit: --details, --node NAME, --json")
+    growth = fleet_growth(cfg)
+    if growth:
+        import textwrap
+
+        lines += textwrap.wrap(f"check the size: {growth}; gptoss deploy asks you to confirm it", 78, initial_indent="  ", subsequent_indent="    ")
     return "\n".join(lines)
 
 
@@ -565,6 +603,17 @@ def cmd_deploy(args: argparse.Namespace, extra: list[str]) -> int:
     print(f"billed by the hour once deployed: {billable} (prices: gptoss plan --cost)", file=sys.stderr)
     if not cfg.ami_id:
         print(f"warning: unpinned image ({cfg.ami_ssm_parameter}); pin it before a production deploy: gptoss pin-ami", file=sys.stderr)
+    growth = fleet_growth(cfg)
+    if growth and not args.yes:
+        nodes = len(cfg.layout.nodes)
+        if not sys.stdin.isatty():
+            raise CliError(f"refusing to deploy without confirmation: {growth}. Nothing was deployed. "
+                           "Fix: check decode_instances, prefill_per_decode and replicas_per_prefill_instance, "
+                           "or pass --yes if this is the fleet you mean.", 1)  # fmt: skip
+        print(f"check the size: {growth}", file=sys.stderr)
+        answer = input(f"type the instance count ({nodes}) to deploy them: ").strip()
+        if answer != str(nodes):
+            raise CliError(f"not confirmed ({answer!r} is not {nodes}): nothing was deployed.", 1)
     context = _context_args(args)
     _record(cfg, context)
     code = _cdk("deploy", cfg, context, extra)
@@ -674,6 +723,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     dep = sub.add_parser("deploy", help="cdk deploy of the named stack (extra arguments go to cdk)")
     common(dep)
+    dep.add_argument("--yes", action="store_true", help="deploy a fleet 4x or more the expected size without asking")
     dep.set_defaults(func=cmd_deploy, passthrough=True)
 
     des = sub.add_parser("destroy", help="cdk destroy of the named stack, after confirmation")
@@ -732,6 +782,11 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:
+        # The reader went away (gptoss plan | head): stop quietly, as cat does; Python would
+        # otherwise complain again when it flushes stdout at exit.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
     except Exception as e:
         line = explain(e, region=_REGION or os.environ.get("AWS_REGION", "the configured region"))
         if line:

@@ -527,6 +527,12 @@ class ClusterConfig(_Frozen):
             raise rule_error(
                 "serving.recipe", self.serving.recipe, f"is set by the recipe ({self.recipe})", "remove serving.recipe; choose the recipe with recipe=NAME"
             )
+        if self.proxy_load_balancer and not self.serving.disaggregated:
+            raise rule_error(
+                "proxy_load_balancer", True,
+                f"the {self.recipe} recipe runs one server per instance and no proxy: the load balancer's health check "
+                "would ask a port nothing serves", "remove proxy_load_balancer (the outputs name each instance's server URL)",
+            )  # fmt: skip
         if self.instance_type not in KNOWN_INSTANCE_TYPES:
             raise rule_error(
                 "instance_type",
@@ -850,7 +856,39 @@ def _with_recipe(data: dict[str, Any]) -> dict[str, Any]:
     name = data.get("recipe", DEFAULT_RECIPE)
     if not isinstance(name, str) or name not in RECIPES:
         raise SpecError([f"recipe={show(name)}: is not a recipe. Fix: use one of {', '.join(RECIPES)} (README 'Recipes')."])
-    return deep_merge(RECIPES[name].defaults(), data)
+    recipe = RECIPES[name]
+    serving = data.get("serving")
+    if isinstance(serving, dict):
+        _recipe_facts(recipe.name, recipe.serving.model_dump(mode="json"), serving)
+    return deep_merge(recipe.defaults(), data)
+
+
+# What a recipe's reference tested, not a setting: the topology its units are built for and the
+# decode EP degree its reference vouches for (the guard against untested degrees hangs on it).
+RECIPE_FACTS = ("topology", "tested_decode_ep")
+_SIZE = re.compile(r"gpt-oss-([0-9]+)b", re.IGNORECASE)
+
+
+def _recipe_facts(name: str, facts: dict[str, Any], serving: dict[str, Any]) -> None:
+    """Refuse a user's value for what the recipe's reference fixed, and a checkpoint of another size."""
+    for key in RECIPE_FACTS:
+        if key in serving and serving[key] != facts[key] and str(serving[key]) != str(facts[key]):  # -c gives text
+            raise SpecError(
+                [
+                    f"serving.{key}={json.dumps(serving[key]) if not isinstance(serving[key], str) else show(serving[key])}: is what the {name} recipe's reference tested ({facts[key]!r}), "
+                    f"not a setting. Fix: remove serving.{key}, or choose the recipe that runs what you want with recipe=NAME."
+                ]
+            )
+    model = serving.get("model_id")
+    ours, theirs = _SIZE.search(str(facts["model_id"])), _SIZE.search(str(model)) if isinstance(model, str) else None
+    if ours and theirs and ours.group(1) != theirs.group(1):
+        raise SpecError(
+            [
+                f"serving.model_id={show(model)}: names a {theirs.group(1)}B checkpoint; the {name} recipe's flags, cores and "
+                f"shard count are sized for {ours.group(1)}B ({facts['model_id']}). Fix: choose the {theirs.group(1)}B recipe "
+                "(gptoss recipes lists them), or a checkpoint of the recipe's size."
+            ]
+        )
 
 
 def pin_key(region: str) -> str:
@@ -905,6 +943,46 @@ def check_text(value: Any, where: str = "", depth: int = 0) -> None:
         _check_string(at, value)
 
 
+def _types(annotation: Any) -> tuple[Any, ...]:
+    """The types an annotation admits, unions and Optional flattened (Annotated unwrapped)."""
+    import types
+    import typing
+
+    origin = typing.get_origin(annotation)
+    if origin is typing.Annotated:
+        return _types(typing.get_args(annotation)[0])
+    if origin in (typing.Union, types.UnionType):
+        return tuple(t for a in typing.get_args(annotation) for t in _types(a))
+    return (annotation,)
+
+
+def check_numbers(model: type[BaseModel], data: Any, where: str = "") -> None:
+    """A yes/no where a number belongs is refused (pydantic would read true as 1, false as 0)."""
+    import typing
+
+    if not isinstance(data, dict):
+        return
+    for key, value in data.items():
+        field = model.model_fields.get(key) if isinstance(key, str) else None
+        if field is None:
+            continue
+        at = f"{where}.{key}" if where else key
+        admitted = _types(field.annotation)
+        if isinstance(value, bool) and bool not in admitted and (int in admitted or float in admitted):
+            example = f" (e.g. {field.default})" if isinstance(field.default, int | float) and not isinstance(field.default, bool) else ""
+            raise SpecError([f"{at}={json.dumps(value)}: is a yes/no, not a number. Fix: give {at} as a number{example}."])
+        for t in admitted:
+            origin, args = typing.get_origin(t), typing.get_args(t)
+            if isinstance(t, type) and issubclass(t, BaseModel):
+                check_numbers(t, value, at)
+            elif origin is dict and len(args) == 2 and isinstance(args[1], type) and issubclass(args[1], BaseModel) and isinstance(value, dict):
+                for k, v in value.items():
+                    check_numbers(args[1], v, f"{at}.{k}")
+            elif origin in (list, tuple) and args and isinstance(args[0], type) and issubclass(args[0], BaseModel) and isinstance(value, list):
+                for i, v in enumerate(value):
+                    check_numbers(args[0], v, f"{at}[{i}]")
+
+
 def _check_string(where: str, value: str) -> None:
     if any("\ud800" <= ch <= "\udfff" for ch in value):
         raise SpecError([f"{where}={show(value)}: is not valid UTF-8 text. Fix: give the value as UTF-8 text."])
@@ -916,6 +994,11 @@ def _check_string(where: str, value: str) -> None:
                 "a setting is one line of printable text (systemd and bash would end or drop the line there). Fix: remove it."
             ]
         )
+
+
+# Where the CDK CLI cuts a -c value: it splits KEY=VALUE with the JavaScript pattern /=(.*)/,
+# whose '.' stops at these four line terminators.
+CLI_LINE_BREAKS = "\n\r\u2028\u2029"
 
 
 def load_config(context: dict[str, Any]) -> ClusterConfig:
@@ -935,7 +1018,7 @@ def load_config(context: dict[str, Any]) -> ClusterConfig:
                     f"(known: {', '.join(sorted(_CONTEXT_KEYS))})."
                 ]
             )
-        if isinstance(value, str) and ("\n" in value or "\r" in value):
+        if isinstance(value, str) and any(ch in value for ch in CLI_LINE_BREAKS):
             raise SpecError(
                 [
                     f"{key}={show(value)}: holds a line break; the CDK CLI keeps only the text before the first line "
@@ -960,6 +1043,7 @@ def load_config(context: dict[str, Any]) -> ClusterConfig:
             ]
         )
     check_text(data)
+    check_numbers(ClusterConfig, data)
     data = _with_recipe(data)
     _apply_pin(data, context)
     try:

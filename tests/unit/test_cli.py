@@ -162,6 +162,37 @@ def test_deploy_names_the_stack_records_it_and_later_commands_find_it(checkout: 
     assert "--stack GptOssNope: no stack of that name was deployed from this checkout (recorded: GptOss8k1kProd)" in capsys.readouterr().err
 
 
+def test_a_fleet_many_times_the_expected_size_is_confirmed_before_it_bills(checkout: Path, monkeypatch: pytest.MonkeyPatch, capsys: Any) -> None:
+    """prefill_per_decode=1000 means 64 instances: plan says so, deploy asks (or refuses without a
+    terminal) and runs nothing unconfirmed; the 3 + 8 layout asked by decode_instances does not ask,
+    and a later deploy of that stack is compared with what it had."""
+    ran: list[str] = []
+    monkeypatch.setattr(cli, "_cdk", lambda verb, cfg, context, extra: ran.append(cfg.stack_name) or 0)
+    big = ["-c", "prefill_per_decode=1000"]
+    assert cli.main(["plan", *big]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "check the size: 64 x trn3.48xlarge is 32x the gptoss-120b-8k1k recipe's 2 for decode_instances=1" in out
+    monkeypatch.setattr(sys, "stdin", io.StringIO(""))  # no terminal
+    assert cli.main(["deploy", *big]) == 1
+    assert "refusing to deploy without confirmation: 64 x trn3.48xlarge is 32x" in capsys.readouterr().err and ran == []
+    tty = io.StringIO("63\n")
+    tty.isatty = lambda: True  # type: ignore[method-assign]
+    monkeypatch.setattr(sys, "stdin", tty)
+    assert cli.main(["deploy", *big]) == 1
+    assert "not confirmed ('63' is not 64): nothing was deployed." in capsys.readouterr().err and ran == []
+    tty = io.StringIO("64\n")
+    tty.isatty = lambda: True  # type: ignore[method-assign]
+    monkeypatch.setattr(sys, "stdin", tty)
+    assert cli.main(["deploy", *big]) == 0 and ran == ["GptOss8k1kStack"]
+    capsys.readouterr()
+    # Asked for: no question. Compared with the last deploy of the stack: 11 -> 11 is fine, 11 -> 56 asks.
+    monkeypatch.setattr(sys, "stdin", io.StringIO(""))
+    assert cli.main(["deploy", *PROD]) == 0 and ran[-1] == "GptOss8k1kProd"
+    assert cli.main(["deploy", *PROD, "-c", "replicas_per_prefill_instance=1"]) == 1
+    assert "56 x trn3.48xlarge is 5x the 11 instances last deployed as GptOss8k1kProd from this checkout" in capsys.readouterr().err
+    assert cli.main(["deploy", *PROD, "-c", "replicas_per_prefill_instance=1", "--yes"]) == 0 and ran[-1] == "GptOss8k1kProd"
+
+
 def test_a_failed_deploy_is_explained_in_one_line(checkout: Path, monkeypatch: pytest.MonkeyPatch, capsys: Any) -> None:
     monkeypatch.setattr(cli, "_cdk", lambda verb, cfg, context, extra: 1)
     cfn = boto3.client("cloudformation", region_name=REGION, aws_access_key_id="x", aws_secret_access_key="x")

@@ -262,6 +262,14 @@ BAD_INPUTS: list[tuple[str, dict[str, Any], list[str]]] = [
     row("extra flag reading flags from a file", {"serving": {"prefill": {"extra_flags": [{"name": "--config", "value": "/tmp/x.yaml", "reason": "r"}]}}}, "serving.prefill.extra_flags='--config'", "the units set this flag themselves", "remove it"),
     row("env table replacing PATH", {"serving": {"decode": {"env": {"PATH": {"value": "/tmp", "reason": "r"}}}}}, "serving.decode.env=['PATH']", "the units and the venv set these", "remove them"),
     row("env table binding NeuronCores", {"serving": {"common_env": {"NEURON_RT_VISIBLE_CORES": {"value": "0-3", "reason": "r"}}}}, "serving.common_env=['NEURON_RT_VISIBLE_CORES']", "the NeuronCores a server binds", "remove them"),
+    row("a yes where a count belongs", {"decode_instances": "true"}, "decode_instances=true", "is a yes/no, not a number", "give decode_instances as a number (e.g. 1)"),
+    row("a no deep in a section", {"serving": {"decode": {"max_num_seqs": False}}}, "serving.decode.max_num_seqs=false", "is a yes/no, not a number", "as a number (e.g. 8)"),
+    row("load balancer over a single-instance recipe", {"recipe": "gptoss-20b-single", "proxy_load_balancer": "true"}, "proxy_load_balancer=True", "a port nothing serves", "remove proxy_load_balancer"),
+    row("EP guard removed", {"recipe": "gptoss-120b-di", "serving": {"tested_decode_ep": None}}, "serving.tested_decode_ep=null", "what the gptoss-120b-di recipe's reference tested (64), not a setting", "remove serving.tested_decode_ep"),
+    row("EP guard moved", {"recipe": "gptoss-20b-di", "serving.tested_decode_ep": "64"}, "serving.tested_decode_ep='64'", "reference tested (32)", "remove serving.tested_decode_ep"),
+    row("topology switched under a recipe", {"serving.topology": "single"}, "serving.topology='single'", "reference tested ('disaggregated')", "choose the recipe that runs what you want"),
+    row("120B checkpoint in a 20B recipe", {"recipe": "gptoss-20b-single", "serving.model_id": "openai/gpt-oss-120b"}, "serving.model_id='openai/gpt-oss-120b'", "names a 120B checkpoint", "choose the 120B recipe"),
+    row("20B checkpoint in the 120B recipe", {"serving": {"model_id": "acme/GPT-OSS-20B-tuned"}}, "serving.model_id='acme/GPT-OSS-20B-tuned'", "sized for 120B", "or a checkpoint of the recipe's size"),
 ]
 
 

@@ -113,3 +113,17 @@ def test_partial_last_instance_shows_idle_cores() -> None:
         ("prefill-0", 16, 0),
         ("prefill-1", 2, 56),
     ]
+
+
+def test_a_reader_that_stops_early_gets_no_error_message() -> None:
+    """`gptoss plan --json | head -c 10`: the command stops quietly (exit 141, as cat), no 'internal error'."""
+    p = subprocess.Popen(
+        [sys.executable, str(ROOT / "scripts" / "cluster.py"), "plan", "--json", "--decode-instances", "8"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=ROOT,
+    )  # fmt: skip
+    assert p.stdout is not None and p.stderr is not None
+    p.stdout.read(10)
+    p.stdout.close()
+    err = p.stderr.read().decode()
+    assert p.wait(timeout=120) == 141, err
+    assert "error" not in err.lower() and "Traceback" not in err, err
