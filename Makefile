@@ -19,7 +19,7 @@ DEPLOY_ARGS ?=
 YES ?=
 NODE_MAJOR := 22
 
-.PHONY: setup synth plan test test-vm vm-root lint bootstrap deploy destroy diff bench-scale bench-synth bench-ready bench-proxy diagrams clean
+.PHONY: setup synth plan test test-vm test-vm-router vm-root lint bootstrap deploy destroy diff bench-scale bench-synth bench-ready bench-proxy diagrams clean
 
 setup: .make/python .make/node .make/system .make/hf-clients .make/aws-cli .make/router-wheel
 
@@ -109,6 +109,11 @@ test: setup
 # Needs root (the guest image is built with mmdebstrap --mode=root; the packages come from apt).
 test-vm: vm-root setup .make/vm-system
 	$(PY) -m pytest -p no:xdist -m vm tests/vm $(PYTEST_ARGS)
+
+# The same scenarios with the 1 -> 2 redeploy serving through vLLM's router (about 36 min under TCG;
+# not in .ci/run, whose budget it would exceed).
+test-vm-router: vm-root setup .make/vm-system
+	GPTOSS_VM_ROUTER=1 $(PY) -m pytest -p no:xdist -m vm tests/vm -k 'first_boot or one_to_two or two_to_one' $(PYTEST_ARGS)
 
 lint: setup
 	$(PY) -m ruff check .

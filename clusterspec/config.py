@@ -645,6 +645,13 @@ class ClusterConfig(_Frozen):
                         "stage the checkpoint and the examples in S3 (model.source='s3', model.s3_uri, "
                         "examples.s3_uri), or use network.egress='nat'",
                     )
+            if self.network.ssm_endpoints is False and not self.network.existing:
+                raise rule_error(
+                    "network.ssm_endpoints", False,
+                    "with network.egress='none' a new VPC reaches SSM (the port forward, status, bench) and CloudWatch only "
+                    "through the interface endpoints the stack creates",
+                    "remove network.ssm_endpoints (or use network.egress='nat')",
+                )  # fmt: skip
             if not self.network.s3_gateway_endpoint and not self.network.existing:
                 raise rule_error(
                     "network.s3_gateway_endpoint",

@@ -360,7 +360,10 @@ def _render_router(cfg: ClusterConfig, node: Node, proxy: ProxyPlacement, out: N
         port=s.proxy.port,
         prefill=len(proxy.replicas),
         decode=len(proxy.decode_servers),
-        env_files=[DEPLOY_ENV, MEMBERS_ENV],
+        # "-": systemd reads environment files before each state's first process, and this one is
+        # written by the unit's own ExecStartPre (gptoss-members write): missing at start-pre,
+        # there for ExecStart. Required, a first start would fail with result 'resources'.
+        env_files=[DEPLOY_ENV, f"-{MEMBERS_ENV}"],
         exec_start=_exec(argv),
         # A start waits for its back-off, then for the members parameter (gptoss-members: up to 600 s).
         start_timeout_s=BACKOFF_MAX_S + 660,

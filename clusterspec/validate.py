@@ -100,6 +100,11 @@ def git_ref(field: str, value: str) -> str:
     """A tag or a full commit id: never a branch, which moves under a running fleet."""
     if re.fullmatch(r"^[0-9a-f]{40}$", value):
         return value
+    if re.fullmatch(r"^[0-9A-Fa-f]{7,40}$", value) and re.search(r"[0-9]", value) and re.search(r"[A-Fa-f]", value):
+        raise rule_error(
+            field, value, "looks like a commit id but is not a full lowercase one; the node would fetch it as a tag and fail",
+            "give the full 40-character commit id in lowercase (git rev-parse REF), or a tag",
+        )  # fmt: skip
     name = value.removeprefix("refs/tags/")
     if value.startswith("refs/") and not value.startswith("refs/tags/"):
         raise rule_error(field, value, "names a branch or another moving ref", "pin a tag (release-...) or a 40-character commit id")
@@ -122,6 +127,10 @@ def https_url(field: str, value: str) -> str:
         raise rule_error(field, value, "holds credentials, which anyone who can read the instance's user data would see", "use a public URL")
     if not re.fullmatch(r"^https://[A-Za-z0-9.-]+(:[0-9]+)?(/[A-Za-z0-9._~/-]*)?$", value):
         raise rule_error(field, value, "is not a plain https:// URL (host, optional port, path of letters, digits and . _ ~ / -)", "give the repository's https:// URL")
+    port = re.fullmatch(r"^https://[^/:]+:([0-9]+).*$", value)
+    if port and int(port.group(1)) != 443:
+        raise rule_error(field, value, f"uses port {int(port.group(1))}; the security group lets the nodes out on HTTPS (443) only",
+                         "use the repository's URL on port 443 (no port in the URL)")  # fmt: skip
     return value
 
 
@@ -132,6 +141,8 @@ def _ip_network(field: str, value: str) -> ipaddress.IPv4Network:
         raise rule_error(field, value, "is not a CIDR block", "give a block like 10.42.0.0/16") from None
     if net.version != 4:
         raise rule_error(field, value, "is IPv6; the cluster's subnet, security group and peers are IPv4", "give an IPv4 block")
+    if str(net) != value and not re.fullmatch(r"^[0-9.]+/[0-9]{1,2}$", value):
+        raise rule_error(field, value, f"is not written as address/prefix length (it means {net})", f"write {net}")
     if str(net) != value:
         raise rule_error(field, value, f"has host bits set (the network is {net})", f"write {net}")
     return net  # type: ignore[return-value]
@@ -198,7 +209,7 @@ def s3_uri(field: str, value: str) -> str:
     m = re.fullmatch(r"^s3://([^/]*)(/.*)?$", value)
     if not m:
         raise rule_error(field, value, "must be an s3:// location", "give s3://bucket/prefix")
-    bucket, key = m.group(1), (m.group(2) or "").lstrip("/")
+    bucket, key = m.group(1), (m.group(2) or "")[1:]
     if (
         not re.fullmatch(r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$", bucket)
         or ".." in bucket
@@ -207,7 +218,20 @@ def s3_uri(field: str, value: str) -> str:
         or bucket.endswith(("-s3alias", "--ol-s3"))
     ):
         raise rule_error(field, value, f"{bucket!r} is not a valid S3 bucket name", "use 3-63 lowercase letters, digits, '.' and '-'")
-    if not S3_KEY_CHARS.fullmatch(key) or "//" in key or value.endswith("/"):
+    if bucket.endswith("--x-s3"):
+        raise rule_error(
+            field, value, f"{bucket!r} is an S3 directory bucket (S3 Express One Zone): the nodes' S3 permissions and "
+            "downloads are for general purpose buckets", "use a general purpose bucket",
+        )  # fmt: skip
+    if "*" in key:
+        raise rule_error(
+            field, value, "holds '*', which IAM reads as a wildcard: the nodes' permissions for this location would reach "
+            "every prefix it matches", f"name one prefix without '*' (e.g. s3://{bucket}/{key.split('*')[0].strip('/') or 'gptoss'})",
+        )  # fmt: skip
+    if any(part in (".", "..") for part in key.split("/")):
+        raise rule_error(field, value, "has a '.' or '..' segment, which S3 keeps as a name but tools read as a directory step",
+                         f"write the prefix without it (s3://{bucket}/{'/'.join(p for p in key.split('/') if p not in ('.', '..', ''))})")  # fmt: skip
+    if not S3_KEY_CHARS.fullmatch(key) or "//" in key or key.startswith("/") or value.endswith("/"):
         raise rule_error(
             field, value, "the prefix must use S3's safe characters (letters, digits, ! _ . * ( ) - /), no '//' and no trailing '/'",
             f"write it as s3://{bucket}/{key.strip('/')}" if key.strip("/") else f"write it as s3://{bucket}",

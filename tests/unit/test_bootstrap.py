@@ -203,7 +203,7 @@ def _unit_env(files: dict[str, tuple[str, int]], deploy: dict[str, str], text: s
               ip: Callable[[str], str] = lambda n: LONGEST_IP) -> dict[str, str]:  # fmt: skip
     env: dict[str, str] = {}
     for f in re.findall(r"^EnvironmentFile=(\S+)$", text, re.M):
-        f = f.replace("%i", inst or "")
+        f = f.replace("%i", inst or "").removeprefix("-")
         if f == DEPLOY_ENV:
             env |= booted_env(files, deploy, self_ip)
         elif f.startswith("/run/"):
@@ -370,3 +370,30 @@ def test_user_data_text_is_the_same_with_libyamls_emitter_and_pythons() -> None:
             finally:
                 ud._DUMPER = getattr(yaml, "CSafeDumper", yaml.SafeDumper)
             assert fast == slow, r.node.name
+
+
+def test_an_environment_file_a_unit_writes_for_itself_is_optional_when_systemd_first_reads_it() -> None:
+    """systemd reads a unit's EnvironmentFile= before the first process of each state (start-pre,
+    then start). A file the unit's own ExecStartPre writes (the router's members) does not exist
+    when start-pre begins: unless it is optional (`-`), the unit fails with result 'resources'
+    before the script that would write it runs. Files under /run written by another unit the
+    service requires (gptoss-identity's nixl.env) exist by then and stay required."""
+    from clusterspec.config import load_config
+    from clusterspec.render import render_cluster
+
+    writes = {MEMBERS_ENV: "gptoss-members write", NIXL_ENV: "gptoss-identity"}
+    seen = set()
+    for ctx in ({}, {"decode_instances": "2"}, {"decode_instances": "8"}):
+        for r in render_cluster(load_config(ctx)):
+            for path, (text, _) in r.files.items():
+                if not path.endswith(".service"):
+                    continue
+                pre = " ".join(re.findall(r"^ExecStartPre=(.*)$", text, re.M))
+                for f in re.findall(r"^EnvironmentFile=(\S+)$", text, re.M):
+                    name = f.removeprefix("-")
+                    if name not in writes:
+                        continue
+                    seen.add(name)
+                    own = writes[name] in pre
+                    assert f.startswith("-") == own, f"{r.node.name}:{path}: EnvironmentFile={f} (written by {'its own ExecStartPre' if own else 'another unit'})"
+    assert seen == {MEMBERS_ENV, NIXL_ENV}, seen

@@ -20,6 +20,7 @@ from typing import Any
 
 from clusterspec import telemetry
 from clusterspec.config import ClusterConfig, load_config
+from clusterspec.paths import WHEELS_DIR, members_parameter
 from clusterspec.render import NodeRender, render_cluster
 from clusterspec.userdata import launch_inputs, node_digest, scripts_asset, user_data
 from tests.vm.image import Image
@@ -27,6 +28,8 @@ from tests.vm.machine import Vm, free_port
 
 # The guests' addresses in the default subnet_cidr, 10.42.0.0/20.
 ADDRESSES = {"prefill-0": "10.42.0.10", "decode-0": "10.42.0.11"}
+# Nodes of a layout that has no VM here (a second decode server): in the members, nobody answers.
+ABSENT = {"decode-1": "10.42.0.12", "prefill-1": "10.42.0.13"}
 ASSET_BUCKET = "gptoss-vm-assets"
 # The guest's stand-in for the wait condition handle's presigned URL (fake-waitcondition).
 SIGNAL_BASE = "http://127.0.0.1:9901/cloudformation-waitcondition-us-east-2"
@@ -54,6 +57,8 @@ class VmCluster:
         self.renders: dict[str, NodeRender] = {}
         self.asset = workdir / "scripts.tar.xz"
         self.scripts_uri = ""
+        self.router_uri = ""
+        self.members: dict[str, str] = {}
         self.fakes: dict[str, Any] = {}
         self.deploys = 0
         self.handles: dict[str, tuple[str, str]] = {}
@@ -72,6 +77,10 @@ class VmCluster:
         self.asset.write_bytes(data)
         sha = hashlib.sha256(data).hexdigest()
         self.scripts_uri = f"s3://{ASSET_BUCKET}/{sha}.xz"
+        # vLLM's router: the pinned wheel as the stack's asset, and the members the stack writes.
+        routed = self.cfg.proxy_kind == "vllm-router"
+        self.router_uri = f"s3://{ASSET_BUCKET}/router/{self.cfg.serving.proxy.router.wheel}" if routed else ""
+        self.members = {members_parameter(self.cfg.cluster_name): " ".join(f"{r.node.name}={(ADDRESSES | ABSENT)[r.node.name]}" for r in renders)} if routed else {}
         self.deploys += 1
         for name, r in self.renders.items():
             # The deploy gate's handle, as CloudFormation keeps or makes it: the same URL while
@@ -85,7 +94,8 @@ class VmCluster:
             signal = self.handles[name][1] if self.cfg.wait_for_ready else None
             self.vms[name].seed(
                 user_data(
-                    r, {p: ADDRESSES[p] for p in r.peers}, scripts_uri=self.scripts_uri, scripts_sha256=sha, signal_url=signal
+                    r, {p: ADDRESSES[p] for p in r.peers}, scripts_uri=self.scripts_uri, scripts_sha256=sha, signal_url=signal,
+                    router_uri=self.router_uri or None,
                 )
             )
 
@@ -108,10 +118,14 @@ class VmCluster:
         # The instance's devices as the instance table says (a fault replaces them).
         hw = {"devices": DEVICES}
         # What the stack makes before the instances: the scripts asset, the log group.
-        made = {"s3": {"objects": {self.scripts_uri: "scripts"}}, "logs": {"groups": [telemetry.log_group(self.cfg)]},
-                "secrets": {"name": HF_TOKEN_NAME, "hf_token": HF_TOKEN}}  # fmt: skip
+        # The router's wheel (23 MB) only where a router runs, on a disk of its own (fw_cfg is too slow for it).
+        wheel = WHEELS_DIR / self.cfg.serving.proxy.router.wheel
+        routes = self.router_uri and "gptoss-install-router" in self.renders[name].scripts
+        disk_objects = {self.router_uri: {"disk": "router", "size": wheel.stat().st_size}} if routes else {}
+        made = {"s3": {"objects": {self.scripts_uri: "scripts"}, "disk_objects": disk_objects}, "logs": {"groups": [telemetry.log_group(self.cfg)]},
+                "secrets": {"name": HF_TOKEN_NAME, "hf_token": HF_TOKEN}, "ssm": {"parameters": self.members}}  # fmt: skip
         settings = hw | self.fakes | made
-        self.vms[name].start(settings, {"scripts": self.asset})
+        self.vms[name].start(settings, {"scripts": self.asset}, {"router": wheel} if routes else None)
         if wait:
             self.vms[name].wait_ssh(600)
 

@@ -30,6 +30,8 @@ from tests.vm.image import Image
 NVME_DISKS = 2
 NVME_SIZE = 2 << 30
 MEMORY_MB = 1536
+# The first PCI slot of the extra virtio disks (q35: 0x1f is the LPC bridge; QEMU auto-assigns from 0x1).
+EXTRA_DISK_SLOT = 0x18
 
 
 def _boots(img: Image, accel: str) -> bool:
@@ -135,8 +137,10 @@ class Vm:
             check=True,
         )  # fmt: skip
 
-    def start(self, fakes: dict[str, Any], files: dict[str, Path] | None = None) -> None:
-        """Power the instance on; `files` reach the guest through fw_cfg as opt/gptoss/NAME."""
+    def start(self, fakes: dict[str, Any], files: dict[str, Path] | None = None, disks: dict[str, Path] | None = None) -> None:
+        """Power the instance on; `files` reach the guest through fw_cfg as opt/gptoss/NAME, `disks`
+        (large files: fw_cfg reads them byte by byte, minutes for megabytes under TCG) as read-only
+        virtio disks /dev/disk/by-id/virtio-gptoss-NAME, padded to whole sectors."""
         assert self.proc is None or self.proc.poll() is not None, f"{self.name} is already running"
         fw = self.workdir / "fakes.json"
         imds = {"local_ipv4": self.ip, "instance_id": self.instance_id} | fakes.get("imds", {})
@@ -159,6 +163,14 @@ class Vm:
         ]  # fmt: skip
         for name, path in (files or {}).items():
             cmd += ["-fw_cfg", f"name=opt/gptoss/{name},file={path}"]
+        for i, (name, path) in enumerate((disks or {}).items()):
+            padded = self.workdir / f"disk-{name}.raw"
+            data = path.read_bytes()
+            padded.write_bytes(data + b"\0" * (-len(data) % 512))
+            # A PCI slot past every auto-assigned one: QEMU creates `if=virtio` drives after the
+            # explicit devices, so without it this disk would probe first and take /dev/vda, the root.
+            cmd += ["-drive", f"file={padded},if=none,id=disk-{name},format=raw,readonly=on",
+                    "-device", f"virtio-blk-pci,drive=disk-{name},serial=gptoss-{name},bus=pcie.0,addr={EXTRA_DISK_SLOT + i:#x}"]  # fmt: skip
         for n in range(NVME_DISKS):
             cmd += [
                 "-drive", f"file={self.workdir / f'nvme{n}.raw'},if=none,id=nvme{n},format=raw,cache=writeback",
@@ -202,13 +214,20 @@ class Vm:
     def wait_until(self, command: str, timeout: float, what: str, interval: float = 3) -> float:
         """Poll a guest command until it succeeds; seconds since power-on."""
         deadline = time.monotonic() + timeout
-        last = None
+        last = ""
         while time.monotonic() < deadline:
-            last = self.ssh(command, check=False, timeout=60)
-            if last.returncode == 0:
+            try:
+                r = self.ssh(command, check=False, timeout=min(60, max(5, deadline - time.monotonic())))
+            except subprocess.TimeoutExpired:
+                # A guest busy starting a dozen servers under TCG can be slow to answer one poll:
+                # that poll failed, the wait goes on to its own deadline.
+                last = "(the poll itself got no answer within its timeout)"
+                continue
+            if r.returncode == 0:
                 return time.monotonic() - self.started_at
+            last = r.stdout + r.stderr
             time.sleep(interval)
-        raise AssertionError(f"{self.name}: {what} not reached after {timeout:.0f}s; last: {last.stdout if last else ''}{last.stderr if last else ''}")
+        raise AssertionError(f"{self.name}: {what} not reached after {timeout:.0f}s; last: {last}")
 
     def json(self, command: str) -> Any:
         """Run a guest command that prints JSON."""

@@ -1,9 +1,13 @@
 """Fill the guest's moto S3 with what the harness passed (fw_cfg section "s3").
 
 "objects": {"s3://bucket/key": "fw_cfg file name"}: the bytes of that fw_cfg file.
+"disk_objects": {"s3://bucket/key": {"disk": NAME, "size": N}}: the first N bytes of the virtio disk
+/dev/disk/by-id/virtio-gptoss-NAME (large files: fw_cfg is read byte by byte).
 "hub_prefixes": {"s3://bucket/prefix": "org/name"}: the fake Hub's repository, file by file.
 Section "logs", "groups": [...]: CloudWatch Logs groups the stack would have made (moto serves
 CloudWatch and CloudWatch Logs on the same port).
+Section "ssm", "parameters": {name: value}: what the stack writes to Parameter Store (the fleet's
+members for the routers).
 Section "secrets", "name" and "hf_token": the Hugging Face token as the operator stores it in
 Secrets Manager (the node asks for it by its partial ARN).
 """
@@ -39,6 +43,14 @@ def put(uri: str, body: bytes) -> None:
 
 for uri, name in settings.get("objects", {}).items():
     put(uri, Path(f"/sys/firmware/qemu_fw_cfg/by_name/opt/gptoss/{name}/raw").read_bytes())
+for uri, disk in settings.get("disk_objects", {}).items():
+    device = Path(f"/dev/disk/by-id/virtio-gptoss-{disk['disk']}")
+    for _ in range(120):  # udev makes the link during coldplug, which may still run
+        if device.exists():
+            break
+        time.sleep(0.5)
+    with device.open("rb") as f:
+        put(uri, f.read(disk["size"]))
 for prefix, repo in settings.get("hub_prefixes", {}).items():
     root = Path("/srv/hub") / repo
     for p in sorted(root.rglob("*")):
@@ -58,4 +70,10 @@ if secrets.get("name"):
     sm = boto3.client("secretsmanager", endpoint_url="http://127.0.0.1:5000", region_name="us-east-2",
                       aws_access_key_id="testing", aws_secret_access_key="testing")
     sm.create_secret(Name=secrets["name"], SecretString=secrets["hf_token"])
+ssm_parameters = fakectl.settings("ssm").get("parameters", {})
+if ssm_parameters:
+    ssm = boto3.client("ssm", endpoint_url="http://127.0.0.1:5000", region_name="us-east-2",
+                       aws_access_key_id="testing", aws_secret_access_key="testing")
+    for name, value in ssm_parameters.items():
+        ssm.put_parameter(Name=name, Value=value, Type="String", Overwrite=True)
 print(json.dumps({"seeded": sorted(settings.get("objects", {})) + sorted(settings.get("hub_prefixes", {}))}))
