@@ -882,7 +882,7 @@ def _recipe_facts(name: str, facts: dict[str, Any], serving: dict[str, Any]) -> 
         if key in serving and serving[key] != facts[key] and str(serving[key]) != str(facts[key]):  # -c gives text
             raise SpecError(
                 [
-                    f"serving.{key}={json.dumps(serving[key]) if not isinstance(serving[key], str) else show(serving[key])}: is what the {name} recipe's reference tested ({facts[key]!r}), "
+                    f"serving.{key}={show(serving[key])}: is what the {name} recipe's reference tested ({facts[key]!r}), "
                     f"not a setting. Fix: remove serving.{key}, or choose the recipe that runs what you want with recipe=NAME."
                 ]
             )
@@ -977,7 +977,7 @@ def check_numbers(model: type[BaseModel], data: Any, where: str = "") -> None:
         admitted = _types(field.annotation)
         if isinstance(value, bool) and bool not in admitted and (int in admitted or float in admitted):
             example = f" (e.g. {field.default})" if isinstance(field.default, int | float) and not isinstance(field.default, bool) else ""
-            raise SpecError([f"{at}={json.dumps(value)}: is a yes/no, not a number. Fix: give {at} as a number{example}."])
+            raise SpecError([f"{at}={show(value)}: is a yes/no, not a number. Fix: give {at} as a number{example}."])
         for t in admitted:
             origin, args = typing.get_origin(t), typing.get_args(t)
             if isinstance(t, type) and issubclass(t, BaseModel):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from pydantic import ValidationError
@@ -12,8 +13,12 @@ SHOWN_CHARS = 120
 
 def show(value: Any) -> str:
     """A value as a message quotes it: repr for text, bounded (a message never echoes a megabyte)."""
-    # null, true and false as a user writes them (YAML, JSON, -c), not Python's None, True, False.
-    text = repr(value) if isinstance(value, str) else {None: "null", True: "true", False: "false"}.get(value, str(value)) if isinstance(value, bool | None) else str(value)
+    if isinstance(value, str):
+        text = repr(value)
+    elif value is None or isinstance(value, bool):
+        text = json.dumps(value)  # null, true, false as a user writes them (YAML, JSON, -c)
+    else:
+        text = str(value)
     if len(text) > SHOWN_CHARS:
         return f"{text[: SHOWN_CHARS - 20]}... ({len(text):,} characters)"
     return text
