@@ -1,4 +1,9 @@
-"""The nodes' instance role: exactly what a node does, each statement with its reason (README 'Security').
+"""The nodes' permissions: exactly what a node does, each statement with its reason (README 'Security').
+
+What every node does is one policy, attached to every node's role (NodePolicy). What only one
+node may do is in that node's own role (NodeIdentityRole): writing its own area of the compile
+cache, and marking its own instance unhealthy, which names its own Auto Scaling group and no
+other. A node identity's role outlives its instances: a replacement has the same permissions.
 
 No managed policy: AmazonSSMManagedInstanceCore would also grant ssm:GetParameter(s) on every
 parameter of the account (SecureStrings under the default key included) to processes that run
@@ -7,19 +12,20 @@ vLLM as root, and no node reads Parameter Store (the image id is resolved by Clo
 
 from __future__ import annotations
 
-from urllib.parse import urlparse
+from dataclasses import dataclass
 
-from aws_cdk import Acknowledgment, Stack, Validations
+from aws_cdk import Acknowledgment, Aws, Stack, Validations
 from aws_cdk import aws_iam as iam
 from constructs import Construct
 
 from clusterspec.config import ClusterConfig
-from clusterspec.paths import cache_fleet_uri, cache_nodes_uri
+from clusterspec.paths import holder_name
 
 
 def _bucket_prefix(uri: str) -> tuple[str, str]:
-    u = urlparse(uri)
-    return u.netloc, u.path.strip("/")
+    """(bucket, prefix) of an s3:// location; the bucket may be a token (the stack's own bucket)."""
+    bucket, _, prefix = uri.removeprefix("s3://").partition("/")
+    return bucket, prefix.strip("/")
 
 
 # The SSM agent's own calls for Session Manager and Run Command (`gptoss status`, `wait-ready`,
@@ -56,87 +62,168 @@ def _objects(uri: str) -> str:
     return f"{bucket}/{prefix + '/' if prefix else ''}*"
 
 
-class NodeRole(Construct):
-    """Instance role and profile. No `*` action; object access scoped to the given prefixes."""
+@dataclass(frozen=True)
+class CacheLocation:
+    """The compile cache: its s3:// URI (a token when it is the stack's bucket) and the form cdk-nag
+    writes it in a finding's id (a Ref of the bucket as <logical id>)."""
 
-    def __init__(self, scope: Construct, construct_id: str, *, config: ClusterConfig) -> None:
+    uri: str
+    nag: str
+
+    def nag_form(self, text: str) -> str:
+        """`text` with the URI's bucket as cdk-nag writes it."""
+        return text.replace(_bucket_prefix(self.uri)[0], _bucket_prefix(self.nag)[0])
+
+
+def holder_arn(config: ClusterConfig, node: str) -> str:
+    """The ARN pattern of a node identity's Auto Scaling group (its id part is EC2's, not known at synth)."""
+    return f"arn:{Aws.PARTITION}:autoscaling:{config.region}:{Aws.ACCOUNT_ID}:autoScalingGroup:*:autoScalingGroupName/{holder_name(config.cluster_name, node)}"
+
+
+class NodePolicy(Construct):
+    """What every node does, in one policy attached to every node's role. No `*` action."""
+
+    def __init__(self, scope: Construct, construct_id: str, *, config: ClusterConfig, cache: CacheLocation | None) -> None:
         super().__init__(scope, construct_id)
-        self.role = iam.Role(
-            self,
-            "Role",
-            assumed_by=iam.ServicePrincipal("ec2.amazonaws.com"),
-            description=f"{config.cluster_name} nodes: the SSM agent, and access to exactly the configured artifacts",
-        )
+        self.config = config
+        cache_uri = cache.uri if cache else None
+        self.policy = iam.Policy(self, "Policy")
         partition = Stack.of(self).partition
         # The SSM agent: no resource-level permissions to narrow (see SSM_AGENT_ACTIONS).
-        self.role.add_to_policy(iam.PolicyStatement(actions=list(SSM_AGENT_ACTIONS), resources=["*"]))
-        cache = config.compile_cache_s3_uri
+        self.add(iam.PolicyStatement(actions=list(SSM_AGENT_ACTIONS), resources=["*"]))
         # Reads: the checkpoint and the examples when staged in S3, and of the compile cache only
-        # what an operator promoted (fleet/): one node's upload is never read by another.
-        reads = [config.model.s3_uri if config.model.source == "s3" else None, config.examples.s3_uri, cache_fleet_uri(cache) if cache else None]
-        for uri in filter(None, reads):
-            self._read_prefix(partition, uri)
-        # Writes: benchmark results, and the node's own area of the compile cache (nodes/<role
-        # id>:<instance id>, IAM's ${aws:userid} for an instance role): a node cannot write what
-        # another node restores.
-        writes = [config.results_s3_uri, f"{cache_nodes_uri(cache)}/${{aws:userid}}" if cache else None]
-        for uri in filter(None, writes):
-            self.role.add_to_policy(iam.PolicyStatement(actions=["s3:PutObject"], resources=[f"arn:{partition}:s3:::{_objects(uri)}"]))
+        # what an operator promoted (fleet/): one node's upload is read by no other node.
+        self.reads = [config.model.s3_uri if config.model.source == "s3" else None, config.examples.s3_uri]
+        for uri in filter(None, self.reads):
+            self.read_prefix(partition, uri)
+        if cache_uri:
+            self.read_prefix(partition, f"{cache_uri}/fleet")
+        # Writes: benchmark results.
+        self.writes = [config.results_s3_uri]
+        for uri in filter(None, self.writes):
+            self.add(iam.PolicyStatement(actions=["s3:PutObject"], resources=[f"arn:{partition}:s3:::{_objects(uri)}"]))
         if config.kms_key_arns:
             # Buckets (and the token's secret) encrypted with a customer-managed key: decrypt what
             # the nodes read, make data keys for what they write; only these keys, and only when
             # S3 or Secrets Manager asks on the node's behalf.
-            actions = ["kms:Decrypt"] + (["kms:GenerateDataKey"] if any(writes) else [])
+            writes = any(self.writes) or cache_uri is not None
+            actions = ["kms:Decrypt"] + (["kms:GenerateDataKey"] if writes else [])
             statement = iam.PolicyStatement(actions=actions, resources=list(config.kms_key_arns))
             services = ["s3"] + (["secretsmanager"] if config.model.hf_token_secret_arn else [])
             via = [f"{s}.{config.region}.amazonaws.com" for s in services]
             statement.add_condition("StringEquals", {"kms:ViaService": via if len(via) > 1 else via[0]})
-            self.role.add_to_policy(statement)
+            self.add(statement)
         if config.model.hf_token_secret_arn:
             # The Hugging Face token: this one secret, by its full or partial ARN.
-            self.role.add_to_policy(
-                iam.PolicyStatement(actions=["secretsmanager:GetSecretValue"], resources=secret_resources(config.model.hf_token_secret_arn))
-            )
-        self.profile = iam.CfnInstanceProfile(self, "Profile", roles=[self.role.role_name])
-        Validations.of(self).acknowledge(
-            Acknowledgment(
-                id="AwsSolutions::AwsSolutions-IAM5[Resource::*]",
-                reason="The SSM agent's registration and message-channel calls (ssm:UpdateInstanceInformation, ssmmessages:*Channel, "
-                "ec2messages:*Message) take no narrower resource; none reads data. Parameter Store: only the fleet's members parameter (routers), by its exact ARN. "
-                "cloudwatch:PutMetricData (observability) is limited to the cluster's namespace by a condition.",
-            )
+            self.add(iam.PolicyStatement(actions=["secretsmanager:GetSecretValue"], resources=secret_resources(config.model.hf_token_secret_arn)))
+        self.acknowledge(
+            "AwsSolutions::AwsSolutions-IAM5[Resource::*]",
+            "The SSM agent's registration and message-channel calls (ssm:UpdateInstanceInformation, ssmmessages:*Channel, "
+            "ec2messages:*Message) take no narrower resource; none reads data. cloudwatch:PutMetricData (observability) is "
+            "limited to the cluster's namespace by a condition.",
         )
         if config.model.hf_token_secret_arn:
-            Validations.of(self).acknowledge(
-                Acknowledgment(
-                    id=f"AwsSolutions::AwsSolutions-IAM5[Resource::{config.model.hf_token_secret_arn}-??????]",
-                    reason="The one configured secret: IAM matches its full ARN, whose random six-character suffix a partial ARN lacks.",
-                )
+            self.acknowledge(
+                f"AwsSolutions::AwsSolutions-IAM5[Resource::{config.model.hf_token_secret_arn}-??????]",
+                "The one configured secret: IAM matches its full ARN, whose random six-character suffix a partial ARN lacks.",
             )
-        for location in sorted(set(filter(None, [*reads, *writes]))):
+        if cache:
+            path = _objects(f"{cache.uri}/fleet")
+            self.acknowledge(
+                f"AwsSolutions::AwsSolutions-IAM5[Resource::arn:<AWS::Partition>:s3:::{cache.nag_form(path)}]",
+                "Nodes read only the compile cache's fleet/ area (what an operator promoted); no action is a wildcard.",
+            )
+        for location in sorted(set(filter(None, [*self.reads, *self.writes]))):
             path = _objects(location)
-            Validations.of(self).acknowledge(
-                Acknowledgment(
-                    # cdk-nag writes the policy variable ${aws:userid} as <aws:userid> in the finding's id.
-                    id=f"AwsSolutions::AwsSolutions-IAM5[Resource::arn:<AWS::Partition>:s3:::{path.replace('${aws:userid}', '<aws:userid>')}]",
-                    reason=f"Object access is limited to the configured prefix s3://{path}"
-                    + (" (${aws:userid}: each node its own area)" if "${aws:userid}" in path else "")
-                    + "; no action is a wildcard.",
-                )
+            self.acknowledge(
+                f"AwsSolutions::AwsSolutions-IAM5[Resource::arn:<AWS::Partition>:s3:::{path}]",
+                f"Object access is limited to the configured prefix s3://{path}; no action is a wildcard.",
             )
+
+    def add(self, statement: iam.PolicyStatement) -> None:
+        """A statement every node needs."""
+        self.policy.add_statements(statement)
+
+    def acknowledge(self, finding: str, reason: str) -> None:
+        """A cdk-nag finding of this policy, acknowledged where it arises."""
+        Validations.of(self).acknowledge(Acknowledgment(id=finding, reason=reason))
 
     def allow_read(self, *object_arns: str) -> None:
-        """Read the stack's own assets (the node scripts, the router wheel): their exact ARNs, no wildcard."""
-        self.role.add_to_policy(iam.PolicyStatement(actions=["s3:GetObject"], resources=list(object_arns)))
+        """Read the stack's own assets (the node scripts): their exact ARNs, no wildcard."""
+        self.add(iam.PolicyStatement(actions=["s3:GetObject"], resources=list(object_arns)))
 
-    def allow_get_parameter(self, parameter_arn: str) -> None:
-        """Read one SSM parameter (the fleet's members): its exact ARN."""
-        self.role.add_to_policy(iam.PolicyStatement(actions=["ssm:GetParameter"], resources=[parameter_arn]))
-
-    def _read_prefix(self, partition: str, uri: str) -> None:
+    def read_prefix(self, partition: str, uri: str) -> None:
+        """GetObject under an s3:// location, and ListBucket only with that prefix."""
         bucket, prefix = _bucket_prefix(uri)
-        self.role.add_to_policy(iam.PolicyStatement(actions=["s3:GetObject"], resources=[f"arn:{partition}:s3:::{_objects(uri)}"]))
+        self.add(iam.PolicyStatement(actions=["s3:GetObject"], resources=[f"arn:{partition}:s3:::{_objects(uri)}"]))
         listing = iam.PolicyStatement(actions=["s3:ListBucket"], resources=[f"arn:{partition}:s3:::{bucket}"])
         if prefix:
             listing.add_condition("StringLike", {"s3:prefix": [prefix, f"{prefix}/*"]})
-        self.role.add_to_policy(listing)
+        self.add(listing)
+
+
+class NodeIdentityRole(Construct):
+    """One node identity's role and instance profile: the shared policy, plus what only this node may do."""
+
+    def __init__(
+        self,
+        scope: Construct,
+        construct_id: str,
+        *,
+        config: ClusterConfig,
+        node: str,
+        shared: NodePolicy,
+        cache: CacheLocation | None,
+        reads_members: bool,
+        router_object_arn: str | None,
+    ) -> None:
+        super().__init__(scope, construct_id)
+        partition = Stack.of(self).partition
+        cache_uri = cache.uri if cache else None
+        statements: list[iam.PolicyStatement] = []
+        if config.healing.report_unhealthy:
+            # gptoss-health-watch: mark this node's own instance unhealthy; its group is the only one named.
+            statements.append(iam.PolicyStatement(actions=["autoscaling:SetInstanceHealth"], resources=[holder_arn(config, node)]))
+        if cache_uri:
+            # This identity's own area of the compile cache: what it saves, what its replacements restore.
+            own = f"{cache_uri}/nodes/{node}"
+            bucket, prefix = _bucket_prefix(own)
+            statements.append(iam.PolicyStatement(actions=["s3:DeleteObject", "s3:GetObject", "s3:PutObject"], resources=[f"arn:{partition}:s3:::{_objects(own)}"]))
+            listing = iam.PolicyStatement(actions=["s3:ListBucket"], resources=[f"arn:{partition}:s3:::{bucket}"])
+            listing.add_condition("StringLike", {"s3:prefix": [prefix, f"{prefix}/*"]})
+            statements.append(listing)
+        if reads_members:
+            # gptoss-members: the fleet's running instances by tag (EC2 has no narrower resource for Describe*).
+            statements.append(iam.PolicyStatement(actions=["ec2:DescribeInstances"], resources=["*"]))
+        if router_object_arn:
+            # The router's pinned wheel (the stack's asset), by its exact ARN.
+            statements.append(iam.PolicyStatement(actions=["s3:GetObject"], resources=[router_object_arn]))
+        self.role = iam.Role(
+            self,
+            "Role",
+            assumed_by=iam.ServicePrincipal("ec2.amazonaws.com"),
+            description=f"{config.cluster_name} {node}: the nodes' shared policy and what only this node may do",
+            inline_policies={"Node": iam.PolicyDocument(statements=statements)} if statements else None,
+        )
+        shared.policy.attach_to_role(self.role)
+        self.profile = iam.CfnInstanceProfile(self, "Profile", roles=[self.role.role_name])
+        if config.healing.report_unhealthy:
+            self.acknowledge(
+                f"AwsSolutions::AwsSolutions-IAM5[Resource::arn:<AWS::Partition>:autoscaling:{config.region}:<AWS::AccountId>:autoScalingGroup:*:"
+                f"autoScalingGroupName/{holder_name(config.cluster_name, node)}]",
+                "The '*' is the group's id, which EC2 assigns; the group is named: this node's own, no other.",
+            )
+        if cache:
+            self.acknowledge(
+                f"AwsSolutions::AwsSolutions-IAM5[Resource::arn:<AWS::Partition>:s3:::{cache.nag_form(_objects(f'{cache.uri}/nodes/{node}'))}]",
+                f"Only this node identity's own area of the compile cache ({node}); no other node reads it.",
+            )
+        if reads_members:
+            self.acknowledge(
+                "AwsSolutions::AwsSolutions-IAM5[Resource::*]",
+                "ec2:DescribeInstances takes no narrower resource; the node reads the fleet's members (instances by tag) with it.",
+            )
+
+    def acknowledge(self, finding: str, reason: str) -> None:
+        """A cdk-nag finding of this role, acknowledged where it arises."""
+        Validations.of(self).acknowledge(Acknowledgment(id=finding, reason=reason))

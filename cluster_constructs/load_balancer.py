@@ -5,7 +5,6 @@ from __future__ import annotations
 from aws_cdk import Acknowledgment, Duration, Validations
 from aws_cdk import aws_ec2 as ec2
 from aws_cdk import aws_elasticloadbalancingv2 as elbv2
-from aws_cdk import aws_elasticloadbalancingv2_targets as targets
 from constructs import Construct
 
 from clusterspec.config import ClusterConfig
@@ -34,7 +33,6 @@ class ProxyLoadBalancer(Construct):
         subnet_id: str,
         route_table_id: str | None,
         cluster_group: ec2.SecurityGroup,
-        instances: list[ec2.CfnInstance],
     ) -> None:
         super().__init__(scope, construct_id)
         port = config.serving.proxy.port
@@ -72,11 +70,15 @@ class ProxyLoadBalancer(Construct):
             cross_zone_enabled=False,
         )
         listener = self.nlb.add_listener("Proxy", port=port, protocol=elbv2.Protocol.TCP)
-        self.target_group = listener.add_targets(
+        # No fixed targets: each proxy node's Auto Scaling group registers whichever instance holds the
+        # node now (a replacement joins, the instance it replaces leaves).
+        self.target_group = elbv2.NetworkTargetGroup(
+            self,
             "Proxies",
+            vpc=vpc,
             port=port,
             protocol=elbv2.Protocol.TCP,
-            targets=[targets.InstanceIdTarget(i.ref, port) for i in instances],
+            target_type=elbv2.TargetType.INSTANCE,
             health_check=elbv2.HealthCheck(
                 protocol=elbv2.Protocol.HTTP,
                 port=str(health_port),
@@ -89,6 +91,7 @@ class ProxyLoadBalancer(Construct):
             deregistration_delay=Duration.seconds(120),
             preserve_client_ip=False,
         )
+        listener.add_target_groups("Proxies", self.target_group)
         self.dns_name = self.nlb.load_balancer_dns_name
         Validations.of(self).acknowledge(
             Acknowledgment(

@@ -5,12 +5,14 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from aws_cdk import Acknowledgment, Stack, Validations
+from aws_cdk import Stack
 from aws_cdk import aws_cloudwatch as cloudwatch
+from aws_cdk import aws_events as events
 from aws_cdk import aws_iam as iam
 from aws_cdk import aws_logs as logs
 from constructs import Construct
 
+from cluster_constructs.iam import NodePolicy
 from clusterspec import telemetry
 from clusterspec.config import ClusterConfig
 
@@ -82,6 +84,16 @@ def dashboard_body(cfg: ClusterConfig, *, region: str, lb: tuple[str, str] | Non
                 x=8, y=2, stat="Minimum",
             )
         )  # fmt: skip
+    # Each node identity's group: 1 in service, or 0 while its instance is replaced (or cannot be).
+    groups = [f"{cfg.cluster_name}-{role}-" for role in sorted({n.role for n in cfg.layout.nodes})]
+    where = " OR ".join(f'"{g}"' for g in groups)
+    widgets.append(
+        _widget(
+            "Nodes: instances in service per node (0: being replaced, or no capacity)",
+            [[{"expression": f"SEARCH('{{AWS/AutoScaling,AutoScalingGroupName}} MetricName=\"GroupInServiceInstances\" ({where})', 'Minimum', 60)", "id": "g"}]],
+            x=16, y=2, stat="Minimum",
+        )
+    )  # fmt: skip
     y = 8
     if cfg.proxy_kind == "vllm-router":
         routers = [p.node for p in cfg.layout.proxies]
@@ -115,7 +127,7 @@ class FleetObservability(Construct):
         construct_id: str,
         *,
         config: ClusterConfig,
-        role: iam.Role,
+        policy: NodePolicy,
         load_balancer: tuple[str, str] | None,
     ) -> None:
         super().__init__(scope, construct_id)
@@ -125,22 +137,13 @@ class FleetObservability(Construct):
         # Encrypted at rest by CloudWatch Logs (always on); kept for the retention given, deleted with the stack.
         self.log_group = logs.CfnLogGroup(self, "Logs", log_group_name=group, retention_in_days=obs.log_retention_days)
         group_arn = stack.format_arn(service="logs", resource="log-group", resource_name=f"{group}:*", arn_format=_colon())
-        role.add_to_policy(iam.PolicyStatement(actions=["logs:CreateLogStream", "logs:PutLogEvents"], resources=[group_arn]))
+        policy.add(iam.PolicyStatement(actions=["logs:CreateLogStream", "logs:PutLogEvents"], resources=[group_arn]))
         metrics = iam.PolicyStatement(actions=["cloudwatch:PutMetricData"], resources=["*"])
         metrics.add_condition("StringEquals", {"cloudwatch:namespace": telemetry.NAMESPACE})
-        role.add_to_policy(metrics)
-        Validations.of(role).acknowledge(
-            Acknowledgment(
-                id=f"AwsSolutions::AwsSolutions-IAM5[Resource::arn:<AWS::Partition>:logs:{stack.region}:<AWS::AccountId>:log-group:{group}:*]",
-                reason="Nodes create and write their own streams (node/unit) in the cluster's one log group; no other group.",
-            )
-        )
-        Validations.of(role).acknowledge(
-            Acknowledgment(
-                id="AwsSolutions::AwsSolutions-IAM5[Resource::*]",
-                reason="cloudwatch:PutMetricData has no resource-level permission; the policy limits it to the cluster's "
-                f"namespace ({telemetry.NAMESPACE}) with the cloudwatch:namespace condition.",
-            )
+        policy.add(metrics)
+        policy.acknowledge(
+            f"AwsSolutions::AwsSolutions-IAM5[Resource::arn:<AWS::Partition>:logs:{stack.region}:<AWS::AccountId>:log-group:{group}:*]",
+            "Nodes create and write their own streams (node/unit) in the cluster's one log group; no other group.",
         )
         body = dashboard_body(config, region=stack.region, lb=load_balancer)
         self.body = body
@@ -174,6 +177,34 @@ class FleetObservability(Construct):
                 "Staging (checkpoint, examples, caches) has been failing on a node for 15 minutes.",
             ),
         ]
+        # A node identity's instance replaced (EC2's status check or the node's own report), or a
+        # replacement its group could not launch (no capacity): EventBridge matches the group's
+        # events, and an alarm watches how many the rule matched.
+        prefixes = [{"prefix": f"{config.cluster_name}-{role}-"} for role in sorted({n.role for n in config.layout.nodes})]
+        self.replaced = events.CfnRule(
+            self, "NodeReplacedRule", description=f"{config.cluster_name}: a node's instance replaced after a failed health check",
+            event_pattern={"source": ["aws.autoscaling"], "detail-type": ["EC2 Instance Terminate Successful"],
+                           "detail": {"AutoScalingGroupName": prefixes, "Cause": [{"wildcard": "*health*check*"}]}},
+        )  # fmt: skip
+        self.unplaced = events.CfnRule(
+            self, "NodeLaunchFailedRule", description=f"{config.cluster_name}: a node's group could not launch its instance",
+            event_pattern={"source": ["aws.autoscaling"], "detail-type": ["EC2 Instance Launch Unsuccessful"], "detail": {"AutoScalingGroupName": prefixes}},
+        )  # fmt: skip
+
+        def matched(name: str, rule: events.CfnRule, description: str) -> cloudwatch.CfnAlarm:
+            return cloudwatch.CfnAlarm(
+                self, name, alarm_name=f"{config.cluster_name}-{name}", alarm_description=description,
+                namespace="AWS/Events", metric_name="MatchedEvents", dimensions=[cloudwatch.CfnAlarm.DimensionProperty(name="RuleName", value=rule.ref)],
+                statistic="Sum", period=60, evaluation_periods=1, threshold=1, comparison_operator="GreaterThanOrEqualToThreshold",
+                treat_missing_data="notBreaching", alarm_actions=actions,
+            )  # fmt: skip
+
+        self.alarms += [
+            matched("NodeReplaced", self.replaced, "A node's instance failed a health check (EC2's, or the node's own report) and its group replaced it; "
+                    "gptoss status shows why and how often."),
+            matched("NodeCannotBeReplaced", self.unplaced, "A node's group could not launch an instance (no capacity in the AZ, the reservation "
+                    "or the block, or a quota): the node is down until it can."),
+        ]  # fmt: skip
         if config.proxy_kind == "vllm-router":
             self.alarms.append(
                 alarm(
@@ -220,12 +251,13 @@ class FleetObservability(Construct):
         import re
 
         text = json.dumps(self.body)
-        names = set(re.findall(r'MetricName=\\\\"(\w+)\\\\"', text))
+        # SEARCH expressions of the project's namespace (json.dumps escapes their quotes).
+        names = set(re.findall(r"\{" + telemetry.NAMESPACE + r',[^}]*\} MetricName=\\"(\w+)\\"', text))
         for w in self.body["widgets"]:
             for m in w.get("properties", {}).get("metrics", []):
                 if isinstance(m, list) and m and m[0] == telemetry.NAMESPACE:
                     names.add(m[1])
-        names |= {a.metric_name for a in self.alarms if a.metric_name}
+        names |= {a.metric_name for a in self.alarms if a.metric_name and a.namespace == telemetry.NAMESPACE}
         return names
 
 

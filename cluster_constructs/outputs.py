@@ -1,13 +1,25 @@
-"""Stack outputs: where the nodes are and how to reach the proxy from a laptop."""
+"""Stack outputs: the client endpoint and how to reach it from a laptop.
+
+No output names an instance id or a private IP: a node's instance can be replaced at any time
+(its group keeps the identity, not the instance). The commands below find the current instance
+by its identity tags when they run; `gptoss status` shows each identity's instance and address.
+"""
 
 from __future__ import annotations
 
 from aws_cdk import CfnOutput, Fn
 from constructs import Construct
 
-from cluster_constructs.node import ClusterNode
 from clusterspec.commands import endpoint_port
 from clusterspec.config import ClusterConfig
+
+
+def instance_lookup(*, region: str, cluster: str, node: str | None) -> str:
+    """A shell command that prints the id of the instance running now for a node (or any node of the cluster)."""
+    filters = f"Name=tag:gptoss:cluster,Values={cluster} Name=instance-state-name,Values=running"
+    if node:
+        filters += f" Name=tag:gptoss:node,Values={node}"
+    return f"aws ec2 describe-instances --region {region} --filters {filters} --query 'Reservations[0].Instances[0].InstanceId' --output text"
 
 
 def port_forward_command(*, region: str, target: str, port: int, remote_host: str | None = None) -> str:
@@ -20,41 +32,32 @@ def port_forward_command(*, region: str, target: str, port: int, remote_host: st
 
 
 class ClusterOutputs(Construct):
-    """Instance ids, private IPs, the proxy URL and the SSM port-forward command."""
+    """The endpoint (the NLB's name, or the node that serves clients) and the SSM port-forward command."""
 
     def __init__(
-        self,
-        scope: Construct,
-        construct_id: str,
-        *,
-        config: ClusterConfig,
-        nodes: list[ClusterNode],
-        proxy_nodes: list[ClusterNode],
-        endpoint_dns: str | None,
+        self, scope: Construct, construct_id: str, *, config: ClusterConfig, proxy_nodes: list[str], endpoint_dns: str | None
     ) -> None:
         super().__init__(scope, construct_id)
         port = endpoint_port(config)
         # Clients talk to the proxies of a DI recipe, or straight to the server of a single-instance one.
         kind = "Proxy" if config.serving.disaggregated else "Server"
-        for node in nodes:
-            lid = node.render.node.logical_id
-            CfnOutput(scope, f"{lid}InstanceId", value=node.instance.ref, description=f"{node.render.node.name} instance id")
-            CfnOutput(scope, f"{lid}PrivateIp", value=node.private_ip, description=f"{node.render.node.name} private IP")
-        proxy_node = proxy_nodes[0]
-        if len(proxy_nodes) > 1 and endpoint_dns is None:
+        cluster, region = config.cluster_name, config.region
+        if endpoint_dns is not None:
+            CfnOutput(scope, f"{kind}Url", value=Fn.join("", ["http://", endpoint_dns, f":{port}"]), description="The client endpoint (in the VPC)")
+            target = f"$({instance_lookup(region=region, cluster=cluster, node=None)})"
+            forward = port_forward_command(region=region, target=target, port=port, remote_host=endpoint_dns)
+        else:
             CfnOutput(
                 scope,
-                "ProxyUrls",
-                value=Fn.join(" ", [Fn.join("", ["http://", n.private_ip, f":{port}"]) for n in proxy_nodes]),
-                description="One proxy per decode server (no load balancer): spread clients over these",
+                f"{kind}Nodes",
+                value=" ".join(proxy_nodes),
+                description=f"The nodes that serve clients on port {port} (no load balancer); gptoss status shows their addresses",
             )
-        host = endpoint_dns or proxy_node.private_ip
-        CfnOutput(scope, f"{kind}Url", value=Fn.join("", ["http://", host, f":{port}"]), description="The client endpoint (in the VPC)")
+            target = f"$({instance_lookup(region=region, cluster=cluster, node=proxy_nodes[0])})"
+            forward = port_forward_command(region=region, target=target, port=port)
         CfnOutput(
             scope,
             f"{kind}PortForward",
-            value=port_forward_command(
-                region=config.region, target=proxy_node.instance.ref, port=port, remote_host=endpoint_dns
-            ),
+            value=forward,
             description=f"Run on a laptop with the Session Manager plugin, then use http://localhost:{port}",
         )

@@ -1,17 +1,16 @@
-"""vLLM's router for the nodes: the pinned wheel as a file asset, and the fleet's members parameter."""
+"""vLLM's router for the nodes: the pinned wheel as a file asset."""
 
 from __future__ import annotations
 
 import hashlib
 
-from aws_cdk import Aws, Fn, Tags
+from aws_cdk import Fn
 from aws_cdk import aws_s3_assets as s3_assets
-from aws_cdk import aws_ssm as ssm
 from constructs import Construct
 
 from clusterspec.config import ClusterConfig
 from clusterspec.errors import SpecError
-from clusterspec.paths import WHEELS_DIR, members_parameter
+from clusterspec.paths import WHEELS_DIR
 
 
 class RouterWheel(Construct):
@@ -31,31 +30,3 @@ class RouterWheel(Construct):
         self.asset = s3_assets.Asset(self, "Asset", path=str(path))
         self.uri = Fn.join("", ["s3://", self.asset.s3_bucket_name, "/", self.asset.s3_object_key])
         self.object_arn = self.asset.bucket.arn_for_objects(self.asset.s3_object_key)
-
-
-class FleetMembers(Construct):
-    """Every server node's private IP in one SSM parameter, written once the instances exist.
-
-    Routers read it at start and every `members_poll_s`: no node's user data names another
-    node's address, so routers on several nodes never wait on each other's address, and a
-    replaced node changes only this value.
-    """
-
-    def __init__(self, scope: Construct, construct_id: str, *, config: ClusterConfig, ips: dict[str, str]) -> None:
-        super().__init__(scope, construct_id)
-        self.name = members_parameter(config.cluster_name)
-        parts: list[str] = []
-        for i, (node, ip) in enumerate(ips.items()):
-            parts += [(" " if i else "") + f"{node}=", ip]
-        self.parameter = ssm.CfnParameter(
-            self,
-            "Parameter",
-            name=self.name,
-            type="String",
-            value=Fn.join("", parts),
-            description=f"{config.cluster_name}: server nodes' private IPs for the routers (name=ip ...)",
-        )
-        # Untagged: its name carries the cluster, and moto's CloudFormation (the local lifecycle
-        # tests) fails on the tag map AWS::SSM::Parameter takes (it expects a list).
-        Tags.of(self.parameter).remove("gptoss:cluster")
-        self.arn = f"arn:{Aws.PARTITION}:ssm:{Aws.REGION}:{Aws.ACCOUNT_ID}:parameter{self.name}"

@@ -426,6 +426,18 @@ def _status_table(cfg: ClusterConfig, status: Any) -> Table:
     return t
 
 
+def _identity_table(cfg: ClusterConfig, status: Any) -> Table:
+    """Each node identity: the instance that holds it now, and its replacements (its group's count and cause)."""
+    t = Table(title=f"{cfg.stack_name}: nodes (each an Auto Scaling group of one)")
+    for col in ("node", "instance", "replaced", "latest replacement or failed launch"):
+        t.add_column(col, overflow="fold")
+    for i in status.identities:
+        instance = f"{i.instance_id} ({i.state})" if i.instance_id else "[red]none running[/]"
+        why = " ".join(filter(None, [i.last_at, i.last_cause, f"- the node said: {i.reported}" if i.reported else ""])) or "-"
+        t.add_row(i.node, instance, str(i.replaced), why)
+    return t
+
+
 def _no_instances_hint(cfg: ClusterConfig, status: Any) -> None:
     """When nothing of this cluster runs, say which stacks this checkout did deploy."""
     if status.units or status.pending_nodes:
@@ -449,8 +461,10 @@ def cmd_status(args: argparse.Namespace) -> int:
     with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total} nodes"),
                   console=console, transient=True) as progress:  # fmt: skip
         task = progress.add_task("asking every node (SSM Run Command)", total=len(cfg.layout.nodes))
-        status = collect(cfg, session.client("ec2"), session.client("ssm"),
+        status = collect(cfg, session.client("ec2"), session.client("ssm"), autoscaling=session.client("autoscaling"),
+                         logs=session.client("logs") if cfg.observability.enabled else None,
                          on_node=lambda node, st: progress.update(task, advance=1, description=f"{node}: {st}"))  # fmt: skip
+    console.print(_identity_table(cfg, status))
     console.print(_status_table(cfg, status))
     _no_instances_hint(cfg, status)
     return 0 if status.ready else 1
@@ -522,12 +536,13 @@ def cmd_save_cache(args: argparse.Namespace) -> int:
     _announce(cfg)
     session = _session(cfg)
     try:
-        manifest = cache.save(cfg, session.client("ec2"), session.client("ssm"), session.client("s3"), only=args.node)
+        uri, manifest = cache.save(
+            cfg, session.client("ec2"), session.client("ssm"), session.client("s3"), session.client("cloudformation"), only=args.node
+        )
     except cache.CacheError as e:
         raise CliError(f"save-cache failed: {e}", 1) from None
-    assert cfg.compile_cache_s3_uri
     print(f"promoted {len(manifest['files'])} files from {', '.join(sorted(manifest['promoted_from']))} to "
-          f"{cache_fleet_uri(cfg.compile_cache_s3_uri)}; nodes restore what its manifest verifies before compiling")  # fmt: skip
+          f"{cache_fleet_uri(uri)}; nodes restore what its manifest verifies before compiling")  # fmt: skip
     return 0
 
 
@@ -637,7 +652,8 @@ def _what_goes(cfg: ClusterConfig) -> str:
             + (", the internal NLB" if cfg.load_balanced else "")
             + (", the VPC and its NAT gateway" if cfg.network.vpc_id is None and cfg.network.egress == "nat" else
                ", the VPC" if cfg.network.vpc_id is None else "")
-            + f", the log group /gptoss/{cfg.cluster_name}" * cfg.observability.enabled)  # fmt: skip
+            + f", the log group /gptoss/{cfg.cluster_name}" * cfg.observability.enabled
+            + (", the compile cache bucket and the caches in it" if not cfg.compile_cache_s3_uri and cfg.compile_cache_bucket else ""))  # fmt: skip
     try:
         live = find_nodes(_session(cfg).client("ec2"), cfg.cluster_name)
         text += f"; running now: {len(live)} instance{'s' if len(live) != 1 else ''} tagged gptoss:cluster={cfg.cluster_name}"
@@ -665,10 +681,38 @@ def cmd_destroy(args: argparse.Namespace, extra: list[str]) -> int:
         if answer != cfg.stack_name:
             raise CliError(f"not confirmed ({answer!r} is not {cfg.stack_name}): nothing was deleted.", 1)
     context = _context_args(args)
+    _empty_cache_bucket(cfg)
     code = _cdk("destroy", cfg, context, ["--force", *extra])
     if code == 0:
         _record(cfg, context, remove=True)
     return code
+
+
+def _cache_bucket(cfg: ClusterConfig) -> str | None:
+    """The stack's own compile cache bucket, when the stack made one and it exists."""
+    from cluster_ops import cache
+
+    if cfg.compile_cache_s3_uri or not cfg.compile_cache_bucket:
+        return None
+    try:
+        return cache.location(cfg, _session(cfg).client("cloudformation")).removeprefix("s3://")
+    except Exception:  # no such stack (never deployed, or already gone): nothing to empty
+        return None
+
+
+def _empty_cache_bucket(cfg: ClusterConfig) -> None:
+    """CloudFormation deletes only an empty bucket: the compile caches in the stack's own bucket go first."""
+    bucket = _cache_bucket(cfg)
+    if bucket is None:
+        return
+    s3 = _session(cfg).client("s3")
+    deleted = 0
+    for page in s3.get_paginator("list_objects_v2").paginate(Bucket=bucket):
+        keys = [{"Key": o["Key"]} for o in page.get("Contents", [])]
+        if keys:
+            s3.delete_objects(Bucket=bucket, Delete={"Objects": keys, "Quiet": True})
+            deleted += len(keys)
+    print(f"emptied the compile cache bucket {bucket} ({deleted} objects) so that CloudFormation can delete it", file=sys.stderr)
 
 
 def cmd_diff(args: argparse.Namespace, extra: list[str]) -> int:

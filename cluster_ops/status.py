@@ -49,6 +49,19 @@ class UnitStatus:
         return self.state
 
 
+@dataclass(frozen=True)
+class Identity:
+    """A node identity: the instance that holds it now, and how often its group replaced one (and why)."""
+
+    node: str
+    instance_id: str = ""  # "" while no instance runs for it
+    state: str = ""
+    replaced: int = 0
+    last_cause: str = ""  # the group's words for the latest replacement or failed launch
+    last_at: str = ""
+    reported: str = ""  # what the node said of itself when it asked to be replaced (gptoss-health-watch)
+
+
 @dataclass
 class ClusterStatus:
     """What every node reported, against what the plan says it runs."""
@@ -57,6 +70,7 @@ class ClusterStatus:
     missing_nodes: list[str] = field(default_factory=list)
     pending_nodes: dict[str, str] = field(default_factory=dict)  # node -> EC2's reason
     notes: list[str] = field(default_factory=list)  # e.g. how long a Capacity Block has left
+    identities: list[Identity] = field(default_factory=list)
 
     @property
     def ready(self) -> bool:
@@ -72,6 +86,52 @@ class ClusterStatus:
         return out
 
 
+# A group's activity that took its instance out of service because a health check failed (EC2's,
+# or the node's own SetInstanceHealth), or a launch that did not succeed.
+_REPLACED = ("health check", "health-check")
+
+
+def identities(
+    cfg: ClusterConfig, nodes: dict[str, Any], autoscaling: Any | None, logs: Any | None = None
+) -> list[Identity]:
+    """Each node identity with its current instance, and from its group's activities (kept six weeks)
+    how many times it was replaced after a failed health check, and the latest cause."""
+    from clusterspec.paths import holder_name
+
+    out = []
+    for n in cfg.layout.nodes:
+        inst = nodes.get(n.name)
+        replaced, cause, when, reported = 0, "", "", ""
+        if autoscaling is not None:
+            pages = autoscaling.get_paginator("describe_scaling_activities").paginate(AutoScalingGroupName=holder_name(cfg.cluster_name, n.name))
+            activities = [a for page in pages for a in page.get("Activities", [])]
+            terminated = [a for a in activities if a.get("Description", "").startswith("Terminating") and any(w in a.get("Cause", "") for w in _REPLACED)]
+            failed = [a for a in activities if a.get("StatusCode") == "Failed" and a.get("Description", "").startswith("Launching")]
+            replaced = len(terminated)
+            latest = max([*terminated, *failed], key=lambda a: a["StartTime"], default=None)
+            if latest:
+                cause = (latest.get("StatusMessage") if latest in failed else None) or latest.get("Cause", "")
+                start = latest.get("StartTime")
+                when = start.strftime("%Y-%m-%d %H:%M UTC") if hasattr(start, "strftime") else str(start or "")
+            if terminated and logs is not None:
+                reported = _self_report(cfg, logs, n.name)
+        out.append(Identity(n.name, inst.instance_id if inst else "", inst.state if inst else "", replaced, cause, when, reported))
+    return out
+
+
+def _self_report(cfg: ClusterConfig, logs: Any, node: str) -> str:
+    """The node's own last word before it asked to be replaced, from its health watch's log stream."""
+    from clusterspec import telemetry
+
+    try:
+        events = logs.get_log_events(logGroupName=telemetry.log_group(cfg), logStreamName=f"{node}/gptoss-health-watch.service",
+                                     limit=20, startFromHead=False)["events"]  # fmt: skip
+    except logs.exceptions.ResourceNotFoundException:
+        return ""
+    marked = [e["message"] for e in events if "unhealthy: " in e["message"]]
+    return marked[-1].split("unhealthy: ", 1)[1] if marked else ""
+
+
 def expected_units(cfg: ClusterConfig) -> dict[str, dict[str, bool]]:
     """Node -> unit -> has a health route, from the same rendering as the user data."""
     return {r.node.name: {unit: url is not None for unit, url, _ in health_checks(cfg, r)} for r in render_cluster(cfg)}
@@ -82,13 +142,17 @@ def collect(
     ec2: Any,
     ssm: Any,
     *,
+    autoscaling: Any | None = None,
+    logs: Any | None = None,
     on_node: Callable[[str, str], None] = lambda node, status: None,
     sleep: Callable[[float], None] = time.sleep,
 ) -> ClusterStatus:
-    """Ask every node at once (SSM Run Command) for its units' state and health."""
+    """Ask every node at once (SSM Run Command) for its units' state and health; with `autoscaling`,
+    each node identity's current instance and replacements too."""
     expected = expected_units(cfg)
     nodes = find_nodes(ec2, cfg.cluster_name)
     status = ClusterStatus(missing_nodes=[n for n in expected if n not in nodes])
+    status.identities = identities(cfg, nodes, autoscaling, logs)
     # A pending instance cannot answer SSM yet: its reason is what there is to say.
     status.pending_nodes = {n: nodes[n].state_reason for n in expected if n in nodes and nodes[n].state == "pending"}
     present = [n for n in expected if n in nodes and n not in status.pending_nodes]

@@ -10,13 +10,13 @@ import re
 
 from clusterspec.config import ClusterConfig
 from clusterspec.layout import ProxyPlacement, Replica
-from clusterspec.paths import EXAMPLES_DIR, router_venv
+from clusterspec.paths import EXAMPLES_DIR, member_host, router_venv
 from clusterspec.quoting import Expand
 from clusterspec.serving import Decode, Prefill, Server, Serving, json_arg
 
 
 def host_var(node: str) -> str:
-    """Environment variable that holds a node's private IP in deploy.env."""
+    """Environment variable that holds a node's private IP (its own in deploy.env, a toy proxy's group in members.env)."""
     return "GPTOSS_HOST_" + re.sub(r"[^A-Z0-9]", "_", node.upper())
 
 
@@ -125,8 +125,8 @@ def router_argv(cfg: ClusterConfig, *, bin_dir: str) -> list[str]:
         "--port", str(p.port),
         "--vllm-pd-disaggregation",
         "--kv-connector", "nixl",
-        "--prefill-policy", r.prefill_policy,
-        "--decode-policy", r.decode_policy,
+        "--prefill-policy", cfg.router_policy("prefill"),
+        "--decode-policy", cfg.router_policy("decode"),
         "--health-check-endpoint", s.server_health_path,
         "--health-check-interval-secs", str(r.health_check_interval_s),
         "--health-check-timeout-secs", str(r.health_check_timeout_s),
@@ -167,11 +167,11 @@ def router_pool(cfg: ClusterConfig, proxy: ProxyPlacement) -> list[tuple[str, st
 
 
 def router_pool_args(pool: list[tuple[str, str, int, int]]) -> list[str]:
-    """The router's --prefill and --decode URLs of a pool, with each node's address as a plan placeholder."""
+    """The router's --prefill and --decode URLs of a pool, each at its node's name (gptoss-members keeps it in /etc/hosts)."""
     out: list[str] = []
     for role, node, first, last in pool:
         for port in range(first, last + 1):
-            out += [f"--{role}", f"http://<{node}>:{port}"]
+            out += [f"--{role}", f"http://{member_host(node)}:{port}"]
     return out
 
 

@@ -222,6 +222,38 @@ class ObservabilityConfig(_Frozen):
         return v
 
 
+class HealingConfig(_Frozen):
+    """A node keeps its identity, not its instance: what replaces a lost one and what a node reports of itself.
+
+    Each node identity (role, index, the replicas and ports it serves) is an Auto Scaling group
+    of one instance: EC2's status checks and the node's own report (below) replace a failed
+    instance with one of the same identity, in the same subnet, placement group and capacity.
+    """
+
+    members_poll_s: int = Field(
+        30, ge=5, le=3600,
+        description="How often a node re-reads the fleet's members (EC2, by the instances' identity tags): a replaced "
+        "node's new address reaches a running router through its name in /etc/hosts, without a restart.",
+    )  # fmt: skip
+    report_unhealthy: bool = Field(
+        True,
+        description="A node that is up but cannot serve marks its own instance unhealthy, and its group replaces it: the "
+        "node check failing after a reboot, Neuron execution errors past neuron_errors, a server in back-off longer than backoff_s.",
+    )
+    backoff_s: int = Field(
+        7200, ge=900, le=86400,
+        description="A server restarting with back-off (crashing) for this long on a node that once served marks the node unhealthy.",
+    )  # fmt: skip
+    neuron_errors: int = Field(
+        20, ge=1, le=100000,
+        description="Neuron execution errors (neuron-monitor) in one check interval that mark the node unhealthy.",
+    )  # fmt: skip
+    grace_s: int = Field(
+        900, ge=0, le=7200,
+        description="The group's health-check grace period: EC2 status checks count from this long after a launch.",
+    )  # fmt: skip
+
+
 CR_ID = r"^cr-[0-9a-f]{8,17}$"
 CR_GROUP_ARN = r"^arn:(aws[a-z-]*):resource-groups:([a-z0-9-]+):[0-9]{12}:group/[A-Za-z0-9_.-]{1,300}$"
 
@@ -363,7 +395,15 @@ class ClusterConfig(_Frozen):
     proxy_ingress_prefix_list_id: str | None = Field(None, pattern=r"^pl-[0-9a-f]{8,17}$")
     model: ModelSource = Field(default_factory=ModelSource)
     examples: ExamplesSource = Field(default_factory=ExamplesSource)
-    compile_cache_s3_uri: str | None = None
+    compile_cache_s3_uri: str | None = Field(
+        None,
+        description="Where nodes save their compiled graphs and restore them from. Unset: a bucket the stack creates "
+        "(compile_cache_bucket), emptied and deleted by gptoss destroy.",
+    )
+    compile_cache_bucket: bool = Field(
+        True, description="With compile_cache_s3_uri unset, the stack creates the compile cache's bucket; false: no compile cache."
+    )
+    healing: HealingConfig = Field(default_factory=HealingConfig, description="Replacement of lost nodes (README 'Healing').")
     results_s3_uri: str | None = None
     kms_key_arns: tuple[str, ...] = Field(
         (), description="Customer-managed KMS keys of the S3 buckets the nodes read and write (kms:Decrypt, GenerateDataKey on these only)."
@@ -379,6 +419,14 @@ class ClusterConfig(_Frozen):
     prefill_per_decode: int = Field(6, description="Prefill replicas per decode server (the tested ratio is 6).")
     replicas_per_prefill_instance: int | None = Field(None, description="Default: fill each prefill instance.")
     serving: Serving = Field(default_factory=Serving)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _ami_id_pins(cls, data: Any) -> Any:
+        """ami_id alone pins the image: the DLAMI parameter is then not asked (unless it is set too, which is refused)."""
+        if isinstance(data, dict) and data.get("ami_id") is not None and "ami_ssm_parameter" not in data:
+            return data | {"ami_ssm_parameter": None}
+        return data
 
     @field_validator("region")
     @classmethod
@@ -515,6 +563,18 @@ class ClusterConfig(_Frozen):
         )
 
     @property
+    def compile_cache_enabled(self) -> bool:
+        """Nodes save and restore compile caches: at compile_cache_s3_uri, or in the stack's own bucket."""
+        return self.compile_cache_s3_uri is not None or self.compile_cache_bucket
+
+    def router_policy(self, role: str) -> str:
+        """The router's policy for one role: the spec's, else power_of_two over two or more servers, round_robin over one."""
+        r = self.serving.proxy.router
+        chosen = r.prefill_policy if role == "prefill" else r.decode_policy
+        servers = len(self.layout.replicas) if role == "prefill" else len(self.layout.decode_nodes)
+        return chosen or ("power_of_two" if servers >= 2 else "round_robin")
+
+    @property
     def load_balanced(self) -> bool:
         """One internal NLB fronts the proxies."""
         if self.proxy_load_balancer is None:
@@ -622,7 +682,7 @@ class ClusterConfig(_Frozen):
                 "ami_id",
                 self.ami_id,
                 "exactly one of ami_ssm_parameter and ami_id selects the Neuron DLAMI",
-                "set ami_id=ami-... and ami_ssm_parameter to null, or leave ami_id unset",
+                "give ami_id=ami-... alone (it pins the image), or leave it unset and name the parameter",
             )
         if self.proxy_ingress_cidr and self.proxy_ingress_prefix_list_id:
             raise rule_error(
@@ -659,6 +719,15 @@ class ClusterConfig(_Frozen):
                     "with network.egress='none' S3 is reachable only through the gateway endpoint",
                     "set network.s3_gateway_endpoint=true",
                 )
+        if self.proxy_kind == "vllm-router":
+            r = self.serving.proxy.router
+            for role, chosen, servers in (("prefill", r.prefill_policy, len(self.layout.replicas)), ("decode", r.decode_policy, len(self.layout.decode_nodes))):
+                if chosen == "power_of_two" and servers < 2:
+                    raise rule_error(
+                        f"serving.proxy.router.{role}_policy", chosen,
+                        f"vllm-router refuses to start with power_of_two over {servers} {role} server ('Power-of-two policy for {role} "
+                        f"requires at least 2 {role} workers')", "remove it (round_robin is chosen over one server) or use round_robin",
+                    )  # fmt: skip
         _check_subnet_size(self)
         _check_ports(self)
         return self
@@ -752,10 +821,14 @@ def _check_capacity(self: ClusterConfig, partition: str | None) -> None:  # the 
             )  # fmt: skip
 
 def interface_endpoints(cfg: ClusterConfig) -> tuple[str, ...]:
-    """The interface endpoints the stack makes (one ENI each in the subnet): SSM, and CloudWatch without egress."""
+    """The interface endpoints the stack makes without egress (one ENI each in the subnet): SSM, EC2 and Auto Scaling
+    for the members and self-reports, CloudWatch for telemetry."""
     if not cfg.network.wants_ssm_endpoints:
         return ()
-    return ("ssm", "ssmmessages", "ec2messages") + (("logs", "monitoring") if cfg.observability.enabled else ())
+    # ec2: the fleet's members (DescribeInstances by tag); autoscaling: a node marking its own instance unhealthy.
+    members = ("ec2",) if any(cfg.layout.proxies) else ()
+    healing = ("autoscaling",) if cfg.healing.report_unhealthy else ()
+    return ("ssm", "ssmmessages", "ec2messages", *members, *healing) + (("logs", "monitoring") if cfg.observability.enabled else ())
 
 
 _CONTEXT_KEYS = set(ClusterConfig.model_fields)

@@ -216,13 +216,14 @@ def compute_layout(
     groups: dict[int, list[Replica]] = {d: [] for d in range(decode_instances)}
     for r in all_replicas:
         groups[r.decode_server].append(r)
-    # One decode server: the tested placement, the proxy on prefill node A. Several: one proxy
-    # (or router) on each decode node, so losing a node loses one endpoint, not all. A toy
-    # proxy routes to its own group; a router to every server of the fleet.
+    # The toy proxy with one decode server: the tested placement, on prefill node A. Otherwise one
+    # proxy or router on each decode node, so losing a node loses one endpoint, not all (and a
+    # router outlives the loss of any prefill node it routes to). A toy proxy routes to its own
+    # group; a router to every server of the fleet.
     every_decode = tuple(range(decode_instances))
     proxies = tuple(
         ProxyPlacement(
-            node="prefill-0" if decode_instances == 1 else f"decode-{d}",
+            node="prefill-0" if decode_instances == 1 and proxy_kind == "toy" else f"decode-{d}",
             decode_server=d,
             replicas=tuple(all_replicas) if proxy_kind == "vllm-router" else tuple(groups[d]),
             decode_servers=every_decode if proxy_kind == "vllm-router" else (d,),

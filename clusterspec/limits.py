@@ -17,8 +17,11 @@ MAX_OUTPUTS = 200
 # Measured on templates the CLI writes (scripts/bench_scale.py prints estimate and actual):
 # what a template holds besides the nodes' user data. Rounded up: the estimate must not be
 # smaller than the template.
-BASE_BYTES = 40_000
-PER_NODE_BYTES = 1_700
+BASE_BYTES = 20_000
+PER_NODE_BYTES = 8_500  # a node's launch template (but its NICs), group, role and instance profile, with their paths
+PER_CARD_BYTES = 340  # one network interface of a node's launch template (measured: 327)
+PER_NODE_RESOURCES = 4
+OBSERVABILITY_RESOURCES = 10  # log group, dashboard, alarms, the replacement rules
 PER_RULE_BYTES = 400
 LOAD_BALANCER_BYTES = 6_000
 PER_GATE_BYTES = 900  # a node's wait condition and handle (deploy gate)
@@ -34,12 +37,9 @@ _DIGIT = re.compile(r"\d")
 def _zero(text: str) -> str:
     return _DIGIT.sub("0", text)
 BASE_OUTPUTS = 2
-IP_PLACEHOLDER = "10.255.255.254"
 # As long as the URI CloudFormation fills in: the bootstrap bucket's name and the asset's key.
 SCRIPTS_URI_PLACEHOLDER = "s3://cdk-hnb659fds-assets-123456789012-ap-southeast-4/" + "0" * 64 + ".xz"
 # About as long as a wait condition handle's presigned URL.
-# The members parameter's Fn::Join holds each node's "name=" part and a GetAtt of its PrivateIp.
-MEMBER_BYTES = 140
 SIGNAL_URL_PLACEHOLDER = "https://cloudformation-waitcondition-ap-southeast-4.s3.ap-southeast-4.amazonaws.com/" + "x" * 900
 
 
@@ -82,11 +82,11 @@ def _user_data_bytes(cfg: ClusterConfig, layout: Layout, node: Node) -> int:
     return len(
         user_data(
             r,
-            {p: IP_PLACEHOLDER for p in r.peers},
             scripts_uri=SCRIPTS_URI_PLACEHOLDER,
             scripts_sha256="0" * 64,
             signal_url="x" * 60 if cfg.wait_for_ready else None,
             router_uri=SCRIPTS_URI_PLACEHOLDER,
+            compile_cache_uri=SCRIPTS_URI_PLACEHOLDER,
         ).encode()
     )
 
@@ -100,21 +100,20 @@ def estimate(cfg: ClusterConfig) -> StackSize:
     counts = [len(group) for group in groups]
     url_growth = len(SIGNAL_URL_PLACEHOLDER) - 60 if cfg.wait_for_ready else 0
     nodes = len(layout.nodes)
-    routed = cfg.proxy_kind == "vllm-router"
     sg_rules = layout.max_replicas_per_node + 5
     # The template holds user data as text; CloudFormation base64-encodes it at deploy time.
     return StackSize(
         nodes=nodes,
-        resources=BASE_RESOURCES + nodes * (3 if cfg.wait_for_ready else 1) + sg_rules + (6 if cfg.observability.enabled else 0)
-        + (1 if routed else 0),
-        outputs=BASE_OUTPUTS + 2 * nodes + (1 if len(layout.proxies) > 1 and not cfg.load_balanced else 0),
+        # Each node identity: its launch template, group, role and instance profile, and its gate's two.
+        resources=BASE_RESOURCES + nodes * (PER_NODE_RESOURCES + (2 if cfg.wait_for_ready else 0)) + sg_rules
+        + (OBSERVABILITY_RESOURCES if cfg.observability.enabled else 0),
+        outputs=BASE_OUTPUTS,
         template_bytes=BASE_BYTES
         + sum(size * count for size, count in zip(sizes, counts, strict=True))
-        + PER_NODE_BYTES * nodes
+        + (PER_NODE_BYTES + PER_CARD_BYTES * cfg.hardware.network_cards) * nodes
         + PER_RULE_BYTES * sg_rules
         + (PER_GATE_BYTES * nodes if cfg.wait_for_ready else 0)
         + (OBSERVABILITY_BYTES if cfg.observability.enabled else 0)
-        + (MEMBER_BYTES * nodes if routed else 0)
         + (LOAD_BALANCER_BYTES if cfg.load_balanced else 0),
         largest_user_data=max(sizes) + url_growth,
     )
@@ -135,10 +134,11 @@ def largest_fleet(cfg: ClusterConfig) -> int:
     """The most decode instances one stack holds with the other parameters of `cfg`.
 
     A binary search over estimates (cheap: one render per node shape). Each decode instance is at
-    least one node with two outputs, so the outputs limit bounds the search; the size per node is
-    not a constant (a router's pool names every server), so no guess from one size is trusted.
+    least one node of PER_NODE_RESOURCES resources, so the resources limit bounds the search; the
+    size per node is not a constant (a router's pool names every server), so no guess from one
+    size is trusted.
     """
-    lo, hi = 0, min(cfg.decode_instances - 1, (MAX_OUTPUTS - BASE_OUTPUTS) // 2)
+    lo, hi = 0, min(cfg.decode_instances - 1, (MAX_RESOURCES - BASE_RESOURCES) // PER_NODE_RESOURCES)
     while lo < hi:
         mid = (lo + hi + 1) // 2
         if _over(estimate(cfg.model_copy(update={"decode_instances": mid}))):

@@ -37,14 +37,23 @@ def cache_fleet_uri(compile_cache_s3_uri: str) -> str:
 
 
 def cache_nodes_uri(compile_cache_s3_uri: str) -> str:
-    """Where nodes upload their compile caches: nodes/<role id>:<instance id>/, each node its own."""
+    """Where nodes upload their compile caches: nodes/<node>/, each node identity its own area."""
     return f"{compile_cache_s3_uri.rstrip('/')}/nodes"
 
-# vLLM's router: its own venv (one per pinned wheel), its fleet members as this boot read them,
-# and this node's private IP for the NIXL side channel (both written at boot under /run).
+
+def cache_node_uri(compile_cache_s3_uri: str, node: str) -> str:
+    """One node identity's own area: what it uploads and what its replacements restore."""
+    return f"{cache_nodes_uri(compile_cache_s3_uri)}/{node}"
+
+# vLLM's router: its own venv (one per pinned wheel); the fleet's members as this node last read
+# them from EC2 (the toy proxy's addresses); this node's private IP for the NIXL side channel.
 ROUTER_VENV_ROOT = "/opt/gptoss/vllm-router"
 RUN_DIR = "/run/gptoss"
 MEMBERS_ENV = f"{RUN_DIR}/members.env"
+# A router reaches every server by name (prefill-0.gptoss.internal): gptoss-members keeps these
+# names in /etc/hosts, so a replaced node's new address reaches a running router without a restart.
+MEMBERS_DOMAIN = "gptoss.internal"
+HOSTS_FILE = "/etc/hosts"
 # The servers a router routes to, one line per node (role node first-port last-port).
 ROUTER_POOL = f"{ETC}/router-pool"
 NIXL_ENV = f"{RUN_DIR}/nixl.env"
@@ -58,6 +67,11 @@ def router_venv(version: str, sha256: str) -> str:
     return f"{ROUTER_VENV_ROOT}/{version}-{sha256[:12]}"
 
 
-def members_parameter(cluster_name: str) -> str:
-    """The SSM parameter that lists every server node's private IP (the stack writes it, routers read it)."""
-    return f"/gptoss/{cluster_name}/members"
+def member_host(node: str) -> str:
+    """The name a router reaches a node by (in /etc/hosts, kept by gptoss-members)."""
+    return f"{node}.{MEMBERS_DOMAIN}"
+
+
+def holder_name(cluster_name: str, node: str) -> str:
+    """The Auto Scaling group that holds a node identity's one instance (the node marks only its own)."""
+    return f"{cluster_name}-{node}"

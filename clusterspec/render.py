@@ -42,6 +42,7 @@ from clusterspec.paths import (
     ETC,
     EXAMPLES_DIR,
     MANIFEST,
+    MEMBERS_DOMAIN,
     MEMBERS_ENV,
     NIXL_ENV,
     NODE_TARGET,
@@ -49,17 +50,12 @@ from clusterspec.paths import (
     UNIT_DIR,
     UNITS_FILE,
     USERDATA_DIR,
-    cache_fleet_uri,
-    cache_nodes_uri,
-    members_parameter,
+    member_host,
     router_venv,
 )
 from clusterspec.quoting import Expand, env_file, expand, systemd_quote
 from clusterspec.router_cli import check_router_argv
 from clusterspec.userdata import NODE_SCRIPTS, _scripts
-
-# Seconds between two routers' restarts when the fleet's members change (router i waits i times this).
-ROUTER_RESTART_STAGGER_S = 20
 
 _ENV = jinja2.Environment(
     loader=jinja2.FileSystemLoader(USERDATA_DIR / "units"),
@@ -103,7 +99,6 @@ class NodeRender:
     files: dict[str, tuple[str, int]] = field(default_factory=dict)
     units: list[str] = field(default_factory=list)
     wants: list[str] = field(default_factory=list)
-    peers: list[str] = field(default_factory=list)
     scripts: set[str] = field(default_factory=set)
 
     def as_json(self) -> dict[str, object]:
@@ -147,9 +142,6 @@ def cluster_env(cfg: ClusterConfig, node: Node) -> dict[str, str]:
         "MEGAKERNEL_SCHEDULE_DIR": str(PurePosixPath(schedule_path(cfg)).parent),
         "MEGAKERNEL_SCOPE": s.decode.megakernel_scope,
         "GPTOSS_CACHE_DIR": f"{cfg.nvme_mount}/cache",
-        # The compile cache: restored from what an operator promoted, uploaded to the node's own area.
-        "GPTOSS_COMPILE_CACHE_FLEET_URI": cache_fleet_uri(cfg.compile_cache_s3_uri) if cfg.compile_cache_s3_uri else "",
-        "GPTOSS_COMPILE_CACHE_NODES_URI": cache_nodes_uri(cfg.compile_cache_s3_uri) if cfg.compile_cache_s3_uri else "",
         "GPTOSS_VENV_GLOB": cfg.venv_glob,
         "GPTOSS_RESULTS_DIR": cfg.results_dir,
         "GPTOSS_LOG_DIR": f"{cfg.results_dir}/logs",
@@ -165,22 +157,35 @@ def cluster_env(cfg: ClusterConfig, node: Node) -> dict[str, str]:
         # How long a server waits for this boot's staging before it fails by name.
         "GPTOSS_STAGE_WAIT_S": str(cfg.boot.budget_s(cfg.stage_timeout_s)),
         "GPTOSS_COMPLETION_URL": completion_url(cfg, node),
-    } | _router_env(cfg, node)
+        # A node that cannot serve marks its own instance unhealthy (gptoss-health-watch).
+        "GPTOSS_UNHEALTHY_BACKOFF_S": str(cfg.healing.backoff_s),
+        "GPTOSS_UNHEALTHY_NEURON_ERRORS": str(cfg.healing.neuron_errors),
+    } | _members_env(cfg, node)
 
 
-def _router_env(cfg: ClusterConfig, node: Node) -> dict[str, str]:
-    """What a router node's install and members steps need (nothing on other nodes)."""
-    proxies = [p for p in cfg.layout.proxies_on(node.name) if p.kind == "vllm-router"]
+def members_needed(cfg: ClusterConfig, node: Node) -> list[str]:
+    """The nodes whose addresses this node's proxy or router needs (none elsewhere)."""
+    proxies = cfg.layout.proxies_on(node.name)
+    return sorted({rep.node for p in proxies for rep in p.replicas} | {f"decode-{d}" for p in proxies for d in p.decode_servers})
+
+
+def _members_env(cfg: ClusterConfig, node: Node) -> dict[str, str]:
+    """What the members step of a node with a proxy or router needs, and a router's install (nothing elsewhere)."""
+    proxies = cfg.layout.proxies_on(node.name)
     if not proxies:
         return {}
-    r = cfg.serving.proxy.router
-    needs = sorted({rep.node for p in proxies for rep in p.replicas} | {f"decode-{d}" for p in proxies for d in p.decode_servers})
-    return {
-        "GPTOSS_ROUTER_WHEEL": r.wheel,
-        "GPTOSS_ROUTER_SHA256": r.sha256,
-        "GPTOSS_MEMBERS_PARAMETER": members_parameter(cfg.cluster_name),
-        "GPTOSS_MEMBERS_NEED": " ".join(needs),
+    routed = any(p.kind == "vllm-router" for p in proxies)
+    env = {
+        "GPTOSS_MEMBERS_NEED": " ".join(members_needed(cfg, node)),
+        "GPTOSS_MEMBERS_DOMAIN": MEMBERS_DOMAIN,
+        # A router follows names in /etc/hosts; the toy proxy takes addresses and restarts when one changes.
+        "GPTOSS_MEMBERS_FORM": "hosts" if routed else "env",
+        "GPTOSS_MEMBERS_RESTART": "" if routed else "gptoss-proxy.service gptoss-group-health.service",
     }
+    if routed:
+        r = cfg.serving.proxy.router
+        env |= {"GPTOSS_ROUTER_WHEEL": r.wheel, "GPTOSS_ROUTER_SHA256": r.sha256}
+    return env
 
 
 # ---- units -------------------------------------------------------------------------------
@@ -307,39 +312,46 @@ def _render_proxy(cfg: ClusterConfig, node: Node, proxy: ProxyPlacement, out: No
     # The proxy waits for every server, which may first wait for staging and compiles.
     wait_s = cfg.stage_timeout_s + 2 * s.engine_ready_timeout_s
     argv = [f"{bin_dir}/gptoss-exec", "proxy", f"{bin_dir}/gptoss-wait-healthy", str(wait_s), *urls, "--", *proxy_argv(cfg, proxy)]
+    # "-": the members file is written by the unit's own ExecStartPre (gptoss-members write), and
+    # systemd reads environment files before each state's first process.
     out.files[f"{UNIT_DIR}/gptoss-proxy.service"] = _unit(
         "gptoss-proxy.service",
         bin=bin_dir,
         port=s.proxy.port,
         decode_server=proxy.decode_server,
-        env_files=[DEPLOY_ENV],
+        env_files=[DEPLOY_ENV, f"-{MEMBERS_ENV}"],
         exec_start=_exec(argv),
+        # A start waits for its back-off, then for the members (gptoss-members: up to 600 s).
+        start_timeout_s=BACKOFF_MAX_S + 660,
         **_limits(cfg),
     )
     out.services.append(
-        Service("gptoss-proxy.service", hosts_env, [expand(a, hosts_env) for a in served(argv)], waits=("staging", "every server of its group answers"))
+        Service("gptoss-proxy.service", hosts_env, [expand(a, hosts_env) for a in served(argv)], waits=("staging", "the members (EC2)", "every server of its group answers"))
     )
     group = [f"{bin_dir}/gptoss-group-health", str(s.proxy.group_health_port),
              health_url("127.0.0.1", s.proxy.port, s.proxy.health_path), *urls]  # fmt: skip
     out.files[f"{UNIT_DIR}/gptoss-group-health.service"] = _unit(
         "gptoss-group-health.service",
+        bin=bin_dir,
         port=s.proxy.group_health_port,
         decode_server=proxy.decode_server,
-        env_files=[DEPLOY_ENV],
+        env_files=[DEPLOY_ENV, f"-{MEMBERS_ENV}"],
         exec_start=_exec(group),
         **_limits(cfg),
     )
     out.units += ["gptoss-proxy.service", "gptoss-group-health.service"]
     out.wants += ["gptoss-proxy.service", "gptoss-group-health.service"]
-    out.peers = sorted({p[1:-1] for p in hosts_env.values()} - {node.name})
+    _render_members(cfg, out, bin_dir, what="addresses of the proxy's group; the proxy restarts when one is replaced")
 
 
 def _render_router(cfg: ClusterConfig, node: Node, proxy: ProxyPlacement, out: NodeRender, bin_dir: str) -> None:
-    """vLLM's router over every server of the fleet; it learns their addresses from the members parameter.
+    """vLLM's router over every server of the fleet, each reached by its node's name.
 
     The unit carries the pool (one line per node, /etc/gptoss/router-pool) rather than one URL per
-    replica: gptoss-router-pool expands it with the members' addresses into the router's --prefill
-    and --decode arguments. The plan shows the command line that results.
+    replica: gptoss-router-pool expands it into the router's --prefill and --decode URLs at each
+    node's name (prefill-0.gptoss.internal), which gptoss-members keeps in /etc/hosts at the
+    node's current address. A replaced node's new address reaches the running router through
+    its resolver: nothing restarts. The plan shows the command line that results.
     """
     s = cfg.serving
     r = s.proxy.router
@@ -350,36 +362,35 @@ def _render_router(cfg: ClusterConfig, node: Node, proxy: ProxyPlacement, out: N
     if r.extra_flags:
         extra_tokens = sum(1 + (f.value is not None) for f in r.extra_flags)
         check_router_argv(routed[2:-extra_tokens] + pool_args, [(f.name, f.value) for f in r.extra_flags], r.wheel, r.sha256)
-    out.files[ROUTER_POOL] = ("".join(f"{role} {n} {first} {last}\n" for role, n, first, last in pool), 0o644)
+    out.files[ROUTER_POOL] = ("".join(f"{role} {member_host(n)} {first} {last}\n" for role, n, first, last in pool), 0o644)
     argv = [f"{bin_dir}/gptoss-exec", "proxy", f"{bin_dir}/gptoss-install-router", venv, "--",
             f"{bin_dir}/gptoss-router-pool", ROUTER_POOL, "--", *routed]  # fmt: skip
-    hosts_env = {host_var(n): f"<{n}>" for _, n, _, _ in sorted(pool, key=lambda p: p[1])}
     out.files[f"{UNIT_DIR}/gptoss-proxy.service"] = _unit(
         "gptoss-router.service",
         bin=bin_dir,
         port=s.proxy.port,
         prefill=len(proxy.replicas),
         decode=len(proxy.decode_servers),
-        # "-": systemd reads environment files before each state's first process, and this one is
-        # written by the unit's own ExecStartPre (gptoss-members write): missing at start-pre,
-        # there for ExecStart. Required, a first start would fail with result 'resources'.
-        env_files=[DEPLOY_ENV, f"-{MEMBERS_ENV}"],
+        env_files=[DEPLOY_ENV],
         exec_start=_exec(argv),
-        # A start waits for its back-off, then for the members parameter (gptoss-members: up to 600 s).
-        start_timeout_s=BACKOFF_MAX_S + 660,
+        # A start waits for its back-off, then for one answer from EC2 (gptoss-members hosts).
+        start_timeout_s=BACKOFF_MAX_S + 180,
         stop_timeout_s=r.request_timeout_s + 30,
         restart_sec=RESTART_SEC,
     )
-    out.services.append(
-        Service("gptoss-proxy.service", hosts_env, [*served(argv), *pool_args], waits=("the fleet's members", "the router's venv"))
-    )
-    # Routers restart one after another when the members change, so the endpoint never loses all at once.
-    out.files[f"{UNIT_DIR}/gptoss-router-members.service"] = _unit(
-        "gptoss-router-members.service", bin=bin_dir, delay_s=proxy.decode_server * ROUTER_RESTART_STAGGER_S
-    )
-    out.files[f"{UNIT_DIR}/gptoss-router-members.timer"] = _unit("gptoss-router-members.timer", poll_s=r.members_poll_s)
-    out.units += ["gptoss-proxy.service", "gptoss-router-members.timer"]
-    out.wants += ["gptoss-proxy.service", "gptoss-router-members.timer"]
+    # Its environment: deploy.env (where the router's wheel is, and this node's own address).
+    out.services.append(Service("gptoss-proxy.service", {host_var(node.name): f"<{node.name}>"}, [*served(argv), *pool_args], waits=("the router's venv",)))
+    out.units.append("gptoss-proxy.service")
+    out.wants.append("gptoss-proxy.service")
+    _render_members(cfg, out, bin_dir, what="every server's name in /etc/hosts, at its current address")
+
+
+def _render_members(cfg: ClusterConfig, out: NodeRender, bin_dir: str, *, what: str) -> None:
+    """gptoss-members.timer: the fleet's members from EC2 every healing.members_poll_s."""
+    out.files[f"{UNIT_DIR}/gptoss-members.service"] = _unit("gptoss-members.service", bin=bin_dir, what=what)
+    out.files[f"{UNIT_DIR}/gptoss-members.timer"] = _unit("gptoss-members.timer", poll_s=cfg.healing.members_poll_s)
+    out.units.append("gptoss-members.timer")
+    out.wants.append("gptoss-members.timer")
 
 
 def _render_bench(cfg: ClusterConfig, out: NodeRender, bin_dir: str) -> None:
@@ -419,7 +430,9 @@ def _render_telemetry(cfg: ClusterConfig, node: Node, out: NodeRender, bin_dir: 
         name = f"{node.name}/{svc.unit.removeprefix('gptoss-').removesuffix('.service')}"
         servers.append({"name": name, "unit": svc.unit, "health_url": health_url("127.0.0.1", port, cfg.serving.server_health_path),
                         "metrics_url": health_url("127.0.0.1", port, "/metrics")})  # fmt: skip
-    units = [u for u in out.units if u.endswith(".service")] + ["gptoss-telemetry.service"]
+    # And the services the node's timers run (their logs say what the members were, why a node asked to be replaced).
+    units = [u for u in out.units if u.endswith(".service")] + [u.replace(".timer", ".service") for u in out.units if u.endswith(".timer")]
+    units.append("gptoss-telemetry.service")
     routed = any(p.kind == "vllm-router" for p in cfg.layout.proxies_on(node.name))
     router_url = health_url("127.0.0.1", cfg.serving.proxy.router.metrics_port, "/metrics") if routed else None
     out.files[f"{ETC}/telemetry.json"] = (telemetry.node_config(cfg, node, servers, units, router_url), 0o644)
@@ -468,11 +481,21 @@ def render_node(cfg: ClusterConfig, layout: Layout, node: Node, *, bin_dir: str 
         out.files[f"{UNIT_DIR}/gptoss-signal.service"] = _unit("gptoss-signal.service", bin=bin_dir)
         out.units.append("gptoss-signal.service")
         out.wants.append("gptoss-signal.service")
+    if cfg.compile_cache_enabled:
+        # Once the servers answer, the compiled graphs go to this identity's own area of the cache.
+        out.files[f"{UNIT_DIR}/gptoss-cache-save.service"] = _unit("gptoss-cache-save.service", bin=bin_dir)
+        out.units.append("gptoss-cache-save.service")
+        out.wants.append("gptoss-cache-save.service")
+    if cfg.healing.report_unhealthy:
+        out.files[f"{UNIT_DIR}/gptoss-health-watch.service"] = _unit("gptoss-health-watch.service", bin=bin_dir)
+        out.files[f"{UNIT_DIR}/gptoss-health-watch.timer"] = _unit("gptoss-health-watch.timer")
+        out.units.append("gptoss-health-watch.timer")
+        out.wants.append("gptoss-health-watch.timer")
     if cfg.observability.enabled:
         _render_telemetry(cfg, node, out, bin_dir)
     out.files[f"{UNIT_DIR}/{NODE_TARGET}"] = _unit(NODE_TARGET, node=node.name, wants=out.wants)
     out.files[f"{ETC}/health"] = (health_file(cfg, out), 0o644)
-    out.scripts = _needed_scripts(out.files, save_cache=cfg.compile_cache_s3_uri is not None)
+    out.scripts = _needed_scripts(out.files, save_cache=cfg.compile_cache_enabled)
     scripts = _scripts()
     for name in sorted(out.scripts & NODE_SCRIPTS):
         out.files[f"{bin_dir}/{name}"] = (scripts[name], 0o755)
@@ -505,6 +528,8 @@ def health_checks(cfg: ClusterConfig, render: NodeRender) -> list[tuple[str, str
             checks.append((svc.unit, health_url("127.0.0.1", s.proxy.port, cfg.proxy_health_path), "proxy"))
             if cfg.proxy_kind == "toy":
                 checks.append(("gptoss-group-health.service", health_url("127.0.0.1", s.proxy.group_health_port, "/ready"), None))
+    # The members' and the health watch's timers (their runs come and go; the timer stays active).
+    checks += [(u, None, None) for u in render.units if u.endswith(".timer")]
     if cfg.observability.enabled:
         checks.append(("gptoss-telemetry.service", None, None))
     return checks

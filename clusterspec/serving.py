@@ -389,10 +389,12 @@ class Router(_Frozen):
         pattern=r"^[0-9a-f]{64}$",
         description="sha256 of the wheel: `make setup` refuses another file, and a node checks what it fetches.",
     )
-    prefill_policy: RouterPolicy = Field(
-        "power_of_two", description="Least loaded of two random prefill servers: needs no tokenizer route on the servers."
+    prefill_policy: RouterPolicy | None = Field(
+        None,
+        description="Unset: power_of_two (least loaded of two random servers; needs no tokenizer route on the servers) "
+        "with two or more prefill servers, round_robin with one (vllm-router 0.1.17 refuses power_of_two over one server).",
     )
-    decode_policy: RouterPolicy = Field("power_of_two", description="The same rule for the decode servers.")
+    decode_policy: RouterPolicy | None = Field(None, description="The same rule for the decode servers.")
     health_check_interval_s: int = Field(1, ge=1, le=300, description="How often the router asks every server's /health.")
     health_check_timeout_s: int = Field(1, ge=1, le=60, description="A /health answer slower than this counts as a failure.")
     health_failure_threshold: int = Field(2, ge=1, le=20, description="Failed checks in a row that take a server out of rotation.")
@@ -404,9 +406,6 @@ class Router(_Frozen):
     cb_timeout_s: int = Field(5, ge=1, le=600, description="How long an open breaker keeps the server out before one trial request.")
     request_timeout_s: int = Field(1800, ge=10, le=86400, description="The longest one request may take end to end.")
     metrics_port: int = Field(8029, ge=1024, le=65535, description="Prometheus metrics, on 127.0.0.1 (the node's collector reads them).")
-    members_poll_s: int = Field(
-        30, ge=5, le=3600, description="How often a router re-reads the fleet's members and adds or removes servers while it serves."
-    )
     extra_flags: tuple[ExtraFlag, ...] = Field(
         (), description="Router flags the spec does not model; checked against the pinned router's own parser at plan time."
     )

@@ -17,7 +17,6 @@ from typing import TYPE_CHECKING, Any
 
 import yaml
 
-from clusterspec.commands import host_var
 from clusterspec.paths import BIN, BUNDLE, DEPLOY_ENV, ETC, SIGNAL_ENV, USERDATA_DIR
 from clusterspec.quoting import parse_env_file
 
@@ -169,9 +168,9 @@ def launch_inputs(cfg: ClusterConfig, role: str) -> str:
 
 def node_digest(render: NodeRender, scripts_sha256: str, launch: str = "") -> str:
     """8 hex digits that change exactly when what the node runs or is launched from changes (its
-    files, scripts, peers, launch inputs): the deploy gate's id, so an update waits for exactly
-    the nodes it restarts or replaces."""
-    data = bundle(render.files) + scripts_sha256.encode() + ",".join(render.peers).encode() + launch.encode()
+    files, scripts, launch inputs): the deploy gate's id, so an update waits for exactly the
+    nodes it replaces."""
+    data = bundle(render.files) + scripts_sha256.encode() + launch.encode()
     return hashlib.sha256(data).hexdigest()[:8]
 
 
@@ -211,37 +210,37 @@ _DUMPER = getattr(yaml, "CSafeDumper", yaml.SafeDumper)
 
 def user_data(
     render: NodeRender,
-    hosts: Mapping[str, str],
     *,
     scripts_uri: str,
     scripts_sha256: str,
     signal_url: str | None = None,
     router_uri: str | None = None,
+    compile_cache_uri: str | None = None,
 ) -> str:
-    """cloud-init user data: the node's bundle, its peers' IPs and where its scripts are.
+    """cloud-init user data: the node's bundle and what the stack knows only at deploy time.
 
-    `hosts` (peer name -> IP), `scripts_uri` and `signal_url` (the deploy gate's wait condition
-    handle) are CDK tokens at synth; CloudFormation fills them in. The scripts' sha256 is
-    computed here, so the node checks what it fetches. The signal URL goes to its own
-    root-only file (whoever holds it can fail the deploy), never to deploy.env, which the
-    proxy and the other units read.
+    `scripts_uri`, `router_uri`, `compile_cache_uri` (the stack's bucket, or the configured
+    location) and `signal_url` (the deploy gate's wait condition handle) are CDK tokens at synth;
+    CloudFormation fills them in. No other node's address is here: an instance of any node can be
+    replaced at any time, and the nodes that need their peers read them from EC2 (gptoss-members).
+    The scripts' sha256 is computed here, so the node checks what it fetches. The signal URL goes
+    to its own root-only file (whoever holds it can fail the deploy), never to deploy.env, which
+    the proxy and the other units read.
 
     Everything is applied in `bootcmd`, which cloud-init runs at every boot with the current
-    user data: a spec change deployed with `cdk deploy` (CloudFormation stops the instance,
-    changes its user data and starts it) takes effect, where write_files and runcmd would run
-    only once per instance. gptoss-bootstrap then starts the node's target at every boot
-    (there is no first-boot special case). Data goes to `sh -c` as arguments, never inside
-    the script text.
+    user data, where write_files and runcmd would run only once per instance. gptoss-bootstrap
+    then starts the node's target at every boot (there is no first-boot special case). Data goes
+    to `sh -c` as arguments, never inside the script text.
     """
-    missing = [p for p in render.peers if p not in hosts]
-    if missing:
-        raise ValueError(f"{render.node.name}: no address given for peers {missing}")
-    values = [f"{host_var(p)}={hosts[p]}" for p in render.peers]
-    values += [f"GPTOSS_SCRIPTS_URI={scripts_uri}", f"GPTOSS_SCRIPTS_SHA256={scripts_sha256}"]
+    values = [f"GPTOSS_SCRIPTS_URI={scripts_uri}", f"GPTOSS_SCRIPTS_SHA256={scripts_sha256}"]
     if "gptoss-install-router" in render.scripts:
         if router_uri is None:
             raise ValueError(f"{render.node.name}: runs vLLM's router but no router asset URI was given")
         values.append(f"GPTOSS_ROUTER_URI={router_uri}")
+    if "gptoss-save-cache" in render.scripts:
+        if compile_cache_uri is None:
+            raise ValueError(f"{render.node.name}: saves its compile cache but no compile cache location was given")
+        values.append(f"GPTOSS_COMPILE_CACHE_URI={compile_cache_uri}")
     doc = {
         "bootcmd": [
             ["sh", "-c", _EXTRACT, base64.b64encode(bundle(render.files)).decode()],

@@ -6,21 +6,21 @@ from aws_cdk import Acknowledgment, Annotations, CfnParameter, CfnWaitConditionH
 from aws_cdk import aws_ec2 as ec2
 from constructs import Construct
 
+from cluster_constructs.compile_cache import CompileCacheBucket
 from cluster_constructs.gate import NodeReadyGate
-from cluster_constructs.iam import NodeRole
-from cluster_constructs.launch_template import EfaLaunchTemplate
+from cluster_constructs.iam import CacheLocation, NodeIdentityRole, NodePolicy
 from cluster_constructs.load_balancer import ProxyLoadBalancer
 from cluster_constructs.network import ClusterNetwork
 from cluster_constructs.node import ClusterNode
 from cluster_constructs.observability import FleetObservability
 from cluster_constructs.outputs import ClusterOutputs
-from cluster_constructs.router import FleetMembers, RouterWheel
+from cluster_constructs.router import RouterWheel
 from cluster_constructs.scripts import NodeScripts
 from cluster_constructs.security_group import ClusterSecurityGroup
 from clusterspec.commands import model_name
 from clusterspec.config import ClusterConfig, interface_endpoints
 from clusterspec.render import render_cluster
-from clusterspec.userdata import launch_inputs
+from clusterspec.userdata import launch_inputs, user_data
 
 
 class GptOssClusterStack(Stack):
@@ -55,7 +55,6 @@ class GptOssClusterStack(Stack):
                 f"the image resolves from {config.ami_ssm_parameter} at every deploy; a redeploy after a new DLAMI "
                 "replaces every instance. Pin it: gptoss pin-ami (records it in cdk.context.json).",
             )
-        role = NodeRole(self, "NodeRole", config=config)
         image_id = config.ami_id or CfnParameter(
             self,
             "NeuronDlamiAmi",
@@ -63,70 +62,20 @@ class GptOssClusterStack(Stack):
             default=config.ami_ssm_parameter,
             description="SSM parameter of the Neuron DLAMI (resolved at deploy time, not at synth)",
         ).value_as_string
-        templates = {
-            r: EfaLaunchTemplate(
-                self,
-                f"{r.capitalize()}LaunchTemplate",
-                config=config,
-                role=r,
-                image_id=image_id,
-                subnet_id=network.subnet_id,
-                security_group_id=security.group.security_group_id,
-                instance_profile_arn=role.profile.attr_arn,
-                placement_group=placement,
-            ).template
-            for r in dict.fromkeys(n.role for n in layout.nodes)
-        }
 
-        # One resource that stands for the nodes' network path (routes, NAT, endpoints): each instance
+        # One resource that stands for the nodes' network path (routes, NAT, endpoints): each node
         # depends on it alone, which keeps the template small at any fleet size (a handle costs nothing).
         network_ready = CfnWaitConditionHandle(self, "NetworkReady")
         for resource in network.path:
-            network_ready.add_dependency(resource)
-        # A node's user data names the private IPs of its peers, so peers are created first.
+            network_ready.node.add_dependency(resource)
         renders = render_cluster(config)
         scripts = NodeScripts(self, "NodeScripts", renders=renders)
         router = RouterWheel(self, "RouterWheel", config=config) if config.proxy_kind == "vllm-router" else None
-        role.allow_read(scripts.object_arn, *([router.object_arn] if router else []))
-        nodes: dict[str, ClusterNode] = {}
-        for render in sorted(renders, key=lambda r: bool(r.peers)):
-            gate = (
-                NodeReadyGate(
-                    self,
-                    f"{render.node.logical_id}Ready",
-                    render=render,
-                    scripts_sha256=scripts.sha256,
-                    launch=launch_inputs(config, render.node.role),
-                    timeout_s=config.gate_timeout_s,
-                )
-                if config.wait_for_ready
-                else None
-            )
-            nodes[render.node.name] = ClusterNode(
-                self,
-                render.node.logical_id,
-                config=config,
-                render=render,
-                template=templates[render.node.role],
-                image_id=image_id,
-                peer_ips={p: nodes[p].private_ip for p in render.peers},
-                scripts_uri=scripts.uri,
-                scripts_sha256=scripts.sha256,
-                signal_url=gate.url if gate else None,
-                router_uri=router.uri if router else None,
-            )
-            # A first boot must not race its network: routes, NAT and endpoints exist before the instance.
-            nodes[render.node.name].instance.add_dependency(network_ready)
-            if gate:
-                # The gate's clock starts when the instance exists, not when the stack does.
-                gate.condition.add_resource_dependency(nodes[render.node.name].instance)
-        ordered = [nodes[r.node.name] for r in renders]
-        if router:
-            members = FleetMembers(self, "FleetMembers", config=config, ips={r.node.name: nodes[r.node.name].private_ip for r in renders})
-            role.allow_get_parameter(members.arn)
+        cache = _compile_cache(self, config)
+        policy = NodePolicy(self, "NodePolicy", config=config, cache=cache)
+        policy.allow_read(scripts.object_arn)
         # The nodes clients reach: the proxies, or the one server of a single-instance recipe.
-        proxy_nodes = [nodes[p.node] for p in layout.proxies] or ordered
-        endpoint = None
+        proxy_names = [p.node for p in layout.proxies] or [renders[0].node.name]
         balancer = None
         if config.load_balanced:
             balancer = ProxyLoadBalancer(
@@ -137,16 +86,65 @@ class GptOssClusterStack(Stack):
                 subnet_id=network.subnet_id,
                 route_table_id=network.route_table_id,
                 cluster_group=security.group,
-                instances=[n.instance for n in proxy_nodes],
             )
-            endpoint = balancer.dns_name
-        ClusterOutputs(self, "Outputs", config=config, nodes=ordered, proxy_nodes=proxy_nodes, endpoint_dns=endpoint)
+        self.nodes: dict[str, ClusterNode] = {}
+        for render in renders:
+            node = render.node
+            gate = (
+                NodeReadyGate(
+                    self,
+                    f"{node.logical_id}Ready",
+                    render=render,
+                    scripts_sha256=scripts.sha256,
+                    launch=launch_inputs(config, node.role),
+                    timeout_s=config.gate_timeout_s,
+                )
+                if config.wait_for_ready
+                else None
+            )
+            role = NodeIdentityRole(
+                self,
+                f"{node.logical_id}Role",
+                config=config,
+                node=node.name,
+                shared=policy,
+                cache=cache,
+                reads_members=bool(layout.proxies_on(node.name)),
+                router_object_arn=router.object_arn if router and "gptoss-install-router" in render.scripts else None,
+            )
+            holder = ClusterNode(
+                self,
+                node.logical_id,
+                config=config,
+                render=render,
+                image_id=image_id,
+                subnet_id=network.subnet_id,
+                security_group_id=security.group.security_group_id,
+                instance_profile_arn=role.profile.attr_arn,
+                placement_group=placement,
+                user_data=user_data(
+                    render,
+                    scripts_uri=scripts.uri,
+                    scripts_sha256=scripts.sha256,
+                    signal_url=gate.url if gate else None,
+                    router_uri=router.uri if router else None,
+                    compile_cache_uri=cache.uri if cache else None,
+                ),
+                target_group_arns=[balancer.target_group.target_group_arn] if balancer and node.name in proxy_names else None,
+            )
+            # A first boot must not race its network: routes, NAT and endpoints exist before the group launches.
+            holder.group.node.add_dependency(network_ready)
+            if gate:
+                # The gate's clock starts when the group has launched the node's instance, not when the stack starts.
+                gate.condition.add_resource_dependency(holder.group)
+            self.nodes[node.name] = holder
+        ClusterOutputs(self, "Outputs", config=config, proxy_nodes=proxy_names, endpoint_dns=balancer.dns_name if balancer else None)
         if config.observability.enabled:
             FleetObservability(
                 self,
                 "Observability",
                 config=config,
-                role=role.role,
+                policy=policy,
                 load_balancer=(balancer.target_group.target_group_full_name, balancer.nlb.load_balancer_full_name)
                 if balancer
                 else None,
@@ -168,6 +166,16 @@ class GptOssClusterStack(Stack):
                     "preflight checks that the type is offered in the AZ.",
                 )
             )
+
+
+def _compile_cache(stack: Stack, config: ClusterConfig) -> CacheLocation | None:
+    """Where the nodes save and restore compile caches: the configured location, or a bucket of the stack's."""
+    if config.compile_cache_s3_uri:
+        uri = config.compile_cache_s3_uri.rstrip("/")
+        return CacheLocation(uri=uri, nag=uri)
+    if config.compile_cache_bucket:
+        return CompileCacheBucket(stack, "CompileCache", config=config).location
+    return None
 
 
 def _placement_group(stack: Stack, config: ClusterConfig) -> str | None:

@@ -104,7 +104,8 @@ def synth_variant() -> Callable[..., dict[str, Any]]:
     def get(**context: Any) -> dict[str, Any]:
         key = json.dumps(context, sort_keys=True)
         if key not in cache:
-            app = cdk.App()
+            # The feature flags of cdk.json, as the CLI passes them (policy minimization among them).
+            app = cdk.App(context=json.loads((ROOT / "cdk.json").read_text())["context"])
             stack = GptOssClusterStack(app, STACK, config=load_config(context))
             cache[key] = dict(Template.from_stack(stack).to_json())
         return cache[key]
@@ -152,6 +153,7 @@ ODD_VALUES = [
 SCRIPTS_URI = "s3://cdk-hnb659fds-assets-123456789012-us-east-2/scripts.xz"
 SCRIPTS_SHA = "0" * 64
 ROUTER_URI = "s3://cdk-hnb659fds-assets-123456789012-us-east-2/router.whl"
+CACHE_URI = "s3://gptoss-8k1k-compilecachebucket-0123456789ab"
 
 
 def rendered_services(**context: str) -> dict[str, dict[str, Any]]:
@@ -183,11 +185,11 @@ def argv_flags(argv: list[str]) -> dict[str, Any]:
     return out
 
 
-def node_user_data(render: Any, hosts: dict[str, str]) -> str:
+def node_user_data(render: Any) -> str:
     """A node's user data with the deploy-time values a test chooses (CloudFormation's at deploy)."""
     from clusterspec.userdata import user_data
 
-    return user_data(render, hosts, scripts_uri=SCRIPTS_URI, scripts_sha256=SCRIPTS_SHA, router_uri=ROUTER_URI)
+    return user_data(render, scripts_uri=SCRIPTS_URI, scripts_sha256=SCRIPTS_SHA, router_uri=ROUTER_URI, compile_cache_uri=CACHE_URI)
 
 
 @pytest.fixture(scope="module")

@@ -2,13 +2,16 @@
 
 The local configuration is one users can also choose on AWS: no NAT and no internet
 gateway (nodes reach S3 through the gateway endpoint and SSM through interface endpoints),
-model and examples from S3, the DLAMI from a named SSM parameter.
+model and examples from S3, the DLAMI from a named SSM parameter. Each node identity is an
+Auto Scaling group of one; moto launches its instance, and replaces it when the group is told
+to terminate it (what EC2 Auto Scaling does with an instance that failed a health check).
 """
 
 from __future__ import annotations
 
 import base64
 import hashlib
+import json
 import socket
 import subprocess
 import sys
@@ -36,6 +39,8 @@ EGRESS_NONE_ENDPOINTS = {
         "ssm": "Interface",
         "ssmmessages": "Interface",
         "ec2messages": "Interface",
+        "ec2": "Interface",  # the fleet's members, by tag
+        "autoscaling": "Interface",  # a node marking its own instance unhealthy
         "logs": "Interface",
         "monitoring": "Interface",
     }.items()
@@ -82,17 +87,18 @@ class LocalAws:
         assert r.returncode == 0, f"cdk {' '.join(args)} failed:\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
         return r
 
-    def gptoss(self, command: str, *args: str, timeout: int = 300) -> subprocess.CompletedProcess[str]:
+    def gptoss(self, command: str, *args: str, timeout: int = 300, codes: tuple[int, ...] = (0,)) -> subprocess.CompletedProcess[str]:
         """The operator CLI as installed (it runs the same pinned cdk), records kept out of the checkout."""
         gptoss = str(Path(sys.executable).parent / "gptoss")
+        passthrough = ["--output", str(self.outdir)] if command in ("deploy", "destroy", "diff") else []
         r = subprocess.run(
-            ["timeout", str(timeout), gptoss, command, "-c", f"config={self.config}", *args, "--output", str(self.outdir)],
+            ["timeout", str(timeout), gptoss, command, "-c", f"config={self.config}", *args, *passthrough],
             cwd=ROOT,
             env=self.env | {"GPTOSS_STATE_DIR": str(self.config.parent / "gptoss-state")},
             capture_output=True,
             text=True,
         )
-        assert r.returncode == 0, f"gptoss {command} failed:\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
+        assert r.returncode in codes, f"gptoss {command} failed:\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
         return r
 
 
@@ -146,6 +152,10 @@ def inventory(aws: LocalAws) -> dict[str, set[str]]:
     ec2, iam = aws.client("ec2"), aws.client("iam")
     live = [i for r in ec2.describe_instances()["Reservations"] for i in r["Instances"] if i["State"]["Name"] != "terminated"]
     return {
+        "groups": {g["AutoScalingGroupName"] for g in aws.client("autoscaling").describe_auto_scaling_groups()["AutoScalingGroups"]},
+        "buckets": {b["Name"] for b in aws.client("s3").list_buckets()["Buckets"]},
+        "event_rules": {r["Name"] for r in aws.client("events").list_rules()["Rules"]},
+        "alarms": {a["AlarmName"] for a in aws.client("cloudwatch").describe_alarms()["MetricAlarms"]},
         "vpcs": {v["VpcId"] for v in ec2.describe_vpcs()["Vpcs"]},
         "subnets": {s["SubnetId"] for s in ec2.describe_subnets()["Subnets"]},
         "route_tables": {t["RouteTableId"] for t in ec2.describe_route_tables()["RouteTables"]},
@@ -192,10 +202,23 @@ def remove_what_moto_cannot_delete(aws: LocalAws, resources: list[dict[str, Any]
         ec2.delete_route_table(RouteTableId=table["RouteTableId"])
 
 
+def _doc(doc: Any) -> dict[str, Any]:
+    """A role policy as boto3 hands it: parsed (AWS), or as the text moto stored from CloudFormation
+    (JSON, or the Python form of the dict)."""
+    if isinstance(doc, dict):
+        return doc
+    import ast
+
+    try:
+        return dict(json.loads(doc))
+    except ValueError:
+        return dict(ast.literal_eval(doc))
+
+
 def deploy_check_destroy(
-    aws: LocalAws, *context: str, stack: str = STACK, cluster: str = CLUSTER, via_gptoss: bool = False
+    aws: LocalAws, *context: str, stack: str = STACK, cluster: str = CLUSTER, via_gptoss: bool = False, between: Any = None
 ) -> dict[str, Any]:
-    """Deploy, collect what was created, destroy, and prove nothing created remains."""
+    """Deploy, collect what was created, run `between` on it, destroy, and prove nothing created remains."""
     before = inventory(aws)
     ctx = [a for c in context for a in ("-c", c)]
     if via_gptoss:
@@ -203,7 +226,7 @@ def deploy_check_destroy(
         assert out.stderr.splitlines()[0].startswith(f"stack {stack} · region {REGION}"), out.stderr
     else:
         aws.cdk("deploy", stack, "--require-approval", "never", *ctx)
-    cf, ec2, iam = aws.client("cloudformation"), aws.client("ec2"), aws.client("iam")
+    cf, ec2, iam, autoscaling = aws.client("cloudformation"), aws.client("ec2"), aws.client("iam"), aws.client("autoscaling")
     # A deploy can report success while a resource failed: read every resource's status.
     resources = cf.list_stack_resources(StackName=stack)["StackResourceSummaries"]
     assert {r["ResourceStatus"] for r in resources} == {"CREATE_COMPLETE"}
@@ -215,41 +238,42 @@ def deploy_check_destroy(
     ]  # fmt: skip
     group = ec2.describe_security_groups(GroupIds=[group_id])["SecurityGroups"][0]
     vpc = ec2.describe_vpcs(VpcIds=[group["VpcId"]])["Vpcs"][0]
-    lt_subnets = set()
-    templates = {}
-    for lt_id in created["launch_templates"]:
-        data = ec2.describe_launch_template_versions(LaunchTemplateId=lt_id)["LaunchTemplateVersions"][0]["LaunchTemplateData"]
-        role = {t["Key"]: t["Value"] for ts in data["TagSpecifications"] for t in ts["Tags"]}["gptoss:role"]
-        templates[role] = data
-        lt_subnets |= {n["SubnetId"] for n in data["NetworkInterfaces"]}
-    (subnet_id,) = lt_subnets
+    # Each node identity: its group of one, the template it launches from, the instance it holds now.
+    holders = {g["AutoScalingGroupName"]: g for g in autoscaling.describe_auto_scaling_groups(AutoScalingGroupNames=sorted(created["groups"]))["AutoScalingGroups"]}
+    nodes = {}
+    for name, g in holders.items():
+        tags = {t["Key"]: t["Value"] for t in g["Tags"]}
+        (held,) = g["Instances"]
+        data = ec2.describe_launch_template_versions(LaunchTemplateId=g["LaunchTemplate"]["LaunchTemplateId"])["LaunchTemplateVersions"][0]["LaunchTemplateData"]
+        nodes[tags["gptoss:node"]] = {"group": g, "group_name": name, "tags": tags, "template": data, "instance_id": held["InstanceId"]}
+    (subnet_id,) = {s for n in nodes.values() for s in n["group"]["VPCZoneIdentifier"].split(",")}
     subnet = ec2.describe_subnets(SubnetIds=[subnet_id])["Subnets"][0]
-    instances = [
-        i for r in ec2.describe_instances(InstanceIds=sorted(created["instances"]))["Reservations"] for i in r["Instances"]
-    ]  # fmt: skip
-    (role_name,) = [r for r in created["roles"] if "NodeRole" in r]
-    # The node role's inline policy, read back (the allowlist is asserted on the templates).
-    statements = [
-        st
-        for name in iam.list_role_policies(RoleName=role_name)["PolicyNames"]
-        for st in iam.get_role_policy(RoleName=role_name, PolicyName=name)["PolicyDocument"]["Statement"]
-    ]
-    (profile,) = created["instance_profiles"]
-    profile_roles = [r["RoleName"] for r in iam.get_instance_profile(InstanceProfileName=profile)["InstanceProfile"]["Roles"]]
+    instances = [i for r in ec2.describe_instances(InstanceIds=sorted(created["instances"]))["Reservations"] for i in r["Instances"]]
+    # Each node's role, read back: its own inline statements and the shared policy (the allowlist is asserted on the templates).
+    profiles = {p["InstanceProfileName"]: p for p in iam.list_instance_profiles()["InstanceProfiles"] if p["InstanceProfileName"] in created["instance_profiles"]}
+    statements = {}
+    for node, n in nodes.items():
+        (profile,) = [p for p in profiles.values() if p["Arn"] == n["template"]["IamInstanceProfile"]["Arn"]]
+        (role,) = [r["RoleName"] for r in profile["Roles"]]
+        docs = [iam.get_role_policy(RoleName=role, PolicyName=pol)["PolicyDocument"] for pol in iam.list_role_policies(RoleName=role)["PolicyNames"]]
+        # moto hands a policy that CloudFormation wrote back as JSON text; AWS as the parsed document.
+        statements[node] = [st for doc in docs for st in (_doc(doc))["Statement"]]
+        assert len(docs) == 2, f"{node}: its own policy and the shared one ({docs})"
     endpoints = {
         e["ServiceName"]: e["VpcEndpointType"]
         for e in ec2.describe_vpc_endpoints()["VpcEndpoints"]
         if e["VpcEndpointId"] in created["endpoints"]
     }
-    # What each node will fetch at boot: the object its user data names, in the bootstrap bucket,
-    # with the sha256 its user data names.
+    # What each node will fetch at boot: the object its template's user data names, in the bootstrap
+    # bucket, with the sha256 its user data names.
     s3 = aws.client("s3")
-    for inst in instances:
-        raw = ec2.describe_instance_attribute(InstanceId=inst["InstanceId"], Attribute="userData")["UserData"]["Value"]
-        _, deploy, _ = parse_user_data(base64.b64decode(raw).decode())
+    for n in nodes.values():
+        _, deploy, _ = parse_user_data(base64.b64decode(n["template"]["UserData"]).decode())
         bucket, key = deploy["GPTOSS_SCRIPTS_URI"].removeprefix("s3://").split("/", 1)
         body = s3.get_object(Bucket=bucket, Key=key)["Body"].read()
         assert hashlib.sha256(body).hexdigest() == deploy["GPTOSS_SCRIPTS_SHA256"]
+        assert not [k for k in deploy if k.startswith("GPTOSS_HOST_")], "no node's user data names another's address"
+        n["deploy"] = deploy
         asset_arn = f"arn:aws:s3:::{bucket}/{key}"
     seen = {
         "asset_arn": asset_arn,
@@ -257,25 +281,28 @@ def deploy_check_destroy(
         "subnet": subnet,
         "group": group,
         "rules_in": rules(group["IpPermissions"], group["GroupId"]),
-        "templates": templates,
+        "nodes": nodes,
         "instances": instances,
-        "role_statements": statements,
-        "profile_roles": profile_roles,
-        "role_name": role_name,
+        "statements": statements,
         "endpoints": endpoints,
         "created": created,
     }
+    if between:
+        between(seen)
 
     remove_what_moto_cannot_delete(aws, resources)
     if via_gptoss:
-        aws.gptoss("destroy", "--yes", *ctx)
+        seen["destroy"] = aws.gptoss("destroy", "--yes", *ctx).stderr
     else:
         aws.cdk("destroy", stack, "--force", *ctx)
     stacks = [s for s in cf.list_stacks()["StackSummaries"] if s["StackName"] == stack]
     assert stacks and all(s["StackStatus"] == "DELETE_COMPLETE" for s in stacks), stacks
     after = inventory(aws)
     left = {k: sorted(created[k] & after[k]) for k in created if created[k] & after[k]}
-    assert left == {}, f"resources the stack created are still there after destroy: {left}"
+    assert left == {}, f"resources the stack created are still there after destroy: {left}\n{seen.get('destroy', '')[-3000:]}"
+    live = [i for r in ec2.describe_instances()["Reservations"] for i in r["Instances"] if i["State"]["Name"] != "terminated"
+            and {"Key": "gptoss:cluster", "Value": cluster} in i.get("Tags", [])]  # fmt: skip
+    assert live == [], f"instances of {cluster} still run after destroy (a replacement among them?): {[i['InstanceId'] for i in live]}"
     assert not aws.client("ec2").describe_flow_logs()["FlowLogs"]
     seen["after"] = after
     return seen
@@ -291,14 +318,14 @@ EXPECTED_6P1D = {
 }
 
 
-def _check_templates(templates: dict[str, Any], subnet_id: str, group_id: str) -> None:
-    assert set(templates) == {"prefill", "decode"}
-    for data in templates.values():
-        nics = sorted(data["NetworkInterfaces"], key=lambda n: n["NetworkCardIndex"])
-        assert [n["NetworkCardIndex"] for n in nics] == list(range(16))
-        assert [n["InterfaceType"] for n in nics] == ["efa"] + ["efa-only"] * 15
-        assert {n["SubnetId"] for n in nics} == {subnet_id}
-        assert all(n["Groups"] == [group_id] for n in nics)
+def _check_templates(nodes: dict[str, Any], group_id: str) -> None:
+    for node, n in nodes.items():
+        data = n["template"]
+        nics = sorted(data["NetworkInterfaces"], key=lambda x: x["NetworkCardIndex"])
+        assert [x["NetworkCardIndex"] for x in nics] == list(range(16)), node
+        assert [x["InterfaceType"] for x in nics] == ["efa"] + ["efa-only"] * 15
+        assert not [x for x in nics if "SubnetId" in x], "the group launches every interface into its subnet"
+        assert all(x["Groups"] == [group_id] for x in nics)
         assert nics[0]["AssociatePublicIpAddress"] is False
         assert data["MetadataOptions"]["HttpTokens"] == "required"
         assert data["InstanceType"] == "trn3.48xlarge"
@@ -306,42 +333,59 @@ def _check_templates(templates: dict[str, Any], subnet_id: str, group_id: str) -
         assert root["Ebs"]["Encrypted"] is True and root["Ebs"]["VolumeSize"] >= 512
 
 
-def _roles(instances: list[dict[str, Any]]) -> list[str]:
-    return sorted({t["Key"]: t["Value"] for t in i["Tags"]}["gptoss:role"] for i in instances)
+def _identities(instances: list[dict[str, Any]]) -> list[tuple[str, str]]:
+    return sorted((t["gptoss:role"], t["gptoss:node"]) for t in ({x["Key"]: x["Value"] for x in i["Tags"]} for i in instances))
 
 
-def test_default_two_node_stack_deploys_and_is_destroyed(local_aws: LocalAws) -> None:
-    seen = deploy_check_destroy(local_aws)
+def _replace_one_instance_and_see_it_in_status(aws: LocalAws, seen: dict[str, Any]) -> None:
+    """prefill-0's instance goes (its group terminates it, as it does one that failed a health check);
+    the group launches one of the same identity; `gptoss status` shows the new one under prefill-0."""
+    autoscaling, ec2 = aws.client("autoscaling"), aws.client("ec2")
+    prefill = seen["nodes"]["prefill-0"]
+    old = prefill["instance_id"]
+    autoscaling.terminate_instance_in_auto_scaling_group(InstanceId=old, ShouldDecrementDesiredCapacity=False)
+    (held,) = autoscaling.describe_auto_scaling_groups(AutoScalingGroupNames=[prefill["group_name"]])["AutoScalingGroups"][0]["Instances"]
+    new = held["InstanceId"]
+    assert new != old
+    (inst,) = [i for r in ec2.describe_instances(InstanceIds=[new])["Reservations"] for i in r["Instances"]]
+    tags = {t["Key"]: t["Value"] for t in inst["Tags"]}
+    assert {k: tags[k] for k in ("gptoss:cluster", "gptoss:role", "gptoss:node")} == {"gptoss:cluster": CLUSTER, "gptoss:role": "prefill", "gptoss:node": "prefill-0"}
+    assert inst["SubnetId"] == seen["subnet"]["SubnetId"], "the same subnet"
+    (gone,) = [i for r in ec2.describe_instances(InstanceIds=[old])["Reservations"] for i in r["Instances"]]
+    assert gone["State"]["Name"] in ("shutting-down", "terminated")
+    # moto's Run Command answers no node (its status report is empty): not ready, exit 1, and the nodes table shows who holds what.
+    out = aws.gptoss("status", codes=(1,)).stdout
+    line = next(x for x in out.splitlines() if "prefill-0" in x and "i-" in x)
+    assert new in line and old not in out, out
+    seen["replacement"] = (old, new)
+
+
+def test_default_two_node_stack_deploys_replaces_a_lost_node_and_is_destroyed(local_aws: LocalAws) -> None:
+    seen = deploy_check_destroy(local_aws, between=lambda s: _replace_one_instance_and_see_it_in_status(local_aws, s))
     assert seen["created"]["vpcs"] == {seen["vpc"]["VpcId"]} and seen["created"]["subnets"] == {seen["subnet"]["SubnetId"]}
     assert seen["vpc"]["CidrBlock"] == "10.42.0.0/16"
     assert (seen["subnet"]["CidrBlock"], seen["subnet"]["AvailabilityZone"]) == ("10.42.0.0/20", "us-east-2a")
     assert seen["subnet"]["MapPublicIpOnLaunch"] is False
     assert seen["rules_in"] == EXPECTED_6P1D
-    _check_templates(seen["templates"], seen["subnet"]["SubnetId"], seen["group"]["GroupId"])
-    assert _roles(seen["instances"]) == ["decode", "prefill"]
+    _check_templates(seen["nodes"], seen["group"]["GroupId"])
+    assert sorted(seen["nodes"]) == ["decode-0", "prefill-0"]
+    assert _identities(seen["instances"]) == [("decode", "decode-0"), ("prefill", "prefill-0")]
     assert all(i["State"]["Name"] == "running" for i in seen["instances"])
-    reads = {
-        r
-        for st in seen["role_statements"]
-        if st["Action"] == "s3:GetObject"
-        for r in (st["Resource"] if isinstance(st["Resource"], list) else [st["Resource"]])
-    }
-    assert reads == {
-        seen["asset_arn"],
-        "arn:aws:s3:::gptoss-local-models/gpt-oss-120b/*",
-        "arn:aws:s3:::gptoss-local-models/vllm-neuron/*",
-        "arn:aws:s3:::gptoss-local-models/neuron-cache/fleet/*",
-    }
-    writes = {
-        r
-        for st in seen["role_statements"]
-        if st["Action"] == "s3:PutObject"
-        for r in (st["Resource"] if isinstance(st["Resource"], list) else [st["Resource"]])
-    }
-    assert writes == {"arn:aws:s3:::gptoss-local-models/neuron-cache/nodes/${aws:userid}/*"}
-    assert not [st for st in seen["role_statements"] if "*" in str(st["Action"]).replace("s3:GetObject", "")]
-    assert seen["profile_roles"] == [seen["role_name"]]
+    for node, sts in seen["statements"].items():
+        reads = {r for st in sts if "s3:GetObject" in st["Action"] for r in (st["Resource"] if isinstance(st["Resource"], list) else [st["Resource"]])}
+        assert reads == {
+            seen["asset_arn"],
+            "arn:aws:s3:::gptoss-local-models/gpt-oss-120b/*",
+            "arn:aws:s3:::gptoss-local-models/vllm-neuron/*",
+            "arn:aws:s3:::gptoss-local-models/neuron-cache/fleet/*",
+            f"arn:aws:s3:::gptoss-local-models/neuron-cache/nodes/{node}/*",
+        }, node
+        writes = {r for st in sts if "s3:PutObject" in st["Action"] for r in (st["Resource"] if isinstance(st["Resource"], list) else [st["Resource"]])}
+        assert writes == {f"arn:aws:s3:::gptoss-local-models/neuron-cache/nodes/{node}/*"}, node
+        health = [st for st in sts if st["Action"] == "autoscaling:SetInstanceHealth"]
+        assert [st["Resource"] for st in health] == [f"arn:aws:autoscaling:us-east-2:{ACCOUNT}:autoScalingGroup:*:autoScalingGroupName/gptoss-8k1k-{node}"]
     assert seen["endpoints"] == EGRESS_NONE_ENDPOINTS
+    assert seen["replacement"][0] != seen["replacement"][1]
 
 
 def test_production_three_plus_eight_in_an_existing_vpc_deploys_and_is_destroyed(local_aws: LocalAws) -> None:
@@ -363,21 +407,31 @@ def test_production_three_plus_eight_in_an_existing_vpc_deploys_and_is_destroyed
     assert (seen["vpc"]["VpcId"], seen["subnet"]["SubnetId"]) == (vpc, subnet)
     assert not seen["created"]["vpcs"] and not seen["created"]["subnets"] and not seen["created"]["endpoints"]
     assert vpc in seen["after"]["vpcs"] and subnet in seen["after"]["subnets"]
-    assert _roles(seen["instances"]) == ["decode"] * 8 + ["prefill"] * 3
+    assert [r for r, _ in _identities(seen["instances"])] == ["decode"] * 8 + ["prefill"] * 3
     assert ("tcp", 8100, 8115, "self") in seen["rules_in"]
     assert {("tcp", 5559 + 100 * i, 5562 + 100 * i, "self") for i in range(16)} <= seen["rules_in"]
-    _check_templates(seen["templates"], seen["subnet"]["SubnetId"], seen["group"]["GroupId"])
+    _check_templates(seen["nodes"], seen["group"]["GroupId"])
 
 
-def test_single_instance_recipe_deploys_and_is_destroyed(local_aws: LocalAws) -> None:
-    """`gptoss deploy -c recipe=gptoss-20b-single` (the CLI, as an operator runs it): one server, one interface, port 8000."""
+def test_single_instance_recipe_with_the_stacks_own_cache_bucket_deploys_and_is_destroyed(local_aws: LocalAws) -> None:
+    """`gptoss deploy -c recipe=gptoss-20b-single` (the CLI, as an operator runs it): one server, one
+    interface, port 8000, and the compile cache in a bucket of the stack's, which `gptoss destroy`
+    empties (a node saved its graphs there) before CloudFormation deletes it."""
+
+    def a_node_saved_its_cache(seen: dict[str, Any]) -> None:
+        (bucket,) = [b for b in seen["created"]["buckets"]]
+        assert seen["nodes"]["server-0"]["deploy"]["GPTOSS_COMPILE_CACHE_URI"] == f"s3://{bucket}"
+        local_aws.client("s3").put_object(Bucket=bucket, Key="nodes/server-0/manifest.json", Body=b"{}")
+
     seen = deploy_check_destroy(
-        local_aws, "recipe=gptoss-20b-single", stack="GptOss20bSingleStack", cluster="gptoss-20b-single", via_gptoss=True
-    )
-    assert _roles(seen["instances"]) == ["server"]
-    (data,) = seen["templates"].values()
+        local_aws, "recipe=gptoss-20b-single", "compile_cache_s3_uri=null", stack="GptOss20bSingleStack", cluster="gptoss-20b-single",
+        via_gptoss=True, between=a_node_saved_its_cache,
+    )  # fmt: skip
+    assert [n for _, n in _identities(seen["instances"])] == ["server-0"]
+    data = seen["nodes"]["server-0"]["template"]
     (nic,) = data["NetworkInterfaces"]
     assert (nic["NetworkCardIndex"], nic.get("InterfaceType", "interface")) == (0, "interface")
     assert data["MetadataOptions"]["HttpTokens"] == "required" and "Placement" not in data
     assert {r for r in seen["rules_in"] if r[0] == "tcp"} == {("tcp", 8000, 8000, "self")}
-    assert seen["endpoints"] == EGRESS_NONE_ENDPOINTS
+    # A single server has no peers: no members (no EC2 endpoint needed for them), the rest as for the fleet.
+    assert seen["endpoints"] == {k: v for k, v in EGRESS_NONE_ENDPOINTS.items() if not k.endswith(".ec2")}

@@ -1,9 +1,10 @@
-"""The node role's allowlist, typed here independently of cluster_constructs/iam.py.
+"""Each node role's allowlist, typed here independently of cluster_constructs/iam.py.
 
-Every (action, resource) pair the template grants must be one this file expects for the
-config, and every expected pair must be granted (nothing missing that the node needs). Managed
-policies are expanded from a typed copy of their documented actions, so attaching one is
-judged by what it really grants.
+Every (action, resource) pair the template grants a node identity's role must be one this file
+expects for that node, and every expected pair must be granted (nothing missing that the node
+needs). Managed policies are expanded from a typed copy of their documented actions, so
+attaching one is judged by what it really grants. What only one node may do (its own area of
+the compile cache, marking its own instance unhealthy) must name that node alone.
 """
 
 from __future__ import annotations
@@ -47,6 +48,10 @@ DATA_READS = ("s3:GetObject", "secretsmanager:GetSecretValue", "kms:Decrypt", "s
               "ssm:GetParametersByPath", "logs:GetLogEvents", "logs:FilterLogEvents")  # fmt: skip
 
 
+# The stack's own compile cache bucket, as a resource names it (a Ref of the bucket).
+CACHE_BUCKET = "<the stack's compile cache bucket>"
+
+
 def _text(value: Any) -> str:
     """A resource as text: the partition, account and asset bucket tokens filled in."""
     if isinstance(value, str):
@@ -59,28 +64,47 @@ def _text(value: Any) -> str:
         return ACCOUNT
     if "Fn::Sub" in value:
         return value["Fn::Sub"].replace("${AWS::AccountId}", ACCOUNT)
+    if "Ref" in value and value["Ref"].startswith("CompileCacheBucket"):
+        return CACHE_BUCKET
     raise AssertionError(f"unexpected resource form {value}")
 
 
-def granted(template: dict[str, Any]) -> set[tuple[str, str, str]]:
-    """(action, resource, condition as JSON) for every statement of the node role, managed policies expanded."""
+def _statements(doc: dict[str, Any]) -> set[tuple[str, str, str]]:
     out = set()
+    for st in doc["Statement"]:
+        assert st["Effect"] == "Allow", st
+        actions = st["Action"] if isinstance(st["Action"], list) else [st["Action"]]
+        resources = st["Resource"] if isinstance(st["Resource"], list) else [st["Resource"]]
+        cond = json.dumps(st.get("Condition", {}), sort_keys=True)
+        out |= {(a, _text(r), cond) for a in actions for r in resources}
+    return out
+
+
+def granted(template: dict[str, Any]) -> dict[str, set[tuple[str, str, str]]]:
+    """Node name -> (action, resource, condition as JSON) of every statement its instances get, managed policies expanded."""
     resources = template["Resources"]
-    # The roles the instances get: those of the instance profiles.
-    node_roles = {r["Ref"] for res in resources.values() if res["Type"] == "AWS::IAM::InstanceProfile" for r in res["Properties"]["Roles"]}
-    assert node_roles, "no instance profile"
-    for lid, res in resources.items():
-        if res["Type"] == "AWS::IAM::Role" and lid in node_roles:
-            for arn in res["Properties"].get("ManagedPolicyArns", []):
-                name = _text(arn).rsplit("/", 1)[1]
-                out |= {(a, "*", "{}") for a in MANAGED_ACTIONS.get(name, [f"<unknown managed policy {name}>"])}
-        if res["Type"] == "AWS::IAM::Policy" and {r["Ref"] for r in res["Properties"]["Roles"]} & node_roles:
-            for st in res["Properties"]["PolicyDocument"]["Statement"]:
-                assert st["Effect"] == "Allow", st
-                actions = st["Action"] if isinstance(st["Action"], list) else [st["Action"]]
-                resources = st["Resource"] if isinstance(st["Resource"], list) else [st["Resource"]]
-                cond = json.dumps(st.get("Condition", {}), sort_keys=True)
-                out |= {(a, _text(r), cond) for a in actions for r in resources}
+    # A node's role: the one of the instance profile its launch template names.
+    profiles = {lid: res["Properties"]["Roles"][0]["Ref"] for lid, res in resources.items() if res["Type"] == "AWS::IAM::InstanceProfile"}
+    node_roles: dict[str, str] = {}
+    for res in resources.values():
+        if res["Type"] == "AWS::AutoScaling::AutoScalingGroup":
+            node = next(t["Value"] for t in res["Properties"]["Tags"] if t["Key"] == "gptoss:node")
+            lt = resources[res["Properties"]["LaunchTemplate"]["LaunchTemplateId"]["Ref"]]
+            node_roles[node] = profiles[lt["Properties"]["LaunchTemplateData"]["IamInstanceProfile"]["Arn"]["Fn::GetAtt"][0]]
+    assert node_roles, "no node"
+    out: dict[str, set[tuple[str, str, str]]] = {}
+    for node, role in node_roles.items():
+        got: set[tuple[str, str, str]] = set()
+        props = resources[role]["Properties"]
+        for arn in props.get("ManagedPolicyArns", []):
+            name = _text(arn).rsplit("/", 1)[1]
+            got |= {(a, "*", "{}") for a in MANAGED_ACTIONS.get(name, [f"<unknown managed policy {name}>"])}
+        for inline in props.get("Policies", []):
+            got |= _statements(inline["PolicyDocument"])
+        for res in resources.values():
+            if res["Type"] == "AWS::IAM::Policy" and {"Ref": role} in res["Properties"]["Roles"]:
+                got |= _statements(res["Properties"]["PolicyDocument"])
+        out[node] = got
     return out
 
 
@@ -89,34 +113,49 @@ def _prefix(uri: str) -> tuple[str, str]:
     return bucket, key.strip("/")
 
 
-def expected(cfg: ClusterConfig, scripts_key: str) -> set[tuple[str, str, str]]:
-    """What a node of this config needs, and nothing else (README 'Security')."""
+def _cache(cfg: ClusterConfig) -> str | None:
+    if cfg.compile_cache_s3_uri:
+        return cfg.compile_cache_s3_uri.rstrip("/")
+    return f"s3://{CACHE_BUCKET}" if cfg.compile_cache_bucket else None
+
+
+def _objects(bucket: str, key: str) -> str:
+    return f"arn:aws:s3:::{bucket}/{key + '/' if key else ''}*"
+
+
+def _list(bucket: str, key: str) -> tuple[str, str, str]:
+    return ("s3:ListBucket", f"arn:aws:s3:::{bucket}", json.dumps({"StringLike": {"s3:prefix": [key, f"{key}/*"]}}))
+
+
+def expected(cfg: ClusterConfig, node: str, scripts_key: str, router_key: str | None) -> set[tuple[str, str, str]]:
+    """What node `node` of this config needs, and nothing else (README 'Security')."""
     none = "{}"
     out = {(a, "*", none) for a in SSM_AGENT}
     out.add(("s3:GetObject", f"arn:aws:s3:::{ASSETS}/{scripts_key}", none))
+    cache = _cache(cfg)
     reads = []
     if cfg.model.source == "s3" and cfg.model.s3_uri:
         reads.append(cfg.model.s3_uri)
     if cfg.examples.s3_uri:
         reads.append(cfg.examples.s3_uri)
-    if cfg.compile_cache_s3_uri:
-        reads.append(cfg.compile_cache_s3_uri.rstrip("/") + "/fleet")
+    if cache:
+        reads.append(f"{cache}/fleet")
     for uri in reads:
         bucket, key = _prefix(uri)
-        out.add(("s3:GetObject", f"arn:aws:s3:::{bucket}/{key}/*", none))
-        out.add(("s3:ListBucket", f"arn:aws:s3:::{bucket}", json.dumps({"StringLike": {"s3:prefix": [key, f"{key}/*"]}})))
-    writes = []
+        out.add(("s3:GetObject", _objects(bucket, key), none))
+        out.add(_list(bucket, key))
     if cfg.results_s3_uri:
-        writes.append(cfg.results_s3_uri)
-    if cfg.compile_cache_s3_uri:
-        writes.append(cfg.compile_cache_s3_uri.rstrip("/") + "/nodes/${aws:userid}")
-    for uri in writes:
-        bucket, key = _prefix(uri)
-        out.add(("s3:PutObject", f"arn:aws:s3:::{bucket}/{key}/*", none))
+        bucket, key = _prefix(cfg.results_s3_uri)
+        out.add(("s3:PutObject", _objects(bucket, key), none))
+    if cache:
+        # This node's own area: what it saves, what its replacements restore.
+        bucket, key = _prefix(f"{cache}/nodes/{node}")
+        out |= {(a, _objects(bucket, key), none) for a in ("s3:GetObject", "s3:PutObject", "s3:DeleteObject")}
+        out.add(_list(bucket, key))
     if cfg.kms_key_arns:
         via = [f"s3.{cfg.region}.amazonaws.com"] + ([f"secretsmanager.{cfg.region}.amazonaws.com"] if cfg.model.hf_token_secret_arn else [])
         cond = json.dumps({"StringEquals": {"kms:ViaService": via if len(via) > 1 else via[0]}}, sort_keys=True)
-        actions = ["kms:Decrypt"] + (["kms:GenerateDataKey"] if writes else [])
+        actions = ["kms:Decrypt"] + (["kms:GenerateDataKey"] if cfg.results_s3_uri or cache else [])
         out |= {(a, k, cond) for a in actions for k in cfg.kms_key_arns}
     if cfg.model.hf_token_secret_arn:
         arn = cfg.model.hf_token_secret_arn
@@ -125,15 +164,28 @@ def expected(cfg: ClusterConfig, scripts_key: str) -> set[tuple[str, str, str]]:
         group = f"/gptoss/{cfg.cluster_name}"
         out |= {(a, f"arn:aws:logs:{cfg.region}:{ACCOUNT}:log-group:{group}:*", none) for a in ("logs:CreateLogStream", "logs:PutLogEvents")}
         out.add(("cloudwatch:PutMetricData", "*", json.dumps({"StringEquals": {"cloudwatch:namespace": "GptOss"}})))
+    if cfg.healing.report_unhealthy:
+        # Its own group, by name (the group's id is EC2's): no other node's.
+        out.add(("autoscaling:SetInstanceHealth",
+                 f"arn:aws:autoscaling:{cfg.region}:{ACCOUNT}:autoScalingGroup:*:autoScalingGroupName/{cfg.cluster_name}-{node}", none))  # fmt: skip
+    proxies = [p for p in cfg.layout.proxies if p.node == node]
+    if proxies:
+        out.add(("ec2:DescribeInstances", "*", none))  # the fleet's members, by tag
+    if router_key and any(p.kind == "vllm-router" for p in proxies):
+        out.add(("s3:GetObject", f"arn:aws:s3:::{ASSETS}/{router_key}", none))
     return out
 
 
 def assert_least_privilege(template: dict[str, Any], cfg: ClusterConfig) -> None:
-    """The template grants exactly the expected pairs, and no data read on '*'."""
-    got = granted(template)
-    (scripts,) = {r.split(f"{ASSETS}/", 1)[1] for a, r, _ in got if a == "s3:GetObject" and ASSETS in r}
-    want = expected(cfg, scripts)
-    assert got - want == set(), f"{cfg.stack_name}: granted beyond the allowlist: {sorted(got - want)}"
-    assert want - got == set(), f"{cfg.stack_name}: the node lacks: {sorted(want - got)}"
-    wide = sorted((a, r) for a, r, _ in got if r == "*" and a in DATA_READS)
-    assert wide == [], f"{cfg.stack_name}: data readable everywhere: {wide}"
+    """Every node's role grants exactly its expected pairs, and no data read on '*'."""
+    by_node = granted(template)
+    assert sorted(by_node) == sorted(n.name for n in cfg.layout.nodes), "one role per node identity"
+    assets = {r.split(f"{ASSETS}/", 1)[1] for got in by_node.values() for a, r, _ in got if a == "s3:GetObject" and ASSETS in r}
+    (scripts,) = [k for k in assets if k.endswith(".xz")]
+    routers = [k for k in assets if k.endswith(".whl")]
+    for node, got in by_node.items():
+        want = expected(cfg, node, scripts, routers[0] if routers else None)
+        assert got - want == set(), f"{cfg.stack_name} {node}: granted beyond the allowlist: {sorted(got - want)}"
+        assert want - got == set(), f"{cfg.stack_name} {node}: the node lacks: {sorted(want - got)}"
+        wide = sorted((a, r) for a, r, _ in got if r == "*" and a in DATA_READS)
+        assert wide == [], f"{cfg.stack_name} {node}: data readable everywhere: {wide}"

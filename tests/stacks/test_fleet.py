@@ -16,24 +16,25 @@ from tests.stacks.test_template import ingress_rules, normalized, of_type, one
 
 
 def _user_data(res: dict[str, Any]) -> str:
-    joined = res["Properties"]["UserData"]["Fn::Base64"]
+    """A node's launch template's user data, each token as <signal>, <cache> or <bucket>."""
+    joined = res["Properties"]["LaunchTemplateData"]["UserData"]["Fn::Base64"]
     parts = joined["Fn::Join"][1] if isinstance(joined, dict) else [joined]
     return "".join(
         p
         if isinstance(p, str)
-        else "<" + (p["Fn::GetAtt"][0] if "Fn::GetAtt" in p else "signal" if "Ref" in p else "bucket") + ">"
+        else "<" + ("signal" if "Ready" in p["Ref"] else "cache") + ">" if "Ref" in p else "<bucket>"
         for p in parts
     )
 
 
-def test_eleven_instances_three_prefill_eight_decode(fleet_synth: Synth) -> None:
-    insts = of_type(fleet_synth.template, "AWS::EC2::Instance")
-    roles = sorted({t["Key"]: t["Value"] for t in v["Properties"]["Tags"]}["gptoss:role"] for v in insts.values())
+def test_eleven_node_identities_three_prefill_eight_decode(fleet_synth: Synth) -> None:
+    holders = of_type(fleet_synth.template, "AWS::AutoScaling::AutoScalingGroup")
+    roles = sorted({t["Key"]: t["Value"] for t in v["Properties"]["Tags"]}["gptoss:role"] for v in holders.values())
     assert roles == ["decode"] * 8 + ["prefill"] * 3
 
 
 def test_each_full_prefill_instance_runs_sixteen_replicas(fleet_synth: Synth) -> None:
-    for lid, res in of_type(fleet_synth.template, "AWS::EC2::Instance").items():
+    for lid, res in of_type(fleet_synth.template, "AWS::EC2::LaunchTemplate").items():
         files, _, _ = parse_user_data(_user_data(res))
         target = files.get("/etc/systemd/system/gptoss-prefill.target")
         if lid.startswith("Prefill"):
@@ -70,8 +71,10 @@ def test_one_internal_endpoint_over_every_proxy(fleet_synth: Synth) -> None:
     rules = ingress_rules(t)
     lb_groups = {r[3] for r in rules if "ProxyEndpointGroup" in r[3]}
     assert {(r[1], r[2]) for r in rules if r[3] in lb_groups} == {(8000, 8000)}
-    targets = sorted(x["Id"]["Ref"] for x in p["Targets"])
-    assert len(targets) == 8 and all(x.startswith("Decode") for x in targets)
+    assert "Targets" not in p, "no fixed instance: each proxy node's group registers its current one"
+    tg_id = next(iter(of_type(t, "AWS::ElasticLoadBalancingV2::TargetGroup")))
+    registered = sorted(lid for lid, g in of_type(t, "AWS::AutoScaling::AutoScalingGroup").items() if {"Ref": tg_id} in g["Properties"].get("TargetGroupARNs", []))
+    assert len(registered) == 8 and all(x.startswith("Decode") for x in registered), registered
     out = t["Outputs"]
     assert lb_id in json.dumps(out["ProxyUrl"]) and lb_id in json.dumps(out["ProxyPortForward"])
     assert "AWS-StartPortForwardingSessionToRemoteHost" in json.dumps(out["ProxyPortForward"])
@@ -79,18 +82,16 @@ def test_one_internal_endpoint_over_every_proxy(fleet_synth: Synth) -> None:
 
 def test_every_node_runs_what_the_plan_shows(fleet_synth: Synth) -> None:
     renders = {r.node.logical_id: r for r in render_cluster(load_config({"decode_instances": "8"}))}
-    for lid, res in of_type(fleet_synth.template, "AWS::EC2::Instance").items():
-        r = next(v for k, v in renders.items() if lid.startswith(k + "Instance"))
+    for lid, res in of_type(fleet_synth.template, "AWS::EC2::LaunchTemplate").items():
+        r = next(v for k, v in renders.items() if lid.startswith(k + "Template"))
         text = _user_data(res)
-        peer_ids = [p for p in re.findall(r"<(\w+)>", text) if p not in ("bucket", "signal")]
-        hosts = dict(zip(r.peers, [f"<{p}>" for p in peer_ids], strict=True))
         uri, sha = re.search(r"GPTOSS_SCRIPTS_URI=(\S+)\n.*GPTOSS_SCRIPTS_SHA256=(\w+)", text, re.S).groups()  # type: ignore[union-attr]
         assert uri.startswith("s3://<bucket>/") and "GPTOSS_SIGNAL_URL=<signal>" in text
         router = re.search(r"GPTOSS_ROUTER_URI=(\S+)\n", text)
         assert bool(router) == (r.node.role == "decode"), "every router node, and only those, fetch the router"
         router_uri = router.group(1) if router else None
         assert router_uri is None or (router_uri.startswith("s3://<bucket>/") and router_uri.endswith(".whl"))
-        assert text == user_data(r, hosts, scripts_uri=uri, scripts_sha256=sha, signal_url="<signal>", router_uri=router_uri)
+        assert text == user_data(r, scripts_uri=uri, scripts_sha256=sha, signal_url="<signal>", router_uri=router_uri, compile_cache_uri="s3://<cache>")
 
 
 def test_config_file_gives_the_same_stack_as_context(fleet_synth: Synth, synth_variant: Any, tmp_path: Path) -> None:

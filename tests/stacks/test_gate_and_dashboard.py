@@ -15,31 +15,36 @@ from tests.stacks.test_template import of_type
 
 
 def _user_data(resource: dict[str, Any]) -> str:
-    """The instance's user data as text, with each token shown as <Ref:id>."""
-    join = resource["Properties"]["UserData"]["Fn::Base64"]
+    """A node's launch template's user data as text, with each token shown as <Ref:id>."""
+    join = resource["Properties"]["LaunchTemplateData"]["UserData"]["Fn::Base64"]
     parts = join["Fn::Join"][1] if isinstance(join, dict) else [join]
     return "".join(p if isinstance(p, str) else f"<Ref:{p.get('Ref', json.dumps(p))}>" for p in parts)
 
 
-def test_each_node_has_its_own_gate_that_waits_for_its_instance(default_synth: Synth) -> None:
+def _templates(t: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    return of_type(t, "AWS::EC2::LaunchTemplate")
+
+
+def test_each_node_has_its_own_gate_that_waits_for_its_group_to_launch_its_instance(default_synth: Synth) -> None:
     t = default_synth.template
-    instances = of_type(t, "AWS::EC2::Instance")
+    holders = of_type(t, "AWS::AutoScaling::AutoScalingGroup")
     conditions = of_type(t, "AWS::CloudFormation::WaitCondition")
-    # NetworkReady is a handle only as the instances' one dependency on their network path.
+    # NetworkReady is a handle only as the nodes' one dependency on their network path.
     handles = {k: v for k, v in of_type(t, "AWS::CloudFormation::WaitConditionHandle").items() if k != "NetworkReady"}
-    assert len(instances) == len(conditions) == len(handles) == 2
+    assert len(holders) == len(conditions) == len(handles) == 2
     waited_for = set()
     for c in conditions.values():
         p = c["Properties"]
         assert p["Count"] == 1 and p["Timeout"] == "24900", "every boot budget + staging + server start + margin, rounded up to 5 min"
         assert p["Handle"]["Ref"] in handles
-        (instance,) = [d for d in c["DependsOn"] if d in instances]
-        waited_for.add(instance)
-        # The instance's user data carries exactly its own gate's handle.
-        ud = _user_data(instances[instance])
+        (holder,) = [d for d in c["DependsOn"] if d in holders]
+        waited_for.add(holder)
+        # The node's launch template (what any of its instances boots from) carries exactly its own gate's handle.
+        template = t["Resources"][holders[holder]["Properties"]["LaunchTemplate"]["LaunchTemplateId"]["Ref"]]
+        ud = _user_data(template)
         assert f"<Ref:{p['Handle']['Ref']}>" in ud
         assert [h for h in handles if f"<Ref:{h}>" in ud] == [p["Handle"]["Ref"]]
-    assert waited_for == set(instances)
+    assert waited_for == set(holders)
 
 
 def test_the_gate_needs_no_iam_permission(default_synth: Synth) -> None:
@@ -57,16 +62,16 @@ def test_without_the_gate_no_wait_condition_and_no_signal_unit(synth_variant: Ca
     t = synth_variant(wait_for_ready=False)
     assert not of_type(t, "AWS::CloudFormation::WaitCondition")
     assert set(of_type(t, "AWS::CloudFormation::WaitConditionHandle")) == {"NetworkReady"}, "no gate's handle"
-    for inst in of_type(t, "AWS::EC2::Instance").values():
-        assert "gptoss-signal" not in _user_data(inst)
+    for lt in _templates(t).values():
+        assert "gptoss-signal" not in _user_data(lt)
 
 
 def _gate_ids(t: dict[str, Any]) -> dict[str, str]:
-    """Gate logical id by the instance it waits for."""
+    """Gate logical id by the node group it waits for."""
     out = {}
     for cid, c in of_type(t, "AWS::CloudFormation::WaitCondition").items():
-        (inst,) = [d for d in c["DependsOn"] if t["Resources"][d]["Type"] == "AWS::EC2::Instance"]
-        out[inst] = cid
+        (holder,) = [d for d in c["DependsOn"] if t["Resources"][d]["Type"] == "AWS::AutoScaling::AutoScalingGroup"]
+        out[holder] = cid
     return out
 
 
@@ -84,7 +89,7 @@ def test_a_change_to_one_role_renews_only_that_roles_gates(synth_variant: Callab
     [
         ({"root_volume_gb": 1024}, {"Prefill", "Decode"}),  # a new launch template version: new instances
         ({"detailed_monitoring": False}, {"Prefill", "Decode"}),
-        ({"ami_id": "ami-0123456789abcdef0", "ami_ssm_parameter": None}, {"Prefill", "Decode"}),  # a pinned image
+        ({"ami_id": "ami-0123456789abcdef0"}, {"Prefill", "Decode"}),  # a pinned image (or the one gptoss deploy resolved)
         ({"capacity": {"type": "odcr", "reservation_id": "cr-0123456789abcdef0", "roles": {"decode": {"reservation_id": "cr-0fedcba987654321f"}}}},
          {"Prefill", "Decode"}),
         ({"network": {"flow_logs": False}}, set()),  # leaves the instances alone: and their gates
@@ -109,7 +114,7 @@ def test_log_group_has_the_retention_and_the_role_writes_only_there(default_synt
     statements = [
         s
         for p in of_type(t, "AWS::IAM::Policy").values()
-        if "NodeRole" in json.dumps(p["Properties"]["Roles"])
+        if "Prefill0Role" in json.dumps(p["Properties"]["Roles"])
         for s in p["Properties"]["PolicyDocument"]["Statement"]
     ]
     logs = [s for s in statements if any(str(a).startswith("logs:") for a in _list(s["Action"]))]
@@ -134,7 +139,7 @@ def _dashboard_text(t: dict[str, Any]) -> str:
 def _referenced(t: dict[str, Any]) -> set[str]:
     """Every metric of the project's namespace the dashboard and the alarms name."""
     text = _dashboard_text(t)
-    names = set(re.findall(r'MetricName=\\"(\w+)\\"', text))
+    names = set(re.findall(r"\{" + telemetry.NAMESPACE + r',[^}]*\} MetricName=\\"(\w+)\\"', text))
     names |= set(re.findall(rf'\["{telemetry.NAMESPACE}","(\w+)"', text))
     for a in of_type(t, "AWS::CloudWatch::Alarm").values():
         if a["Properties"].get("Namespace") == telemetry.NAMESPACE:
@@ -171,10 +176,14 @@ def test_alarms_notify_the_operators_topic(synth_variant: Callable[..., dict[str
         "gptoss-8k1k-StagingFailing",
         "gptoss-8k1k-NlbUnhealthyHosts",
         "gptoss-8k1k-RouterErrors",
+        "gptoss-8k1k-NodeReplaced",
+        "gptoss-8k1k-NodeCannotBeReplaced",
     }
     for a in alarms.values():
-        assert a["Properties"]["AlarmActions"] == [topic] and a["Properties"]["OKActions"] == [topic]
+        assert a["Properties"]["AlarmActions"] == [topic]
         assert a["Properties"]["TreatMissingData"] == "notBreaching"
+        if "Node" not in a["Properties"]["AlarmName"]:  # a replacement is an event: no "OK" to send after it
+            assert a["Properties"]["OKActions"] == [topic]
     router = next(a["Properties"] for a in alarms.values() if a["Properties"]["AlarmName"].endswith("RouterErrors"))
     assert (router["MetricName"], router["Statistic"], router["Threshold"], router["EvaluationPeriods"]) == ("RouterErrorPercent", "Maximum", 5, 3)
     nlb = next(a for a in alarms.values() if a["Properties"]["AlarmName"].endswith("NlbUnhealthyHosts"))
@@ -186,6 +195,30 @@ def test_observability_off_provisions_none_of_it(synth_variant: Callable[..., di
     t = synth_variant(**{"observability.enabled": False})
     assert not of_type(t, "AWS::CloudWatch::Dashboard") and not of_type(t, "AWS::CloudWatch::Alarm")
     assert [k for k in of_type(t, "AWS::Logs::LogGroup") if "FlowLog" not in k] == []
-    for inst in of_type(t, "AWS::EC2::Instance").values():
-        assert "gptoss-telemetry" not in _user_data(inst)
+    for lt in _templates(t).values():
+        assert "gptoss-telemetry" not in _user_data(lt)
     assert "cloudwatch:PutMetricData" not in json.dumps(of_type(t, "AWS::IAM::Policy"))
+
+
+def test_a_replaced_node_or_one_that_cannot_be_replaced_raises_an_alarm(default_synth: Synth) -> None:
+    """EventBridge matches the node groups' events (only this cluster's groups), an alarm watches each rule."""
+    t = default_synth.template
+    rules = {k: v["Properties"] for k, v in of_type(t, "AWS::Events::Rule").items()}
+    patterns = {json.dumps(r["EventPattern"]["detail-type"]): r["EventPattern"] for r in rules.values()}
+    replaced = patterns['["EC2 Instance Terminate Successful"]']
+    assert replaced["source"] == ["aws.autoscaling"]
+    assert replaced["detail"]["AutoScalingGroupName"] == [{"prefix": "gptoss-8k1k-decode-"}, {"prefix": "gptoss-8k1k-prefill-"}]
+    assert replaced["detail"]["Cause"] == [{"wildcard": "*health*check*"}], "a health-check replacement, not a redeploy's"
+    failed = patterns['["EC2 Instance Launch Unsuccessful"]']
+    assert failed["detail"]["AutoScalingGroupName"] == replaced["detail"]["AutoScalingGroupName"]
+    alarms = {a["Properties"]["AlarmName"]: a["Properties"] for a in of_type(t, "AWS::CloudWatch::Alarm").values()}
+    for name, rule in (("gptoss-8k1k-NodeReplaced", "NodeReplacedRule"), ("gptoss-8k1k-NodeCannotBeReplaced", "NodeLaunchFailedRule")):
+        a = alarms[name]
+        assert (a["Namespace"], a["MetricName"], a["Statistic"], a["Threshold"]) == ("AWS/Events", "MatchedEvents", "Sum", 1)
+        (dim,) = a["Dimensions"]
+        assert dim["Name"] == "RuleName" and dim["Value"]["Ref"].startswith(f"Observability{rule}")
+    # The groups' own metrics, for the dashboard's per-node "in service" graph.
+    text = _dashboard_text(t)
+    assert "AWS/AutoScaling" in text and "GroupInServiceInstances" in text
+    for g in of_type(t, "AWS::AutoScaling::AutoScalingGroup").values():
+        assert "GroupInServiceInstances" in g["Properties"]["MetricsCollection"][0]["Metrics"]

@@ -21,14 +21,14 @@ def _ingress(t: dict[str, Any]) -> set[tuple[Any, ...]]:
 def test_single_instance_recipes_run_one_server_without_efa(recipe_synth: dict[str, Any]) -> None:
     for recipe in ("gptoss-120b-single", "gptoss-20b-single"):
         t = recipe_synth["templates"][recipe]
-        (inst,) = of_type(t, "AWS::EC2::Instance").values()
-        assert {x["Key"]: x["Value"] for x in inst["Properties"]["Tags"]}["gptoss:node"] == "server-0"
+        (holder,) = of_type(t, "AWS::AutoScaling::AutoScalingGroup").values()
+        assert {x["Key"]: x["Value"] for x in holder["Properties"]["Tags"]}["gptoss:node"] == "server-0"
         assert not of_type(t, "AWS::EC2::PlacementGroup"), "one server needs no cluster placement group"
         (lt,) = launch_templates(t).values()
         assert [(n["NetworkCardIndex"], n.get("InterfaceType")) for n in lt["NetworkInterfaces"]] == [(0, None)]
         assert "Placement" not in lt
         assert {r for r in _ingress(t) if r[0] == "tcp"} == {("tcp", 8000, 8000, "self")}
-        assert sorted(t["Outputs"]) == ["Server0InstanceId", "Server0PrivateIp", "ServerPortForward", "ServerUrl"]
+        assert sorted(t["Outputs"]) == ["ServerNodes", "ServerPortForward"]
         assert not of_type(t, "AWS::ElasticLoadBalancingV2::LoadBalancer")
 
 
@@ -36,7 +36,7 @@ def test_di_recipes_open_the_references_ports(recipe_synth: dict[str, Any]) -> N
     """001: prefill 8100 and side channel 5559 (+1 per replica), decode 8200 and 5659 (+ its ranks), proxy 8000."""
     for recipe in ("gptoss-120b-di", "gptoss-20b-di"):
         t = recipe_synth["templates"][recipe]
-        assert len(of_type(t, "AWS::EC2::Instance")) == 2 and of_type(t, "AWS::EC2::PlacementGroup")
+        assert len(of_type(t, "AWS::AutoScaling::AutoScalingGroup")) == 2 and of_type(t, "AWS::EC2::PlacementGroup")
         tcp = {r[1:3] for r in _ingress(t) if r[0] == "tcp"}
         assert {(8000, 8000), (8100, 8100), (8200, 8200), (5559, 5559)} <= tcp
         decode_side = next(r for r in tcp if r[0] == 5659)

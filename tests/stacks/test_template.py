@@ -48,11 +48,20 @@ def ingress_rules(template: dict[str, Any]) -> set[tuple[Any, ...]]:
 
 
 def launch_templates(template: dict[str, Any]) -> dict[str, dict[str, Any]]:
-    """LaunchTemplateData by role."""
+    """LaunchTemplateData by role (of the first node of each: every node identity has its own)."""
     out = {}
     for k, v in of_type(template, "AWS::EC2::LaunchTemplate").items():
         role = "prefill" if k.startswith("Prefill") else "decode"
-        out[role] = v["Properties"]["LaunchTemplateData"]
+        out.setdefault(role, v["Properties"]["LaunchTemplateData"])
+    return out
+
+
+def groups(template: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """Each node identity's Auto Scaling group (its properties), by node name."""
+    out = {}
+    for v in of_type(template, "AWS::AutoScaling::AutoScalingGroup").values():
+        node = next(t["Value"] for t in v["Properties"]["Tags"] if t["Key"] == "gptoss:node")
+        out[node] = v["Properties"] | {"UpdatePolicy": v.get("UpdatePolicy"), "DependsOn": v.get("DependsOn", [])}
     return out
 
 
@@ -101,9 +110,10 @@ class TestNetwork:
         assert not of_type(t, "AWS::EC2::InternetGateway")
         assert not of_type(t, "AWS::EC2::Route")
         services = sorted(v["Properties"]["ServiceName"] for v in of_type(t, "AWS::EC2::VPCEndpoint").values())
-        # SSM for the operator, CloudWatch Logs and metrics for the nodes' collector.
+        # SSM for the operator, EC2 for the members, Auto Scaling for a node's report on itself, CloudWatch
+        # Logs and metrics for the nodes' collector.
         assert services == [
-            f"com.amazonaws.us-east-2.{s}" for s in ("ec2messages", "logs", "monitoring", "s3", "ssm", "ssmmessages")
+            f"com.amazonaws.us-east-2.{s}" for s in ("autoscaling", "ec2", "ec2messages", "logs", "monitoring", "s3", "ssm", "ssmmessages")
         ]
 
     def test_an_existing_vpc_without_egress_gets_its_s3_and_ssm_endpoints(self, synth_variant: Any) -> None:
@@ -115,7 +125,7 @@ class TestNetwork:
         )  # fmt: skip
         eps = {v["Properties"]["ServiceName"]: v["Properties"] for v in of_type(t, "AWS::EC2::VPCEndpoint").values()}
         assert sorted(eps) == [
-            f"com.amazonaws.us-east-2.{s}" for s in ("ec2messages", "logs", "monitoring", "s3", "ssm", "ssmmessages")
+            f"com.amazonaws.us-east-2.{s}" for s in ("autoscaling", "ec2", "ec2messages", "logs", "monitoring", "s3", "ssm", "ssmmessages")
         ]
         assert eps["com.amazonaws.us-east-2.s3"]["RouteTableIds"] == ["rtb-0123456789abcdef0"]
         assert all(e["SubnetIds"] == ["subnet-0123456789abcdef0"] for n, e in eps.items() if not n.endswith("s3"))
@@ -132,7 +142,8 @@ class TestNetwork:
         assert not of_type(t, "AWS::EC2::VPC")
         assert not of_type(t, "AWS::EC2::Subnet")
         for lt in launch_templates(t).values():
-            assert {n["SubnetId"] for n in lt["NetworkInterfaces"]} == {"subnet-0123456789abcdef0"}
+            assert not [n for n in lt["NetworkInterfaces"] if "SubnetId" in n], "a group launches every interface into its own subnet"
+        assert {tuple(g["VPCZoneIdentifier"]) for g in groups(t).values()} == {("subnet-0123456789abcdef0",)}
         _, sg = one(t, "AWS::EC2::SecurityGroup")
         assert sg["Properties"]["VpcId"] == "vpc-0123456789abcdef0"
 
@@ -146,8 +157,9 @@ class TestNetwork:
             "decode": {"Ref": pg_id},
         }
         lt_ids = {k for k in of_type(t, "AWS::EC2::LaunchTemplate")}
-        for inst in of_type(t, "AWS::EC2::Instance").values():
-            assert inst["Properties"]["LaunchTemplate"]["LaunchTemplateId"]["Ref"] in lt_ids
+        assert {g["LaunchTemplate"]["LaunchTemplateId"]["Ref"] for g in groups(t).values()} == lt_ids, "each group its own template"
+        for g in groups(t).values():
+            assert g["LaunchTemplate"]["Version"] == {"Fn::GetAtt": [g["LaunchTemplate"]["LaunchTemplateId"]["Ref"], "LatestVersionNumber"]}
 
 
 class TestSecurityGroup:
@@ -182,16 +194,30 @@ class TestSecurityGroup:
 
 
 class TestNodes:
-    def test_two_trn3_instances_tagged_with_cluster_and_role(self, default_synth: Synth) -> None:
-        insts = of_type(default_synth.template, "AWS::EC2::Instance")
-        tags = {k: {t["Key"]: t["Value"] for t in v["Properties"]["Tags"]} for k, v in insts.items()}
-        by_prefix = {k[: -len("Instance") - 8]: (t["gptoss:role"], t["gptoss:node"], t["gptoss:cluster"]) for k, t in tags.items()}
-        assert by_prefix == {
-            "Prefill0": ("prefill", "prefill-0", "gptoss-8k1k"),
-            "Decode0": ("decode", "decode-0", "gptoss-8k1k"),
-        }
-        for lt in launch_templates(default_synth.template).values():
+    def test_each_node_identity_is_a_group_of_one_instance_tagged_with_its_identity(self, default_synth: Synth) -> None:
+        t = default_synth.template
+        assert not of_type(t, "AWS::EC2::Instance"), "no instance of a fixed id: each node keeps its identity, not its instance"
+        gs = groups(t)
+        assert sorted(gs) == ["decode-0", "prefill-0"]
+        for node, g in gs.items():
+            assert (g["MinSize"], g["MaxSize"], g["DesiredCapacity"]) == ("1", "1", "1"), node
+            assert g["AutoScalingGroupName"] == f"gptoss-8k1k-{node}"
+            tags = {x["Key"]: (x["Value"], x["PropagateAtLaunch"]) for x in g["Tags"]}
+            role = node.split("-")[0]
+            assert {k: tags[k] for k in ("gptoss:cluster", "gptoss:role", "gptoss:node", "Name")} == {
+                "gptoss:cluster": ("gptoss-8k1k", True), "gptoss:role": (role, True), "gptoss:node": (node, True), "Name": (f"gptoss-8k1k-{node}", True)}
+        for lt in launch_templates(t).values():
             assert lt["InstanceType"] == "trn3.48xlarge"
+
+    def test_a_failed_instance_is_replaced_and_a_new_template_version_replaces_only_its_node(self, default_synth: Synth) -> None:
+        """EC2's status checks (and the node's own SetInstanceHealth) replace a failed instance; a
+        redeploy that changes a node's template replaces that node's instance, terminate then launch."""
+        for node, g in groups(default_synth.template).items():
+            assert g["HealthCheckType"] == "EC2" and g["HealthCheckGracePeriod"] == 900, node
+            rolling = g["UpdatePolicy"]["AutoScalingRollingUpdate"]
+            assert (rolling["MinInstancesInService"], rolling["MaxBatchSize"]) == (0, 1), node
+            assert {"HealthCheck", "ReplaceUnhealthy"} <= set(rolling["SuspendProcesses"]), "no replacement fights the update"
+            assert "WaitOnResourceSignals" not in rolling, "the deploy gate waits for the node (hours), not the group's 1 h"
 
     def test_one_interface_per_network_card_primary_efa_then_efa_only(self, default_synth: Synth) -> None:
         for lt in launch_templates(default_synth.template).values():
@@ -231,12 +257,12 @@ class TestNodes:
         assert {lt["ImageId"] for lt in launch_templates(t).values()} == {"ami-0123456789abcdef0"}
 
     def test_no_public_ip_anywhere(self, default_synth: Synth) -> None:
-        for inst in of_type(default_synth.template, "AWS::EC2::Instance").values():
-            assert "NetworkInterfaces" not in inst["Properties"]
-            assert "SubnetId" not in inst["Properties"]
+        for lt in launch_templates(default_synth.template).values():
+            assert lt["NetworkInterfaces"][0]["AssociatePublicIpAddress"] is False
+        assert all(not v["Properties"]["MapPublicIpOnLaunch"] for v in of_type(default_synth.template, "AWS::EC2::Subnet").values())
 
 
-def test_every_instance_waits_for_its_network_path(default_synth: Synth, synth_variant: Any) -> None:
+def test_every_node_waits_for_its_network_path(default_synth: Synth, synth_variant: Any) -> None:
     """A first boot fetches its scripts from S3 and answers its gate through the S3 endpoint: the
     route table association, the NAT route, the S3 gateway and the interface endpoints exist first."""
     for t, needs in (
@@ -268,22 +294,36 @@ def test_every_instance_waits_for_its_network_path(default_synth: Synth, synth_v
                     todo += resources[d].get("DependsOn", [])
             return out
 
-        for lid in of_type(t, "AWS::EC2::Instance"):
-            assert path <= before(lid), f"{lid} may boot before {sorted(path - before(lid))}"
+        holders = of_type(t, "AWS::AutoScaling::AutoScalingGroup")
+        assert holders
+        for lid in holders:
+            assert path <= before(lid), f"{lid} may launch before {sorted(path - before(lid))}"
 
 
 class TestIam:
     def _statements(self, t: dict[str, Any]) -> list[dict[str, Any]]:
+        """Every statement a node's role holds (the shared policy's and the roles' own), one per action
+        and resource: the CLI's policy minimization may merge statements, which says nothing of what is granted."""
         out = []
         for p in of_type(t, "AWS::IAM::Policy").values():
-            out += p["Properties"]["PolicyDocument"]["Statement"]
-        return out
+            if any(r["Ref"].startswith(("Prefill", "Decode", "Server")) for r in p["Properties"]["Roles"]):
+                out += p["Properties"]["PolicyDocument"]["Statement"]
+        for lid, r in of_type(t, "AWS::IAM::Role").items():
+            if lid.startswith(("Prefill", "Decode", "Server")):
+                out += [st for doc in r["Properties"].get("Policies", []) for st in doc["PolicyDocument"]["Statement"]]
+        flat = []
+        for st in out:
+            for a in st["Action"] if isinstance(st["Action"], list) else [st["Action"]]:
+                for res in st["Resource"] if isinstance(st["Resource"], list) else [st["Resource"]]:
+                    flat.append({k: v for k, v in st.items() if k not in ("Action", "Resource")} | {"Action": a, "Resource": res})
+        return flat
 
     def test_no_managed_policy_no_parameter_store_and_no_wildcard_action(self, default_synth: Synth) -> None:
         t = default_synth.template
-        roles = of_type(t, "AWS::IAM::Role")
-        node_role = next(v for k, v in roles.items() if k.startswith("NodeRole"))
-        assert "ManagedPolicyArns" not in node_role["Properties"], "AmazonSSMManagedInstanceCore reads every parameter of the account"
+        roles = {k: v for k, v in of_type(t, "AWS::IAM::Role").items() if k.startswith(("Prefill", "Decode"))}
+        assert len(roles) == 2, "one role per node identity"
+        for role in roles.values():
+            assert "ManagedPolicyArns" not in role["Properties"], "AmazonSSMManagedInstanceCore reads every parameter of the account"
         for s in self._statements(t):
             actions = s["Action"] if isinstance(s["Action"], list) else [s["Action"]]
             assert not any(a == "*" or a.endswith(":*") for a in actions), s
@@ -300,11 +340,15 @@ class TestIam:
                        "results_s3_uri": "s3://results-bucket/runs", "kms_key_arns": [key]}  # fmt: skip
             assert_least_privilege(synth_variant(**context), load_config(context))
 
-    def test_nodes_read_the_scripts_asset_and_nothing_else_by_default(self, default_synth: Synth) -> None:
-        (get,) = [s for s in self._statements(default_synth.template) if "s3:" in json.dumps(s["Action"])]
-        assert get["Action"] == "s3:GetObject"
+    def test_the_default_nodes_read_the_scripts_and_their_own_and_the_fleets_compile_cache(self, default_synth: Synth) -> None:
+        from tests.stacks.least_privilege import assert_least_privilege
+
+        assert_least_privilege(default_synth.template, load_config({}))
+        t = default_synth.template
+        resources = [s["Resource"] for s in self._statements(t) if s["Action"] == "s3:GetObject"]
+        (scripts,) = [r for r in resources if ".xz" in json.dumps(r)]
         bucket = {"Fn::Sub": "cdk-hnb659fds-assets-${AWS::AccountId}-us-east-2"}
-        parts = get["Resource"]["Fn::Join"][1]
+        parts = scripts["Fn::Join"][1]
         assert parts[:4] == ["arn:", {"Ref": "AWS::Partition"}, ":s3:::", bucket]
         assert len(parts) == 5 and parts[4].startswith("/") and parts[4].endswith(".xz") and "*" not in parts[4]
         manifest = json.loads((default_synth.outdir / "GptOss8k1kStack.assets.json").read_text())
@@ -319,51 +363,69 @@ class TestIam:
         lst = next(s for s in stmts if s["Action"] == "s3:ListBucket")
         assert lst["Condition"] == {"StringLike": {"s3:prefix": ["gpt-oss-120b", "gpt-oss-120b/*"]}}
 
-    def test_nodes_read_only_the_promoted_compile_cache_and_write_only_their_own_area(self, synth_variant: Any) -> None:
+    def test_nodes_read_the_promoted_compile_cache_and_write_only_their_own_identitys_area(self, synth_variant: Any) -> None:
         t = synth_variant(compile_cache_s3_uri="s3://cache-bucket/neuron/2.33")
-        by_action: dict[str, list[Any]] = {}
-        for st in self._statements(t):
-            if "cache-bucket" not in json.dumps(st):
+        roles = {lid: r for lid, r in of_type(t, "AWS::IAM::Role").items() if lid.startswith(("Prefill", "Decode"))}
+        for lid, role in roles.items():
+            node = "prefill-0" if lid.startswith("Prefill") else "decode-0"
+            own = [st for doc in role["Properties"]["Policies"] for st in doc["PolicyDocument"]["Statement"] if "cache-bucket" in json.dumps(st)]
+            writes = [st for st in own if "s3:PutObject" in st["Action"]]
+            (w,) = writes
+            assert w["Resource"] == {"Fn::Join": ["", ["arn:", {"Ref": "AWS::Partition"}, f":s3:::cache-bucket/neuron/2.33/nodes/{node}/*"]]}
+        shared = [st for st in self._statements(t) if "cache-bucket" in json.dumps(st) and st["Action"] == "s3:GetObject"]
+        fleet = {"Fn::Join": ["", ["arn:", {"Ref": "AWS::Partition"}, ":s3:::cache-bucket/neuron/2.33/fleet/*"]]}
+        assert fleet in [st["Resource"] for st in shared]
+        puts = [st for st in self._statements(t) if st["Action"] == "s3:PutObject"]
+        assert puts and all("/nodes/prefill-0/" in json.dumps(st) or "/nodes/decode-0/" in json.dumps(st) for st in puts), "no shared write"
+
+    def test_a_node_may_mark_only_its_own_instance_unhealthy(self, default_synth: Synth) -> None:
+        t = default_synth.template
+        for lid, role in of_type(t, "AWS::IAM::Role").items():
+            if not lid.startswith(("Prefill", "Decode")):
                 continue
-            for action in st["Action"] if isinstance(st["Action"], list) else [st["Action"]]:
-                by_action.setdefault(action, []).append(st["Resource"])
-        arn = {"Fn::Join": ["", ["arn:", {"Ref": "AWS::Partition"}, ":s3:::cache-bucket/neuron/2.33/fleet/*"]]}
-        own = {"Fn::Join": ["", ["arn:", {"Ref": "AWS::Partition"}, ":s3:::cache-bucket/neuron/2.33/nodes/${aws:userid}/*"]]}
-        assert by_action["s3:GetObject"] == [arn] and by_action["s3:PutObject"] == [own]
+            node = "prefill-0" if lid.startswith("Prefill") else "decode-0"
+            sts = [st for doc in role["Properties"]["Policies"] for st in doc["PolicyDocument"]["Statement"] if "autoscaling:" in json.dumps(st)]
+            (st,) = sts
+            assert st["Action"] == "autoscaling:SetInstanceHealth"
+            parts = st["Resource"]["Fn::Join"][1]
+            assert parts[-1] == f":autoScalingGroup:*:autoScalingGroupName/gptoss-8k1k-{node}", parts
+        everyone = [st for p in of_type(t, "AWS::IAM::Policy").values() for st in p["Properties"]["PolicyDocument"]["Statement"]]
+        assert not [st for st in everyone if "autoscaling:" in json.dumps(st)], "no shared permission on any group"
 
     def test_customer_managed_keys_are_used_through_s3_and_secrets_manager_only(self, synth_variant: Any) -> None:
         key = "arn:aws:kms:us-east-2:123456789012:key/0123abcd-0123-4567-89ab-0123456789ab"
-        t = synth_variant(kms_key_arns=[key], model={"source": "s3", "s3_uri": "s3://models-bucket/gpt-oss-120b"})
+        t = synth_variant(kms_key_arns=[key], compile_cache_bucket=False, model={"source": "s3", "s3_uri": "s3://models-bucket/gpt-oss-120b"})
         (st,) = [s for s in self._statements(t) if "kms:" in json.dumps(s["Action"])]
         assert (st["Action"], st["Resource"]) == ("kms:Decrypt", key), "reads only: no data keys without a write prefix"
         assert st["Condition"] == {"StringEquals": {"kms:ViaService": "s3.us-east-2.amazonaws.com"}}
         secret = "arn:aws:secretsmanager:us-east-2:123456789012:secret:hf-token-AbCdEf"
-        t = synth_variant(kms_key_arns=[key], model={"hf_token_secret_arn": secret})
+        t = synth_variant(kms_key_arns=[key], compile_cache_bucket=False, model={"hf_token_secret_arn": secret})
         (st,) = [s for s in self._statements(t) if "kms:" in json.dumps(s["Action"])]
         assert st["Condition"] == {"StringEquals": {"kms:ViaService": ["s3.us-east-2.amazonaws.com", "secretsmanager.us-east-2.amazonaws.com"]}}
         t = synth_variant(kms_key_arns=[key], results_s3_uri="s3://results-bucket/runs")
-        (st,) = [s for s in self._statements(t) if "kms:" in json.dumps(s["Action"])]
-        assert st["Action"] == ["kms:Decrypt", "kms:GenerateDataKey"]
+        assert sorted(s["Action"] for s in self._statements(t) if "kms:" in s["Action"]) == ["kms:Decrypt", "kms:GenerateDataKey"]
         assert not [s for s in self._statements(synth_variant()) if "kms:" in json.dumps(s)]
 
-    def test_instance_profile_is_in_every_launch_template(self, default_synth: Synth) -> None:
-        prof_id, _ = one(default_synth.template, "AWS::IAM::InstanceProfile")
-        for lt in launch_templates(default_synth.template).values():
-            assert lt["IamInstanceProfile"]["Arn"] == {"Fn::GetAtt": [prof_id, "Arn"]}
+    def test_each_launch_template_names_its_own_nodes_instance_profile(self, default_synth: Synth) -> None:
+        t = default_synth.template
+        profiles = of_type(t, "AWS::IAM::InstanceProfile")
+        named = [lt["Properties"]["LaunchTemplateData"]["IamInstanceProfile"]["Arn"]["Fn::GetAtt"][0] for lt in of_type(t, "AWS::EC2::LaunchTemplate").values()]
+        assert sorted(named) == sorted(profiles), "one profile per node identity, each in its node's template"
 
 
 class TestOutputs:
-    def test_ids_ips_proxy_url_and_port_forward(self, default_synth: Synth) -> None:
+    def test_the_endpoint_and_a_port_forward_that_finds_the_current_instance(self, default_synth: Synth, fleet_synth: Synth) -> None:
         out = default_synth.template["Outputs"]
-        for lid in ("Prefill0", "Decode0"):
-            assert "Ref" in out[f"{lid}InstanceId"]["Value"]
-            assert out[f"{lid}PrivateIp"]["Value"]["Fn::GetAtt"][1] == "PrivateIp"
-        url = json.dumps(out["ProxyUrl"]["Value"])
-        assert "Prefill0Instance" in url and ":8000" in url
-        fwd = json.dumps(out["ProxyPortForward"]["Value"])
-        assert "aws ssm start-session --region us-east-2 --target " in fwd
-        assert "AWS-StartPortForwardingSession --parameters portNumber=8000,localPortNumber=8000" in fwd
-        assert "Prefill0Instance" in fwd
+        assert not [k for k in out if k.endswith(("InstanceId", "PrivateIp"))], "an instance id or address goes stale with a replacement"
+        assert out["ProxyNodes"]["Value"] == "prefill-0"
+        fwd = out["ProxyPortForward"]["Value"]
+        assert fwd.startswith("aws ssm start-session --region us-east-2 --target $(aws ec2 describe-instances --region us-east-2 "
+                              "--filters Name=tag:gptoss:cluster,Values=gptoss-8k1k Name=instance-state-name,Values=running "
+                              "Name=tag:gptoss:node,Values=prefill-0 --query 'Reservations[0].Instances[0].InstanceId' --output text)")  # fmt: skip
+        assert fwd.endswith("--document-name AWS-StartPortForwardingSession --parameters portNumber=8000,localPortNumber=8000")
+        fleet = fleet_synth.template["Outputs"]
+        assert "ProxyEndpointNlb" in json.dumps(fleet["ProxyUrl"]["Value"])
+        assert "AWS-StartPortForwardingSessionToRemoteHost --parameters host=" in json.dumps(fleet["ProxyPortForward"]["Value"])
 
 
 class TestQualityGates:
@@ -415,28 +477,31 @@ def normalized(template: dict[str, Any]) -> dict[str, Any]:
     t.pop("Rules", None)
     for r in t["Resources"].values():
         r.pop("Metadata", None)
-        if r["Type"] == "AWS::EC2::Instance":
+        if r["Type"] == "AWS::EC2::LaunchTemplate":
             # Decode the bundle so a change to one script reads as a diff of that script.
             from clusterspec.userdata import parse_user_data
 
-            joined = r["Properties"]["UserData"]["Fn::Base64"]
+            data = r["Properties"]["LaunchTemplateData"]
+            joined = data["UserData"]["Fn::Base64"]
             parts = joined["Fn::Join"][1] if isinstance(joined, dict) else [joined]
             text = "".join(
                 p
                 if isinstance(p, str)
-                else "<" + (".".join(p["Fn::GetAtt"]) if "Fn::GetAtt" in p else "signal" if "Ref" in p else "bucket") + ">"
+                else "<" + (".".join(p["Fn::GetAtt"]) if "Fn::GetAtt" in p else p["Ref"].rstrip("0123456789ABCDEF") if "Ref" in p else "bucket") + ">"
                 for p in parts
             )
             files, deploy, doc = parse_user_data(text)
-            r["Properties"]["UserData"] = {
+            data["UserData"] = {
                 "bootcmd": [c[:3] + (["<bundle>"] if c[2].startswith("mkdir") else c[3:]) for c in doc["bootcmd"][:2]]
                 + doc["bootcmd"][2:],
                 "deploy.env": deploy,
                 "bundle": {path: {"mode": oct(mode), "text": body.splitlines()} for path, (body, mode) in files.items()},
             }
-        if r["Type"] == "AWS::IAM::Policy":
-            # The CLI's minimizePolicies flag sorts a statement's resources; an in-process synth does not.
-            for st in r["Properties"]["PolicyDocument"]["Statement"]:
+        # The CLI's minimizePolicies flag sorts a statement's resources; an in-process synth does not.
+        docs = [r["Properties"]["PolicyDocument"]] if r["Type"] == "AWS::IAM::Policy" else []
+        docs += [p["PolicyDocument"] for p in r["Properties"].get("Policies", [])] if r["Type"] == "AWS::IAM::Role" else []
+        for doc in docs:
+            for st in doc["Statement"]:
                 if isinstance(st.get("Resource"), list):
                     st["Resource"] = sorted(st["Resource"], key=lambda x: json.dumps(x, sort_keys=True))
     return t

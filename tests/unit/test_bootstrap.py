@@ -20,7 +20,7 @@ from clusterspec.paths import BIN, DEPLOY_ENV, MANIFEST, MEMBERS_ENV, NIXL_ENV, 
 from clusterspec.quoting import parse_env_file, systemd_expand
 from clusterspec.render import NodeRender, render_cluster, render_node, served
 from clusterspec.userdata import NODE_SCRIPTS, USER_DATA_LIMIT, node_script, parse_user_data, scripts_asset, unbundle
-from tests.conftest import SCRIPTS_SHA, SCRIPTS_URI, node_user_data
+from tests.conftest import CACHE_URI, SCRIPTS_SHA, SCRIPTS_URI, node_user_data
 
 LONGEST_IP = "10.255.255.254"
 LAYOUTS = {"6p1d": {}, "3p8d": {"decode_instances": "8"}}
@@ -32,7 +32,7 @@ def renders(layout: str) -> list[NodeRender]:
 
 
 def all_user_data(layout: str) -> dict[str, str]:
-    return {r.node.name: node_user_data(r, {p: LONGEST_IP for p in r.peers}) for r in renders(layout)}
+    return {r.node.name: node_user_data(r) for r in renders(layout)}
 
 
 # ---- systemd ------------------------------------------------------------------------------
@@ -93,9 +93,11 @@ def test_long_waits_are_in_the_main_process_not_in_start_jobs() -> None:
         text = units[name]
         assert "Type=exec" in text, name
         pre = re.findall(r"^ExecStartPre=(.*)$", text, re.M)
-        assert pre == ["/opt/gptoss/bin/gptoss-backoff %n"], f"{name}: only the restart back-off may run before the start"
-        # The start job may last as long as the longest back-off, and no longer.
-        assert int(re.search(r"TimeoutStartSec=(\d+)", text).group(1)) == 960, name  # type: ignore[union-attr]
+        # The toy proxy also reads its group's addresses from EC2 (bounded: 600 s) before it starts.
+        members = ["/opt/gptoss/bin/gptoss-members write"] if name == "gptoss-proxy.service" else []
+        assert pre == ["/opt/gptoss/bin/gptoss-backoff %n", *members], f"{name}: only the restart back-off may run before the start"
+        # The start job may last as long as the longest back-off (and the members' wait), and no longer.
+        assert int(re.search(r"TimeoutStartSec=(\d+)", text).group(1)) == 960 + 600 * len(members), name  # type: ignore[union-attr]
     # The servers wait for this boot's staging, the replicas for the first one, the proxy for its group.
     assert "gptoss-exec decode /opt/gptoss/bin/gptoss-prepare-schedule --" in units["gptoss-decode.service"]
     assert "gptoss-exec prefill_%i /opt/gptoss/bin/gptoss-prefill-gate %i 14400 gptoss-prefill@0.service" in units["gptoss-prefill@.service"]
@@ -134,7 +136,8 @@ def test_the_node_target_wants_exactly_the_nodes_units() -> None:
     prefill, decode = renders("6p1d")
     assert prefill.wants == ["gptoss-scripts.service", "gptoss-nvme.service", "gptoss-identity.service", "gptoss-node-check.service",
                              "gptoss-stage.service", "gptoss-prefill.target", "gptoss-proxy.service", "gptoss-group-health.service",
-                             "gptoss-signal.service", "gptoss-telemetry.service"]  # fmt: skip
+                             "gptoss-members.timer", "gptoss-signal.service", "gptoss-cache-save.service", "gptoss-health-watch.timer",
+                             "gptoss-telemetry.service"]  # fmt: skip
     assert "gptoss-decode.service" in decode.wants and "gptoss-proxy.service" not in decode.wants
 
 
@@ -149,13 +152,13 @@ def test_user_data_fits_16_kb_with_room_to_spare(layout: str) -> None:
 
 def test_user_data_of_a_64_decode_fleet_still_fits() -> None:
     cfg = load_config({"decode_instances": "64"})
-    sizes = [len(node_user_data(r, {p: LONGEST_IP for p in r.peers}).encode()) for r in render_cluster(cfg)]
+    sizes = [len(node_user_data(r).encode()) for r in render_cluster(cfg)]
     assert max(sizes) <= USER_DATA_LIMIT
 
 
 def test_user_data_carries_only_the_boot_the_fetch_and_the_status_scripts() -> None:
     for r in renders("6p1d"):
-        files, _, _ = parse_user_data(node_user_data(r, {p: LONGEST_IP for p in r.peers}))
+        files, _, _ = parse_user_data(node_user_data(r))
         assert {p.rsplit("/", 1)[1] for p in files if p.startswith(f"{BIN}/")} == set(NODE_SCRIPTS)
         manifest = set(files[MANIFEST][0].split())
         assert {f"{BIN}/{n}" for n in r.scripts} <= manifest and set(files) <= manifest
@@ -180,8 +183,9 @@ def test_no_unrendered_placeholder_and_no_secret(layout: str) -> None:
             assert not re.search(r"=None$|\bUndefined\b", content, re.M), f"{name}:{path} holds an unset value"
             assert not re.search(r"<(prefill|decode)-\d+>", content), f"{name}:{path} holds a plan-only host placeholder"
             assert not re.search(r"hf_[A-Za-z0-9]{20,}", content), f"{name}:{path} holds a Hugging Face token"
-        hosts = {k: v for k, v in deploy.items() if k.startswith("GPTOSS_HOST_")}
-        assert all(v == LONGEST_IP for v in hosts.values())
+        # No other node's address: any node's instance may be replaced (the members come from EC2).
+        assert not [k for k in deploy if k.startswith("GPTOSS_HOST_")], f"{name}: {deploy}"
+        assert not re.search(r"\b10\.\d+\.\d+\.\d+\b", text), f"{name}: an address in the user data"
         assert (deploy["GPTOSS_SCRIPTS_URI"], deploy["GPTOSS_SCRIPTS_SHA256"]) == (SCRIPTS_URI, SCRIPTS_SHA)
 
 
@@ -230,7 +234,7 @@ def test_every_exec_variable_is_defined_by_the_units_environment(layout: str) ->
 def test_plan_and_user_data_agree(layout: str, tmp_path: Path, shipped: Callable[[str], Path]) -> None:
     """Each plan service is what its unit runs once systemd expands the node's env files."""
     for r in renders(layout):
-        files, deploy, doc = parse_user_data(node_user_data(r, {p: f"<{p}>" for p in r.peers}))
+        files, deploy, doc = parse_user_data(node_user_data(r))
         assert doc["bootcmd"][3] == [f"{BIN}/gptoss-bootstrap"] and set(doc) == {"bootcmd"}, "no first-boot-only runcmd"
         listed = files[UNITS_FILE][0].split()
         for s in r.services:
@@ -238,14 +242,14 @@ def test_plan_and_user_data_agree(layout: str, tmp_path: Path, shipped: Callable
             inst = s.unit.split("@")[1].split(".")[0] if "@" in s.unit else None
             text = files[f"/etc/systemd/system/{template}"][0]
             env = _unit_env(files, deploy, text, inst, f"<{r.node.name}>", lambda n: f"<{n}>")
-            plan_env = {k: v for k, v in env.items() if not k.startswith(("GPTOSS_SCRIPTS_", "GPTOSS_ROUTER_URI"))}
+            plan_env = {k: v for k, v in env.items() if not k.startswith(("GPTOSS_SCRIPTS_", "GPTOSS_ROUTER_URI", "GPTOSS_COMPILE_CACHE_URI"))}
             assert plan_env == s.environment, f"{r.node.name} {s.unit}"
             lines = [shlex.split(line) for line in re.findall(r"^ExecStart=(.*)$", text, re.M)]
             unit_argv = [systemd_expand(a, env, inst) for a in lines[1 if s.step == "measured" else 0]]
             assert unit_argv[0] == f"{BIN}/gptoss-exec"
             final = served(unit_argv)
             if f"{BIN}/gptoss-router-pool" in unit_argv:
-                # The router's servers come from its pool file and the members: the shipped step adds them.
+                # The router's servers come from its pool file, at their names: the shipped step adds them.
                 pool = tmp_path / f"{r.node.name}-pool"
                 pool.write_text(files[ROUTER_POOL][0])
                 res = subprocess.run([str(shipped("gptoss-router-pool")), str(pool), "--", "printf", "%s\\0", *final],
@@ -256,48 +260,48 @@ def test_plan_and_user_data_agree(layout: str, tmp_path: Path, shipped: Callable
 
 
 def test_stack_embeds_exactly_the_rendered_user_data(default_synth: object) -> None:
-    """The template's user data is the rendering, with CloudFormation filling the deploy-time values."""
+    """Each node's launch template carries the rendering, with CloudFormation filling the deploy-time values."""
     from clusterspec.userdata import user_data
 
     t = default_synth.template  # type: ignore[attr-defined]
     by_node = {r.node.logical_id: r for r in renders("6p1d")}
     assets = [k for k in t["Resources"] if k.startswith("NodeScripts")]
+    seen = []
     for lid, res in t["Resources"].items():
-        if res["Type"] != "AWS::EC2::Instance":
+        if res["Type"] != "AWS::EC2::LaunchTemplate":
             continue
-        node = next(v for k, v in by_node.items() if lid.startswith(k + "Instance"))
-        joined = res["Properties"]["UserData"]["Fn::Base64"]
+        node = next(v for k, v in by_node.items() if lid.startswith(k + "Template"))
+        seen.append(node.node.name)
+        joined = res["Properties"]["LaunchTemplateData"]["UserData"]["Fn::Base64"]
         parts = joined["Fn::Join"][1] if isinstance(joined, dict) else [joined]
-        peers = iter(node.peers)
         text = ""
         for p in parts:
             if isinstance(p, str):
                 text += p
-            elif "Fn::GetAtt" in p:
-                assert p["Fn::GetAtt"][1] == "PrivateIp"
-                text += f"<{next(peers)}>"
-            elif "Ref" in p:
-                assert "Ready" in p["Ref"] and p["Ref"].endswith(tuple("0123456789ABCDEF")), p  # the node's wait condition handle
+            elif "Ref" in p and "Ready" in p["Ref"]:
+                assert p["Ref"].endswith(tuple("0123456789ABCDEF")), p  # the node's wait condition handle
                 text += "<signal>"
+            elif "Ref" in p:
+                assert p["Ref"].startswith("CompileCacheBucket"), p  # the stack's compile cache
+                text += "<cache>"
             else:
                 assert p == {"Fn::Sub": "cdk-hnb659fds-assets-${AWS::AccountId}-us-east-2"}, p
                 text += "<bucket>"
         uri, sha = re.search(r"GPTOSS_SCRIPTS_URI=(\S+)\n.*GPTOSS_SCRIPTS_SHA256=([0-9a-f]{64})", text, re.S).groups()  # type: ignore[union-attr]
         assert uri.startswith("s3://<bucket>/") and uri.endswith(".xz")
-        assert text == user_data(
-            node, {p: f"<{p}>" for p in node.peers}, scripts_uri=uri, scripts_sha256=sha, signal_url="<signal>"
-        )
+        assert text == user_data(node, scripts_uri=uri, scripts_sha256=sha, signal_url="<signal>", compile_cache_uri="s3://<cache>")
         # The file the CLI packaged under that key is the one the node checks against the sha256.
         packaged = default_synth.outdir / f"asset.{uri.rsplit('/', 1)[1]}"  # type: ignore[attr-defined]
         assert hashlib.sha256(packaged.read_bytes()).hexdigest() == sha
         assert packaged.read_bytes() == scripts_asset(renders("6p1d"))
+    assert sorted(seen) == ["decode-0", "prefill-0"], "one launch template per node identity"
     assert assets == [], "the asset is a file asset, not a resource"
 
 
 def test_bootcmd_really_unpacks_the_bundle_and_writes_the_deploy_values(tmp_path: Path) -> None:
     """Run the user data's first two bootcmd entries with sh, base64 and tar, rooted in a temporary folder."""
     r = next(r for r in renders("6p1d") if r.node.name == "prefill-0")
-    doc = yaml.safe_load(node_user_data(r, {"decode-0": "10.42.3.7"}))
+    doc = yaml.safe_load(node_user_data(r))
     root = tmp_path / "root"
     for cmd in doc["bootcmd"][:2]:
         rooted = [a.replace("/var/lib/gptoss", f"{root}/var/lib/gptoss").replace("/etc/gptoss", f"{root}/etc/gptoss")
@@ -306,7 +310,7 @@ def test_bootcmd_really_unpacks_the_bundle_and_writes_the_deploy_values(tmp_path
     assert (root / "var/lib/gptoss/bundle.tar.xz").is_file()
     extracted = {"/" + str(p.relative_to(root)): p.read_text() for p in root.rglob("*") if p.is_file() and p.suffix != ".xz"}
     deploy = extracted.pop("/etc/gptoss/deploy.env")
-    assert deploy == f"GPTOSS_HOST_DECODE_0=10.42.3.7\nGPTOSS_SCRIPTS_URI={SCRIPTS_URI}\nGPTOSS_SCRIPTS_SHA256={SCRIPTS_SHA}\n"
+    assert deploy == f"GPTOSS_SCRIPTS_URI={SCRIPTS_URI}\nGPTOSS_SCRIPTS_SHA256={SCRIPTS_SHA}\nGPTOSS_COMPILE_CACHE_URI={CACHE_URI}\n"
     assert extracted == {path: text for path, (text, _) in r.files.items()}
     assert os.access(root / "opt/gptoss/bin/gptoss-bootstrap", os.X_OK)
 
@@ -319,7 +323,7 @@ def test_the_signal_url_lands_in_a_root_only_file_that_no_other_unit_reads(tmp_p
 
     url = "https://cloudformation-waitcondition-us-east-2.s3.amazonaws.com/arn%3Aaws%3A?X-Amz-Expires=86399&X-Amz-Signature=0a1b"
     r = next(r for r in renders("6p1d") if r.node.name == "prefill-0")
-    doc = yaml.safe_load(user_data(r, {"decode-0": "10.42.3.7"}, scripts_uri=SCRIPTS_URI, scripts_sha256=SCRIPTS_SHA, signal_url=url))
+    doc = yaml.safe_load(user_data(r, scripts_uri=SCRIPTS_URI, scripts_sha256=SCRIPTS_SHA, signal_url=url, compile_cache_uri=CACHE_URI))
     root = tmp_path / "root"
     lines = []
     for cmd in doc["bootcmd"][:3]:
@@ -342,7 +346,7 @@ def test_the_signal_url_lands_in_a_root_only_file_that_no_other_unit_reads(tmp_p
     signal_unit = r.files["/etc/systemd/system/gptoss-signal.service"][0]
     assert "EnvironmentFile" not in signal_unit and "GPTOSS_SIGNAL_URL" not in signal_unit
     # Without a gate, the file of an earlier deploy is removed.
-    no_gate = yaml.safe_load(node_user_data(r, {"decode-0": "10.42.3.7"}))["bootcmd"][2]
+    no_gate = yaml.safe_load(node_user_data(r))["bootcmd"][2]
     subprocess.run(["/bin/sh", "-c", no_gate.replace("/etc/gptoss", f"{root}/etc/gptoss")], check=True)
     assert not signal_env.exists()
 
@@ -350,8 +354,11 @@ def test_the_signal_url_lands_in_a_root_only_file_that_no_other_unit_reads(tmp_p
 def test_health_list_names_every_unit_a_ready_node_runs() -> None:
     prefill = renders("6p1d")[0]
     lines = [line.split() for line in prefill.files["/etc/gptoss/health"][0].splitlines()]
-    # Every unit that must be running (the signal finishes once it has reported: not listed).
-    assert [u for u, *_ in lines] == [u for u in prefill.units if u not in ("gptoss-prefill.target", "gptoss-signal.service")]
+    # Every unit that must be running (the signal finishes once it has reported; the cache's upload is
+    # a best effort that retries on its own and must never fail the deploy gate: not listed).
+    helpers = ("gptoss-prefill.target", "gptoss-signal.service", "gptoss-cache-save.service")
+    assert sorted(u for u, *_ in lines) == sorted(u for u in prefill.units if u not in helpers)
+    assert ["gptoss-members.timer", "-", "-"] in lines and ["gptoss-health-watch.timer", "-", "-"] in lines
     assert ["gptoss-prefill@3.service", "http://127.0.0.1:8103/health", "prefill_3"] in lines
     assert ["gptoss-group-health.service", "http://127.0.0.1:8001/ready", "-"] in lines
 
@@ -363,10 +370,10 @@ def test_user_data_text_is_the_same_with_libyamls_emitter_and_pythons() -> None:
     assert ud._DUMPER is yaml.CSafeDumper, "this PyYAML has libyaml: the comparison below means something"
     for layout in LAYOUTS:
         for r in renders(layout):
-            fast = node_user_data(r, {p: LONGEST_IP for p in r.peers})
+            fast = node_user_data(r)
             try:
                 ud._DUMPER = yaml.SafeDumper
-                slow = node_user_data(r, {p: LONGEST_IP for p in r.peers})
+                slow = node_user_data(r)
             finally:
                 ud._DUMPER = getattr(yaml, "CSafeDumper", yaml.SafeDumper)
             assert fast == slow, r.node.name

@@ -1,11 +1,11 @@
-"""The compile cache end to end: nodes upload to their own areas, the operator promotes, a new node
-restores only what the fleet's manifest verifies.
+"""The compile cache end to end: each node identity uploads to its own area, its replacements restore
+it, the operator promotes uploads to the fleet's cache, and a node restores only what a manifest verifies.
 
 The node's scripts run as shipped with the real AWS CLI (v1, the nodes' own; `make setup` puts it
 in .aws-cli/) against a moto server on loopback, each node with the credentials of its instance
-role session (role session name = instance id, as EC2 makes them, so IAM's ${aws:userid} is
-"<role id>:<instance id>"). The promotion is cluster_ops.cache with boto3, as `gptoss save-cache`
-runs it with the operator's credentials.
+role session. The promotion is cluster_ops.cache with boto3, as `gptoss save-cache` runs it with
+the operator's credentials. (moto does not evaluate IAM: that a node can write only its own area
+is asserted on the template, tests/stacks/least_privilege.py.)
 """
 
 from __future__ import annotations
@@ -32,7 +32,8 @@ from tests.fakes import hub
 Shipped = Callable[[str], Path]
 AWS_CLI = ROOT / ".aws-cli" / "1.46.3"
 BUCKET = "gptoss-cache"
-CFG = load_config({"compile_cache_s3_uri": f"s3://{BUCKET}/neuron/2.33", "model": {"source": "s3", "s3_uri": f"s3://{BUCKET}/models/gpt-oss-120b"},
+CACHE = f"s3://{BUCKET}/neuron/2.33"
+CFG = load_config({"decode_instances": "2", "compile_cache_s3_uri": CACHE, "model": {"source": "s3", "s3_uri": f"s3://{BUCKET}/models/gpt-oss-120b"},
                    "examples": {"s3_uri": f"s3://{BUCKET}/models/vllm-neuron"}})  # fmt: skip
 CREDS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-2"}
 
@@ -52,18 +53,22 @@ def cloud(moto_url: str, tmp_path: Path) -> dict[str, Any]:
     bindir = tmp_path / "bin"
     fake_command(bindir, "aws", f'PYTHONPATH="{AWS_CLI}" exec "{sys.executable}" -m awscli "$@"\n')
 
-    def node(instance_id: str, cache_dir: Path) -> dict[str, str]:
+    def node(name: str, instance_id: str, cache_dir: Path) -> dict[str, str]:
+        """The environment of node identity `name` running on instance `instance_id`."""
         c = sts.assume_role(RoleArn=role["Arn"], RoleSessionName=instance_id)["Credentials"]
         env_file = tmp_path / f"{instance_id}.env"
-        values = cluster_env(CFG, CFG.layout.nodes[0]) | {"GPTOSS_CACHE_DIR": str(cache_dir)}
+        node = next(n for n in CFG.layout.nodes if n.name == name)
+        values = cluster_env(CFG, node) | {"GPTOSS_CACHE_DIR": str(cache_dir)}
         env_file.write_text("".join(f"{k}={v}\n" for k, v in values.items() if "'" not in v and " " not in v))
+        deploy = tmp_path / f"{instance_id}.deploy.env"
+        deploy.write_text(f"GPTOSS_COMPILE_CACHE_URI={CACHE}\n")
         home = tmp_path / f"home-{instance_id}"
         home.mkdir(exist_ok=True)
         return {**os.environ, **CREDS, "PATH": f"{bindir}{os.pathsep}{os.environ['PATH']}", "HOME": str(home), "AWS_ENDPOINT_URL": moto_url,
                 "AWS_ACCESS_KEY_ID": c["AccessKeyId"], "AWS_SECRET_ACCESS_KEY": c["SecretAccessKey"], "AWS_SESSION_TOKEN": c["SessionToken"],
-                "GPTOSS_CLUSTER_ENV": str(env_file)}  # fmt: skip
+                "GPTOSS_CLUSTER_ENV": str(env_file), "GPTOSS_DEPLOY_ENV": str(deploy)}  # fmt: skip
 
-    return {"s3": s3, "node": node, "role_id": role["RoleId"], "url": moto_url}
+    return {"s3": s3, "node": node, "url": moto_url}
 
 
 def _compiled(root: Path, graphs: dict[str, bytes]) -> Path:
@@ -81,8 +86,8 @@ def _save(shipped: Shipped, env: dict[str, str]) -> str:
     return res.stdout
 
 
-def _stage_new_node(cloud: dict[str, Any], root: Path, shipped: Shipped, instance_id: str) -> subprocess.CompletedProcess[str]:
-    """A new node stages for real: the checkpoint and the examples from S3, then the compile cache."""
+def _stage_new_node(cloud: dict[str, Any], root: Path, shipped: Shipped, name: str, instance_id: str) -> subprocess.CompletedProcess[str]:
+    """A new instance of node `name` stages for real: the checkpoint and the examples from S3, then the compile cache."""
     s3 = cloud["s3"]
     hub.make_checkpoint(root / "ckpt", 3)
     for p in (root / "ckpt").rglob("*"):
@@ -91,7 +96,7 @@ def _stage_new_node(cloud: dict[str, Any], root: Path, shipped: Shipped, instanc
     sv = CFG.serving
     for rel in (sv.proxy.script, f"{sv.examples_dir}/{sv.schedule_helper}", f"{sv.examples_dir}/{sv.decode.schedule_file}"):
         s3.put_object(Bucket=BUCKET, Key=f"models/vllm-neuron/{rel}", Body=b"x")
-    env = cloud["node"](instance_id, root / "cache")
+    env = cloud["node"](name, instance_id, root / "cache")
     with Path(env["GPTOSS_CLUSTER_ENV"]).open("a") as f:
         f.write(f"GPTOSS_MODEL_DIR={root}/models/gpt-oss-120b\nGPTOSS_MODEL_SHARDS=3\nGPTOSS_EXAMPLES_DIR={root}/examples\nGPTOSS_VENV_GLOB=/nonexistent*\n")
     env |= {"GPTOSS_RUN_DIR": str(root / "run"), "GPTOSS_SYSTEM_CACHE_LINK": str(root / "var-tmp-cache"), "GPTOSS_RETRY_DELAY_S": "0"}
@@ -106,9 +111,13 @@ PREFILL = {"neuron-compile-cache/neuronxcc-2.33/MODULE_prefill/model.neff": b"pr
 DECODE = {"neuron-compile-cache/neuronxcc-2.33/MODULE_decode/model.neff": b"decode graph" * 100, "vllm/decode.json": b"{}"}
 
 
+def _restored(cache_dir: Path) -> dict[str, bytes]:
+    return {p.relative_to(cache_dir).as_posix(): p.read_bytes() for p in cache_dir.rglob("*") if p.is_file() and not p.name.startswith(".gptoss-")}
+
+
 def test_each_node_uploads_to_its_own_area_and_nothing_reaches_the_fleet_until_promoted(cloud: dict[str, Any], tmp_path: Path, shipped: Shipped) -> None:
-    out = _save(shipped, cloud["node"]("i-0aaaaaaaaaaaaaaaa", _compiled(tmp_path / "a", PREFILL)))
-    area = f"neuron/2.33/nodes/{cloud['role_id']}:i-0aaaaaaaaaaaaaaaa/"
+    out = _save(shipped, cloud["node"]("prefill-0", "i-0aaaaaaaaaaaaaaaa", _compiled(tmp_path / "a", PREFILL)))
+    area = "neuron/2.33/nodes/prefill-0/"
     assert f"2 files of {tmp_path / 'a'} -> s3://{BUCKET}/{area.rstrip('/')}" in out
     keys = sorted(o["Key"] for o in cloud["s3"].list_objects_v2(Bucket=BUCKET)["Contents"])
     assert keys == sorted([f"{area}manifest.json", *(f"{area}files/{rel}" for rel in PREFILL)]), "no marker, nothing outside its area"
@@ -116,15 +125,72 @@ def test_each_node_uploads_to_its_own_area_and_nothing_reaches_the_fleet_until_p
     assert manifest == {"files": {rel: {"sha256": hashlib.sha256(data).hexdigest(), "size": len(data)} for rel, data in PREFILL.items()}}
 
 
+def test_a_replacement_restores_its_own_identitys_upload_and_no_other_nodes(cloud: dict[str, Any], tmp_path: Path, shipped: Shipped) -> None:
+    """prefill-0's instance is replaced: the new instance restores what prefill-0 saved (verified), and
+    before any promotion a node of another identity restores nothing of it."""
+    _save(shipped, cloud["node"]("prefill-0", "i-0aaaaaaaaaaaaaaaa", _compiled(tmp_path / "a", PREFILL)))
+    # What a tampered object in the area looks like: dropped by the manifest's check.
+    rel = "vllm/prefill.json"
+    cloud["s3"].put_object(Bucket=BUCKET, Key=f"neuron/2.33/nodes/prefill-0/files/{rel}", Body=b"[]")
+    res = _stage_new_node(cloud, tmp_path / "replacement", shipped, "prefill-0", "i-0ffffffffffffffff")
+    assert _restored(tmp_path / "replacement" / "cache") == {k: v for k, v in PREFILL.items() if k != rel}
+    assert f"compile cache restored from {CACHE}/nodes/prefill-0 (this node's own, saved before)" in res.stdout
+    assert f"dropped {rel}: its sha256 or size differs from the manifest" in res.stdout
+    other = _stage_new_node(cloud, tmp_path / "other", shipped, "decode-1", "i-0dddddddddddddddd")
+    assert f"no compile cache in {CACHE}/fleet (the fleet's, promoted by an operator) yet" in other.stdout
+    assert f"no compile cache in {CACHE}/nodes/decode-1 (this node's own, saved before) yet" in other.stdout
+    assert _restored(tmp_path / "other" / "cache") == {}, "no other node's upload is restored"
+
+
+def test_a_save_when_serving_waits_for_the_servers_and_uploads_once(cloud: dict[str, Any], tmp_path: Path, shipped: Shipped) -> None:
+    """gptoss-cache-save.service at boot: once every server answers, upload; the next boot with the same cache uploads nothing."""
+    import http.server
+    import threading
+
+    class Health(http.server.BaseHTTPRequestHandler):
+        up = False
+
+        def do_GET(self) -> None:
+            self.send_response(200 if Health.up else 503)
+            self.end_headers()
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Health)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    health = tmp_path / "health"
+    url = f"http://127.0.0.1:{server.server_address[1]}/health"
+    health.write_text(f"gptoss-scripts.service - -\ngptoss-prefill@0.service {url} prefill_0\ngptoss-proxy.service http://127.0.0.1:9/healthcheck proxy\n")
+    env = cloud["node"]("prefill-0", "i-0aaaaaaaaaaaaaaaa", _compiled(tmp_path / "a", PREFILL)) | {
+        "GPTOSS_HEALTH_FILE": str(health), "GPTOSS_SAVE_WAIT_S": "30", "GPTOSS_POLL_S": "1"}
+    shipped("gptoss-cache-manifest")
+    proc = subprocess.Popen([str(shipped("gptoss-save-cache")), "--when-serving"], env=env, stdout=subprocess.PIPE, text=True)
+    try:
+        import time
+
+        time.sleep(3)
+        assert proc.poll() is None, "it waits while a server does not answer (the proxy's route is not a server's)"
+        assert "Contents" not in cloud["s3"].list_objects_v2(Bucket=BUCKET, Prefix="neuron/2.33/nodes/"), "nothing uploaded yet"
+        Health.up = True
+        out, _ = proc.communicate(timeout=60)
+        assert proc.returncode == 0 and "2 files of" in out, out
+        again = subprocess.run([str(shipped("gptoss-save-cache")), "--when-serving"], env=env, capture_output=True, text=True, timeout=60)
+        assert again.returncode == 0 and "already holds this node's 2 files; nothing to upload" in again.stdout, again.stdout + again.stderr
+    finally:
+        proc.kill()
+        server.shutdown()
+
+
 def test_promotion_merges_the_chosen_uploads_and_a_new_node_restores_what_the_manifest_verifies(
     cloud: dict[str, Any], tmp_path: Path, shipped: Shipped
 ) -> None:
-    _save(shipped, cloud["node"]("i-0aaaaaaaaaaaaaaaa", _compiled(tmp_path / "a", PREFILL)))
-    _save(shipped, cloud["node"]("i-0bbbbbbbbbbbbbbbb", _compiled(tmp_path / "b", DECODE)))
+    _save(shipped, cloud["node"]("prefill-0", "i-0aaaaaaaaaaaaaaaa", _compiled(tmp_path / "a", PREFILL)))
+    _save(shipped, cloud["node"]("decode-0", "i-0bbbbbbbbbbbbbbbb", _compiled(tmp_path / "b", DECODE)))
     s3 = cloud["s3"]
-    manifest = cache.promote(CFG, s3, {"prefill-0": "i-0aaaaaaaaaaaaaaaa", "decode-0": "i-0bbbbbbbbbbbbbbbb"})
+    manifest = cache.promote(CFG, s3, CACHE, ["prefill-0", "decode-0"])
     assert set(manifest["files"]) == set(PREFILL) | set(DECODE)
-    assert manifest["promoted_from"]["decode-0"]["upload"] == f"s3://{BUCKET}/neuron/2.33/nodes/{cloud['role_id']}:i-0bbbbbbbbbbbbbbbb/"
+    assert manifest["promoted_from"]["decode-0"]["upload"] == f"s3://{BUCKET}/neuron/2.33/nodes/decode-0/"
     fleet = sorted(o["Key"] for o in s3.list_objects_v2(Bucket=BUCKET, Prefix="neuron/2.33/fleet/")["Contents"])
     assert fleet == sorted(["neuron/2.33/fleet/manifest.json", *(f"neuron/2.33/fleet/files/{rel}" for rel in {**PREFILL, **DECODE})])
 
@@ -133,33 +199,24 @@ def test_promotion_merges_the_chosen_uploads_and_a_new_node_restores_what_the_ma
     s3.put_object(Bucket=BUCKET, Key=f"neuron/2.33/fleet/files/{tampered}", Body=b"x" * len(DECODE[tampered]))
     s3.put_object(Bucket=BUCKET, Key="neuron/2.33/fleet/files/neuron-compile-cache/evil.neff", Body=b"evil")
 
-    cache_dir = tmp_path / "new" / "cache"
-    res = _stage_new_node(cloud, tmp_path / "new", shipped, "i-0cccccccccccccccc")
-    restored = {p.relative_to(cache_dir).as_posix(): p.read_bytes() for p in cache_dir.rglob("*") if p.is_file() and not p.name.startswith(".gptoss-")}
-    assert restored == {rel: data for rel, data in {**PREFILL, **DECODE}.items() if rel != tampered}
+    res = _stage_new_node(cloud, tmp_path / "new", shipped, "decode-1", "i-0cccccccccccccccc")
+    assert _restored(tmp_path / "new" / "cache") == {rel: data for rel, data in {**PREFILL, **DECODE}.items() if rel != tampered}
     assert f"dropped {tampered}: its sha256 or size differs from the manifest" in res.stdout
     assert "dropped neuron-compile-cache/evil.neff: not in the manifest" in res.stdout
     assert "restored 3 of 4 files verified against the manifest (1 missing or dropped: compiled again when needed)" in res.stdout
 
 
-def test_before_any_promotion_a_node_compiles_and_says_so(cloud: dict[str, Any], tmp_path: Path, shipped: Shipped) -> None:
-    _save(shipped, cloud["node"]("i-0aaaaaaaaaaaaaaaa", _compiled(tmp_path / "a", PREFILL)))
-    res = _stage_new_node(cloud, tmp_path / "new", shipped, "i-0dddddddddddddddd")
-    assert f"no compile cache promoted to s3://{BUCKET}/neuron/2.33/fleet yet: the servers compile" in res.stdout
-    assert not [p for p in (tmp_path / "new" / "cache").rglob("*") if p.is_file() and not p.name.startswith(".gptoss-")], "no upload is restored"
-
-
 def test_promotion_refuses_an_upload_that_is_not_whole(cloud: dict[str, Any], tmp_path: Path, shipped: Shipped) -> None:
-    _save(shipped, cloud["node"]("i-0aaaaaaaaaaaaaaaa", _compiled(tmp_path / "a", PREFILL)))
+    _save(shipped, cloud["node"]("prefill-0", "i-0aaaaaaaaaaaaaaaa", _compiled(tmp_path / "a", PREFILL)))
     s3 = cloud["s3"]
-    area = f"neuron/2.33/nodes/{cloud['role_id']}:i-0aaaaaaaaaaaaaaaa/"
+    area = "neuron/2.33/nodes/prefill-0/"
     rel = "vllm/prefill.json"
     s3.put_object(Bucket=BUCKET, Key=f"{area}files/{rel}", Body=b"{} ")  # a size the manifest does not say
     with pytest.raises(cache.CacheError, match=re.escape(f"prefill-0: {rel} has 3 bytes in S3, its manifest says 2")):
-        cache.promote(CFG, s3, {"prefill-0": "i-0aaaaaaaaaaaaaaaa"})
+        cache.promote(CFG, s3, CACHE, ["prefill-0"])
     s3.delete_object(Bucket=BUCKET, Key=f"{area}manifest.json")
-    with pytest.raises(cache.CacheError, match=r"has no manifest\.json"):
-        cache.promote(CFG, s3, {"prefill-0": "i-0aaaaaaaaaaaaaaaa"})
-    with pytest.raises(cache.CacheError, match="i-0eeeeeeeeeeeeeeee has no upload"):
-        cache.promote(CFG, s3, {"decode-0": "i-0eeeeeeeeeeeeeeee"})
+    with pytest.raises(cache.CacheError, match=r"prefill-0: .* has no manifest\.json"):
+        cache.promote(CFG, s3, CACHE, ["prefill-0"])
+    with pytest.raises(cache.CacheError, match=r"decode-1: .* has no manifest\.json \(no upload yet"):
+        cache.promote(CFG, s3, CACHE, ["decode-1"])
     assert "Contents" not in s3.list_objects_v2(Bucket=BUCKET, Prefix="neuron/2.33/fleet/"), "nothing promoted"

@@ -65,8 +65,9 @@ BAD_INPUTS: list[tuple[str, dict[str, Any], list[str]]] = [
     row("override as text", {"instance_overrides": '{"network_cards": "eight"}'}, "instance_overrides.network_cards='eight'", "valid integer", "set `instance_overrides.network_cards` to a whole number"),
     row("override as a boolean", {"instance_overrides": '{"network_cards": true}'}, "instance_overrides.network_cards=true", "valid integer", "a whole number"),
     row("no vCPU", {"instance_overrides": '{"vcpus": 0}'}, "instance_overrides.vcpus=0", "greater than 0", "set instance_overrides.vcpus"),
-    row("both AMI sources", {"ami_id": "ami-0123456789abcdef0"}, "ami_id='ami-0123456789abcdef0'", "exactly one of ami_ssm_parameter and ami_id", "set ami_id=ami-... and ami_ssm_parameter to null"),
-    row("no AMI source", {"ami_ssm_parameter": "null"}, "ami_id=null", "exactly one of ami_ssm_parameter and ami_id", "set ami_id=ami-..."),
+    row("both AMI sources", {"ami_id": "ami-0123456789abcdef0", "ami_ssm_parameter": "/gptoss/dlami"}, "ami_id='ami-0123456789abcdef0'",
+        "exactly one of ami_ssm_parameter and ami_id", "give ami_id=ami-... alone (it pins the image)"),
+    row("no AMI source", {"ami_ssm_parameter": "null"}, "ami_id=null", "exactly one of ami_ssm_parameter and ami_id", "give ami_id=ami-... alone"),
     row("malformed AMI id", {"ami_id": "ami-xyz", "ami_ssm_parameter": "null"}, "ami_id='ami-xyz'", "should match pattern", "set `ami_id`"),
     row("relative SSM parameter", {"ami_ssm_parameter": "aws/service/x"}, "ami_ssm_parameter='aws/service/x'", "should match pattern", "set `ami_ssm_parameter`"),
     row("SSM parameter with a space", {"ami_ssm_parameter": "/a b"}, "ami_ssm_parameter='/a b'", "should match pattern", "set `ami_ssm_parameter`"),
@@ -361,7 +362,7 @@ def test_the_largest_fleet_the_refusal_names_fits_and_one_more_does_not() -> Non
     with pytest.raises(SpecError) as err:
         limits.check(load_config({"decode_instances": "100"}))
     largest = int(re.search(r"at or below (\d+) decode instances", str(err.value)).group(1))  # type: ignore[union-attr]
-    assert 40 <= largest < 100
+    assert 30 <= largest < 100
     assert limits.check(load_config({"decode_instances": str(largest)})).nodes > 0
     with pytest.raises(SpecError):
         limits.check(load_config({"decode_instances": str(largest + 1)}))
@@ -385,7 +386,7 @@ def test_odd_but_legal_values_reach_the_server_exactly(tmp_path: Path) -> None:
     cfg = load_config({"serving": {"decode": {"env": env, "extra_flags": flags}}})
     limits.check(cfg)
     decode = next(r for r in render_cluster(cfg) if r.node.name == "decode-0")
-    files, _, _ = parse_user_data(node_user_data(decode, {}))
+    files, _, _ = parse_user_data(node_user_data(decode))
     unit = files["/etc/systemd/system/gptoss-decode.service"][0]
     # systemd's own parser accepts the unit (the scripts it names exist as stubs).
     d = tmp_path / "units"

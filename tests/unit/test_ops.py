@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import datetime as dt
 import hashlib
 import json
 import os
 import re
 import subprocess
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -34,7 +36,7 @@ class Session:
         self.clients = clients
 
     def client(self, name: str, region_name: str | None = None) -> Any:
-        return self.clients[name]
+        return self.clients[name] if name in self.clients else boto3.client(name, region_name=region_name or REGION)
 
 
 @pytest.fixture
@@ -218,7 +220,9 @@ def test_status_reports_every_unit_of_every_node(aws: None, tmp_path: Path, heal
                      on_node=lambda node, st: answered.append(f"{node}:{st}"))  # fmt: skip
     assert answered == ["prefill-0:Success", "decode-0:Success"]
     stub.assert_no_pending_responses()
-    assert len(status.units) == 14 + 7
+    # prefill-0: 5 boot units, 6 replicas, the proxy, its group health, the members' and the health watch's
+    # timers, telemetry; decode-0: 5 boot units, the server, the health watch's timer, telemetry.
+    assert len(status.units) == 16 + 8
     assert not status.ready
     assert status.failing == ["prefill-0: gptoss-prefill@3.service: retrying (restart 2) - last log: last line of gptoss-prefill@3.service"]
 
@@ -358,7 +362,7 @@ def test_status_command_prints_every_unit_and_exits_0_when_ready(
     monkeypatch.setattr(cli, "Console", lambda *a, **k: __import__("rich.console").console.Console(width=200))
     assert cli.main(["status"]) == 0
     out = capsys.readouterr().out
-    assert out.count("active") == 21 and "gptoss-prefill@5.service" in out and "gptoss-decode.service" in out
+    assert out.count("active") == 16 + 8 and "gptoss-prefill@5.service" in out and "gptoss-decode.service" in out
 
 
 def test_save_cache_uploads_from_one_node_of_each_role_then_promotes_their_uploads(aws: None) -> None:
@@ -368,17 +372,19 @@ def test_save_cache_uploads_from_one_node_of_each_role_then_promotes_their_uploa
     ids = launch(cfg)
     s3 = boto3.client("s3", region_name=REGION)
     s3.create_bucket(Bucket="bucket", CreateBucketConfiguration={"LocationConstraint": REGION})
-    # What gptoss-save-cache leaves on each node's own area (tests/unit/test_compile_cache.py runs it for real).
+    # What gptoss-save-cache leaves in each node identity's own area (tests/unit/test_compile_cache.py runs it for real).
     for name, data in (("prefill-0", b"prefill graph"), ("decode-0", b"decode graph"), ("decode-1", b"other")):
-        area = f"neuron-cache/nodes/AROAEXAMPLEROLEID:{ids[name]}/"
+        area = f"neuron-cache/nodes/{name}/"
         s3.put_object(Bucket="bucket", Key=f"{area}files/{name}.neff", Body=data)
         doc = {"files": {f"{name}.neff": {"sha256": hashlib.sha256(data).hexdigest(), "size": len(data)}}}
         s3.put_object(Bucket="bucket", Key=f"{area}manifest.json", Body=json.dumps(doc).encode())
     ssm, stub = stub_fleet([[(ids["prefill-0"], ""), (ids["decode-0"], "")]], command="/opt/gptoss/bin/gptoss-save-cache")
-    manifest = cache.save(cfg, boto3.client("ec2", region_name=REGION), ssm, s3, sleep=lambda s: None)
+    uri, manifest = cache.save(cfg, boto3.client("ec2", region_name=REGION), ssm, s3, boto3.client("cloudformation", region_name=REGION),
+                               sleep=lambda s: None)  # fmt: skip
     stub.assert_no_pending_responses()
+    assert uri == "s3://bucket/neuron-cache"
     assert sorted(manifest["files"]) == ["decode-0.neff", "prefill-0.neff"], "decode-1 was not chosen"
-    assert {n: p["instance_id"] for n, p in manifest["promoted_from"].items()} == {"prefill-0": ids["prefill-0"], "decode-0": ids["decode-0"]}
+    assert {n: p["upload"] for n, p in manifest["promoted_from"].items()} == {n: f"s3://bucket/neuron-cache/nodes/{n}/" for n in ("prefill-0", "decode-0")}
     body = s3.get_object(Bucket="bucket", Key="neuron-cache/fleet/files/decode-0.neff")["Body"].read()
     assert body == b"decode graph"
     assert json.loads(s3.get_object(Bucket="bucket", Key="neuron-cache/fleet/manifest.json")["Body"].read()) == manifest
@@ -387,28 +393,76 @@ def test_save_cache_uploads_from_one_node_of_each_role_then_promotes_their_uploa
 def test_save_cache_refuses_two_uploads_that_disagree(aws: None) -> None:
     from cluster_ops import cache
 
-    cfg = load_config({"compile_cache_s3_uri": "s3://bucket/neuron-cache"})
+    cfg = load_config({"decode_instances": "2", "compile_cache_s3_uri": "s3://bucket/neuron-cache"})
     s3 = boto3.client("s3", region_name=REGION)
     s3.create_bucket(Bucket="bucket", CreateBucketConfiguration={"LocationConstraint": REGION})
-    for iid, data in (("i-0aaaaaaaaaaaaaaaa", b"one"), ("i-0bbbbbbbbbbbbbbbb", b"two")):
-        area = f"neuron-cache/nodes/AROAEXAMPLEROLEID:{iid}/"
+    for name, data in (("decode-0", b"one"), ("decode-1", b"two")):
+        area = f"neuron-cache/nodes/{name}/"
         s3.put_object(Bucket="bucket", Key=f"{area}files/same.neff", Body=data)
         doc = {"files": {"same.neff": {"sha256": hashlib.sha256(data).hexdigest(), "size": 3}}}
         s3.put_object(Bucket="bucket", Key=f"{area}manifest.json", Body=json.dumps(doc).encode())
-    with pytest.raises(cache.CacheError, match=r"same\.neff differs between a and b"):
-        cache.promote(cfg, s3, {"a": "i-0aaaaaaaaaaaaaaaa", "b": "i-0bbbbbbbbbbbbbbbb"})
+    with pytest.raises(cache.CacheError, match=r"same\.neff differs between decode-0 and decode-1"):
+        cache.promote(cfg, s3, "s3://bucket/neuron-cache", ["decode-0", "decode-1"])
 
 
-def test_save_cache_needs_a_cache_location(aws: None) -> None:
+def test_save_cache_finds_the_stacks_own_bucket_or_says_there_is_no_cache(aws: None) -> None:
     from cluster_ops import cache
 
-    with pytest.raises(cache.CacheError, match="compile_cache_s3_uri is not set"):
-        cache.save(load_config({}), boto3.client("ec2", region_name=REGION), boto3.client("ssm", region_name=REGION), boto3.client("s3", region_name=REGION))
+    cfn = boto3.client("cloudformation", region_name=REGION)
+    template = {"Resources": {"CompileCacheBucket1A2B3C4D": {"Type": "AWS::S3::Bucket"}}}
+    cfn.create_stack(StackName="GptOss8k1kStack", TemplateBody=json.dumps(template))
+    (bucket,) = [r["PhysicalResourceId"] for r in cfn.describe_stack_resources(StackName="GptOss8k1kStack")["StackResources"]]
+    assert cache.location(load_config({}), cfn) == f"s3://{bucket}"
+    with pytest.raises(cache.CacheError, match="this cluster has no compile cache"):
+        cache.location(load_config({"compile_cache_bucket": "false"}), cfn)
 
 
 def test_the_cache_script_ships_only_with_a_cache_location() -> None:
     def scripts(ctx: dict[str, str]) -> set[str]:
         return set().union(*(r.scripts for r in render_cluster(load_config(ctx))))
 
-    assert "gptoss-save-cache" not in scripts({})
+    assert "gptoss-save-cache" not in scripts({"compile_cache_bucket": "false"})
     assert "gptoss-save-cache" in scripts({"compile_cache_s3_uri": "s3://bucket/neuron-cache"})
+    assert "gptoss-save-cache" in scripts({}), "by default the stack makes the compile cache's bucket"
+
+
+def test_status_shows_each_identitys_instance_its_replacements_and_why(aws: None, tmp_path: Path, health_server: str) -> None:
+    """The group's activities (EC2 Auto Scaling keeps six weeks) count the health-check replacements; the
+    node's own reason comes from its health watch's log stream, which outlives the instance."""
+    from botocore.stub import Stubber
+
+    from cluster_ops.status import identities
+
+    cfg = load_config({})
+    ids = launch(cfg)
+    autoscaling = boto3.client("autoscaling", region_name=REGION)
+    stub = Stubber(autoscaling)
+    replaced = {"ActivityId": "a1", "AutoScalingGroupName": "gptoss-8k1k-prefill-0", "StatusCode": "Successful", "Progress": 100,
+                "StartTime": dt.datetime(2026, 11, 30, 10, 0, tzinfo=dt.UTC), "Description": "Terminating EC2 instance: i-0aaaaaaaaaaaaaaaa",
+                "Cause": "At 2026-11-30T10:00:00Z an instance was taken out of service in response to a user health-check."}  # fmt: skip
+    impaired = replaced | {"ActivityId": "a2", "StartTime": dt.datetime(2026, 11, 29, 8, 0, tzinfo=dt.UTC), "Description": "Terminating EC2 instance: i-0bbbbbbbbbbbbbbbb",
+                           "Cause": "At 2026-11-29T08:00:00Z an instance was taken out of service in response to an EC2 health check indicating it has been impaired."}  # fmt: skip
+    rolling = replaced | {"ActivityId": "a3", "StartTime": dt.datetime(2026, 11, 28, 8, 0, tzinfo=dt.UTC), "Description": "Terminating EC2 instance: i-0ccccccccccccccccc",
+                          "Cause": "At 2026-11-28T08:00:00Z a user request update of AutoScalingGroup constraints ... (a redeploy's rolling update)."}  # fmt: skip
+    no_room = {"ActivityId": "d1", "AutoScalingGroupName": "gptoss-8k1k-decode-0", "StatusCode": "Failed", "Progress": 100,
+               "StartTime": dt.datetime(2026, 11, 30, 11, 0, tzinfo=dt.UTC), "Description": "Launching a new EC2 instance.  Status Reason: ...",
+               "Cause": "At 2026-11-30T11:00:00Z an instance was started in response to a difference between desired and actual capacity.",
+               "StatusMessage": "We currently do not have sufficient trn3.48xlarge capacity in the Availability Zone you requested (us-east-2a)."}  # fmt: skip
+    stub.add_response("describe_scaling_activities", {"Activities": [replaced, impaired, rolling]}, {"AutoScalingGroupName": "gptoss-8k1k-prefill-0"})
+    stub.add_response("describe_scaling_activities", {"Activities": [no_room]}, {"AutoScalingGroupName": "gptoss-8k1k-decode-0"})
+    logs = boto3.client("logs", region_name=REGION)
+    logs.create_log_group(logGroupName="/gptoss/gptoss-8k1k")
+    logs.create_log_stream(logGroupName="/gptoss/gptoss-8k1k", logStreamName="prefill-0/gptoss-health-watch.service")
+    logs.put_log_events(logGroupName="/gptoss/gptoss-8k1k", logStreamName="prefill-0/gptoss-health-watch.service", logEvents=[
+        {"timestamp": int(time.time() * 1000), "message": "gptoss-health-watch: marked i-0aaaaaaaaaaaaaaaa (prefill-0) unhealthy: "
+                                                "gptoss-node-check.service failed: gptoss-node-check: Neuron: 15 devices in /dev, the instance table says 16 (neuron_devices); "
+                                                "its group replaces it with an instance of the same identity"}])  # fmt: skip
+    from cluster_ops.remote import find_nodes
+
+    with stub:
+        got = {i.node: i for i in identities(cfg, find_nodes(boto3.client("ec2", region_name=REGION), cfg.cluster_name), autoscaling, logs)}
+    stub.assert_no_pending_responses()
+    assert got["prefill-0"].instance_id == ids["prefill-0"] and got["prefill-0"].replaced == 2, "the rolling update of a redeploy is not a failure"
+    assert got["prefill-0"].last_cause.endswith("in response to a user health-check.") and got["prefill-0"].last_at == "2026-11-30 10:00 UTC"
+    assert got["prefill-0"].reported.startswith("gptoss-node-check.service failed: gptoss-node-check: Neuron: 15 devices")
+    assert (got["decode-0"].replaced, got["decode-0"].last_cause) == (0, no_room["StatusMessage"])

@@ -17,6 +17,7 @@ from __future__ import annotations
 import http.client
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -33,7 +34,7 @@ import pytest
 
 from clusterspec import telemetry
 from clusterspec.config import load_config
-from clusterspec.paths import WHEELS_DIR
+from clusterspec.paths import WHEELS_DIR, member_host
 from clusterspec.quoting import env_file as render_env_file
 from clusterspec.render import cluster_env, render_cluster
 from tests.conftest import ROOT, fake_command
@@ -159,6 +160,26 @@ class Fleet:
                 p.wait()
 
 
+def private_etc(tmp: Path, hosts: dict[str, str]) -> Path:
+    """An /etc for a process of its own: the resolver's configuration and a hosts file that names
+    each node (NODE.gptoss.internal) as gptoss-members does on a node. A directory, so that a
+    rewrite by rename (what gptoss-members does) reaches the process, as /etc/hosts does on a node."""
+    etc = tmp / "etc"
+    etc.mkdir(parents=True, exist_ok=True)
+    for name in ("nsswitch.conf", "host.conf", "gai.conf", "resolv.conf"):
+        if Path("/etc", name).is_file():
+            shutil.copy(Path("/etc", name), etc / name)
+    (etc / "hosts").write_text("127.0.0.1 localhost\n" + "".join(f"{ip} {member_host(n)}\n" for n, ip in hosts.items()))
+    return etc
+
+
+def with_etc(argv: list[str], etc: Path) -> list[str]:
+    """argv in a mount namespace of its own whose /etc is `etc` (root, or an unprivileged user namespace)."""
+    assert shutil.which("unshare"), "unshare (util-linux) runs the router with the nodes' names in its own /etc"
+    unshare = ["unshare", "--mount"] + ([] if os.geteuid() == 0 else ["--map-root-user"])
+    return [*unshare, "sh", "-c", 'mount --bind "$0" /etc && exec "$@"', str(etc), *argv]
+
+
 def _substitute(argv: list[str], names: dict[str, str]) -> list[str]:
     out = []
     for a in argv:
@@ -217,11 +238,18 @@ def _fleet(kind: str, tmp: Path, router_venv: Path | None, prefill_ms: float = P
                 assert argv[:2] == ["python3", f"/opt/gptoss/vllm-neuron/{s.proxy.script}"], argv[:2]
                 argv[:2] = [sys.executable, str(TOY / s.proxy.script)]
                 env |= {"PYTHONPATH": str(GUEST_FAKES), "FAKES_RECORDS": str(tmp / "records")}
+            if kind == "vllm-router":
+                # The router reaches every server by its node's name, which the node's /etc/hosts holds.
+                argv = with_etc(argv, private_etc(tmp / f"etc-{r.node.name}", names))
             log = (tmp / f"proxy-{r.node.name}.log").open("ab")
             fleet.routers[r.node.name] = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT)
             fleet.endpoints.append((ip, s.proxy.port))
-    for ip, port in fleet.endpoints:
-        _wait(f"http://{ip}:{port}{cfg.proxy_health_path}")
+    try:
+        for ip, port in fleet.endpoints:
+            _wait(f"http://{ip}:{port}{cfg.proxy_health_path}")
+    except BaseException:
+        fleet.stop()  # no server or router outlives a fleet that did not come up
+        raise
     return fleet
 
 
@@ -381,66 +409,192 @@ def test_router_keeps_serving_when_a_prefill_replica_or_a_decode_server_dies(
     assert 0 < last["RouterErrorPercent"] < 25 and last["RouterErrorsPerSecond"] > 0, last
 
 
-def _members_env(tmp: Path, url: str) -> tuple[dict[str, str], Any]:
-    cfg = _cfg("vllm-router")
-    node = next(n for n in cfg.layout.nodes if n.name == "decode-1")
-    values = cluster_env(cfg, node)
+def _members_env(tmp: Path, url: str, node: str = "decode-1", kind: str = "vllm-router") -> tuple[dict[str, str], Any]:
+    """The environment of gptoss-members on `node`, and an EC2 client of the same moto."""
+    import urllib.request
+
+    urllib.request.urlopen(urllib.request.Request(f"{url}/moto-api/reset", method="POST"), timeout=10)
+    cfg = _cfg(kind)
+    values = cluster_env(cfg, next(n for n in cfg.layout.nodes if n.name == node))
     env_file = tmp / "cluster.env"
     env_file.write_text(render_env_file(values))
     bindir = tmp / "bin"
     fake_command(bindir, "aws", f'PYTHONPATH="{AWS_CLI}" exec "{sys.executable}" -m awscli "$@"\n')
     fake_command(bindir, "systemctl", f'echo "$*" >> "{tmp}/systemctl.log"\n')
     env = {**os.environ, **CREDS, "PATH": f"{bindir}{os.pathsep}{os.environ['PATH']}", "AWS_ENDPOINT_URL": url,
-           "GPTOSS_CLUSTER_ENV": str(env_file), "GPTOSS_MEMBERS_ENV": str(tmp / "members.env")}  # fmt: skip
-    ssm = boto3.client("ssm", endpoint_url=url, region_name="us-east-2", aws_access_key_id="testing", aws_secret_access_key="testing")
-    return env, ssm
+           "GPTOSS_CLUSTER_ENV": str(env_file), "GPTOSS_MEMBERS_ENV": str(tmp / "members.env"), "GPTOSS_HOSTS_FILE": str(tmp / "etc" / "hosts")}  # fmt: skip
+    ec2 = boto3.client("ec2", endpoint_url=url, region_name="us-east-2", aws_access_key_id="testing", aws_secret_access_key="testing")
+    return env, ec2
 
 
-FLEET_IPS = {"prefill-0": "10.0.0.11", "prefill-1": "10.0.0.12", "decode-0": "10.0.0.21", "decode-1": "10.0.0.22"}
+class Ec2Fleet:
+    """The fleet's instances as EC2 reports them (moto): each tagged with its identity, at an address of the test's."""
+
+    def __init__(self, ec2: Any, cidr: str = "127.77.0.0/16", cluster: str = "gptoss-8k1k") -> None:
+        self.ec2, self.cluster = ec2, cluster
+        vpc = ec2.create_vpc(CidrBlock=cidr)["Vpc"]["VpcId"]
+        self.subnet = ec2.create_subnet(VpcId=vpc, CidrBlock=cidr)["Subnet"]["SubnetId"]
+        self.ids: dict[str, str] = {}
+
+    def launch(self, node: str, ip: str, cluster: str | None = None) -> str:
+        tags = [{"Key": "gptoss:cluster", "Value": cluster or self.cluster}, {"Key": "gptoss:node", "Value": node}]
+        i = self.ec2.run_instances(ImageId="ami-12c6146b", MinCount=1, MaxCount=1, SubnetId=self.subnet, PrivateIpAddress=ip,
+                                   TagSpecifications=[{"ResourceType": "instance", "Tags": tags}])["Instances"][0]  # fmt: skip
+        if cluster is None:
+            self.ids[node] = i["InstanceId"]
+        return str(i["InstanceId"])
+
+    def replace(self, node: str, ip: str) -> None:
+        """What the node's group does when its instance fails: the old one goes, one of the same identity comes."""
+        self.ec2.terminate_instances(InstanceIds=[self.ids[node]])
+        self.launch(node, ip)
 
 
-def test_a_router_reads_the_members_the_stack_writes_once_they_exist_and_restarts_when_they_change(
-    moto_url: str, tmp_path: Path, shipped: Any
-) -> None:
-    env, ssm = _members_env(tmp_path, moto_url)
-    name = "/gptoss/gptoss-8k1k/members"
-    value = " ".join(f"{n}={ip}" for n, ip in FLEET_IPS.items())
-    # The stack writes the parameter once every instance exists: the router's start waits for it.
-    # It appears here once the script has asked and been told it is not there.
+FLEET_IPS = {"prefill-0": "127.77.1.1", "prefill-1": "127.77.1.2", "decode-0": "127.77.2.1", "decode-1": "127.77.2.2"}
+
+
+def _members(shipped: Any, env: dict[str, str], *args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([str(shipped("gptoss-members")), *args], env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def test_members_come_from_ec2_by_identity_tag_and_only_the_hosts_block_changes(moto_url: str, tmp_path: Path, shipped: Any) -> None:
+    env, ec2 = _members_env(tmp_path, moto_url)
+    fleet = Ec2Fleet(ec2)
+    for node, ip in FLEET_IPS.items():
+        fleet.launch(node, ip)
+    fleet.launch("decode-0", "127.77.9.9", cluster="another-cluster")  # same node name, another cluster: never a member
+    (tmp_path / "etc").mkdir()
+    (tmp_path / "etc" / "hosts").write_text("127.0.0.1 localhost\n::1 localhost ip6-localhost\n")
+    res = _members(shipped, env, "hosts")
+    assert res.returncode == 0, res.stdout + res.stderr
+    lines = (tmp_path / "etc" / "hosts").read_text().splitlines()
+    assert lines[:2] == ["127.0.0.1 localhost", "::1 localhost ip6-localhost"], "the operator's lines stay"
+    assert sorted(lines[3:-1]) == sorted(f"{ip} {n}.gptoss.internal" for n, ip in FLEET_IPS.items()) and lines[-1] == "# END gptoss members"
+    # A replacement overlapping the instance it replaces: the newer launch wins; an unchanged list rewrites nothing.
+    fleet.launch("prefill-1", "127.77.1.22")
+    stat = (tmp_path / "etc" / "hosts").stat()
+    assert _members(shipped, env, "sync").returncode == 0
+    assert "127.77.1.22 prefill-1.gptoss.internal" in (tmp_path / "etc" / "hosts").read_text()
+    assert (tmp_path / "etc" / "hosts").stat().st_ino != stat.st_ino, "replaced whole (by rename), never half-written"
+    again = (tmp_path / "etc" / "hosts").stat()
+    assert _members(shipped, env, "sync").returncode == 0
+    assert (tmp_path / "etc" / "hosts").stat().st_ino == again.st_ino, "nothing changed: nothing written"
+    assert not (tmp_path / "systemctl.log").exists(), "a router follows names: nothing restarts"
+
+
+def test_the_toy_proxys_members_wait_for_its_group_and_restart_it_when_one_is_replaced(moto_url: str, tmp_path: Path, shipped: Any) -> None:
+    env, ec2 = _members_env(tmp_path, moto_url, node="decode-1", kind="toy")
+    fleet = Ec2Fleet(ec2)
+    fleet.launch("decode-1", FLEET_IPS["decode-1"])
+    fleet.launch("prefill-0", FLEET_IPS["prefill-0"])  # another group's: never waited for
+    # The proxy's start waits for its group (prefill-1 holds decode-1's replicas); it appears while the script asks.
     proc = subprocess.Popen([str(shipped("gptoss-members")), "write"], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     assert proc.stdout is not None
     first = proc.stdout.readline()
-    assert "not readable or incomplete yet; asking again" in first, first
-    ssm.put_parameter(Name=name, Value=value, Type="String")
+    assert "waiting for the members prefill-1 to run" in first, first
+    fleet.launch("prefill-1", FLEET_IPS["prefill-1"])
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 0, first + out + err
-    assert (tmp_path / "members.env").read_text().splitlines() == sorted(
-        f"GPTOSS_HOST_{n.upper().replace('-', '_')}={ip}" for n, ip in FLEET_IPS.items())  # fmt: skip
-    # Unchanged: nothing restarts.
-    res = subprocess.run([str(shipped("gptoss-members")), "sync", "0"], env=env, capture_output=True, text=True, timeout=120)
+    assert (tmp_path / "members.env").read_text().splitlines() == ["GPTOSS_HOST_DECODE_1=127.77.2.2", "GPTOSS_HOST_PREFILL_1=127.77.1.2"]
+    res = _members(shipped, env, "sync")
     assert res.returncode == 0 and not (tmp_path / "systemctl.log").exists(), res.stdout + res.stderr
-    # A redeploy replaced decode-1: the router restarts (and its start writes the new members).
-    ssm.put_parameter(Name=name, Value=value.replace("10.0.0.22", "10.0.0.99"), Type="String", Overwrite=True)
-    res = subprocess.run([str(shipped("gptoss-members")), "sync", "0"], env=env, capture_output=True, text=True, timeout=120)
-    assert res.returncode == 0, res.stdout + res.stderr
-    assert "the fleet's members changed" in res.stdout and "10.0.0.99" in res.stdout
-    assert (tmp_path / "systemctl.log").read_text() == "try-restart gptoss-proxy.service\n"
+    fleet.replace("prefill-1", "127.77.1.99")
+    res = _members(shipped, env, "sync")
+    assert res.returncode == 0 and "a member's address changed" in res.stdout, res.stdout + res.stderr
+    assert "GPTOSS_HOST_PREFILL_1=127.77.1.99" in (tmp_path / "members.env").read_text()
+    assert (tmp_path / "systemctl.log").read_text() == "try-restart gptoss-proxy.service gptoss-group-health.service\n"
+    # A member gone (its group replacing it): the proxy keeps the addresses it has, nothing restarts.
+    ec2.terminate_instances(InstanceIds=[fleet.ids["prefill-1"]])
+    res = _members(shipped, env, "sync")
+    assert res.returncode == 0 and "not running now: prefill-1" in res.stdout, res.stdout
+    assert (tmp_path / "systemctl.log").read_text().count("try-restart") == 1
 
 
-@pytest.mark.parametrize(
-    "value,error",
-    [
-        ("prefill-0=10.0.0.11 prefill-1=10.0.0.12 decode-0=10.0.0.21", "lists no address for decode-1"),
-        ("prefill-0=10.0.0.11 prefill-1=bad decode-0=10.0.0.21 decode-1=10.0.0.22", "holds 'prefill-1=bad', not name=IPv4"),
-    ],
-)
-def test_an_incomplete_or_malformed_member_list_fails_by_name_once_the_wait_ends(
-    moto_url: str, tmp_path: Path, shipped: Any, value: str, error: str
-) -> None:
-    env, ssm = _members_env(tmp_path, moto_url)
-    ssm.put_parameter(Name="/gptoss/gptoss-8k1k/members", Value=value, Type="String", Overwrite=True)
-    res = subprocess.run([str(shipped("gptoss-members")), "write"], env=env | {"GPTOSS_MEMBERS_TIMEOUT_S": "3"},
-                         capture_output=True, text=True, timeout=120)  # fmt: skip
+def test_a_member_that_never_runs_fails_the_wait_by_name(moto_url: str, tmp_path: Path, shipped: Any) -> None:
+    env, ec2 = _members_env(tmp_path, moto_url, node="decode-1", kind="toy")
+    Ec2Fleet(ec2).launch("prefill-0", FLEET_IPS["prefill-0"])
+    res = _members(shipped, env | {"GPTOSS_MEMBERS_TIMEOUT_S": "3"}, "write")
     assert res.returncode == 1
-    assert error in res.stderr and "no complete member list in /gptoss/gptoss-8k1k/members within 3s; giving up" in res.stderr
+    assert "no running instance of decode-1 prefill-1 in gptoss-8k1k within 3s; giving up" in res.stderr, res.stderr  # prefill-0 is not its group
     assert not (tmp_path / "members.env").exists()
+
+
+def test_a_running_router_admits_a_replaced_prefill_node_at_its_new_address_without_a_restart(
+    router_venv: Path, moto_url: str, tmp_path: Path, shipped: Any
+) -> None:
+    """The router of decode-0 over 2 prefill replicas and 1 decode server, with its /etc/hosts kept by
+    gptoss-members from EC2 (moto). prefill-1's instance dies; its group launches one of the same
+    identity at a new address. The members' next sync rewrites the name; the router's health checks
+    reach the new server, and it serves again: the same router process, no restart."""
+    cfg = load_config({"decode_instances": 1, "prefill_per_decode": 2, "replicas_per_prefill_instance": 1, "serving.proxy.kind": "vllm-router", **PORTS})
+    env, ec2 = _members_env(tmp_path, moto_url, node="decode-0")
+    env_file = Path(env["GPTOSS_CLUSTER_ENV"])
+    env_file.write_text(render_env_file(cluster_env(cfg, next(n for n in cfg.layout.nodes if n.name == "decode-0"))))
+    fleet = Ec2Fleet(ec2)
+    ips = {"prefill-0": "127.77.1.1", "prefill-1": "127.77.1.2", "decode-0": "127.77.2.1"}
+    for node, ip in ips.items():
+        fleet.launch(node, ip)
+    etc = private_etc(tmp_path, {})
+    assert _members(shipped, env, "hosts").returncode == 0
+    port, dport = cfg.serving.prefill.http_port(0), cfg.serving.decode.http_port
+    engines = {engine_id(ip, port): [ip, 5559] for ip in (*ips.values(), "127.77.1.200")}
+
+    def server(role: str, ip: str, p: int) -> subprocess.Popen[bytes]:
+        extra = ["--engines", json.dumps(engines)] if role == "decode" else ["--side-channel-port", "5559"]
+        return subprocess.Popen([sys.executable, str(FAKES), "--role", role, "--host", ip, "--port", str(p), *extra],
+                                env={**os.environ, "VLLM_NIXL_SIDE_CHANNEL_HOST": ip}, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+
+    procs = [server("prefill", ips["prefill-0"], port), server("prefill", ips["prefill-1"], port), server("decode", ips["decode-0"], dport)]
+    (svc,) = [s for r in render_cluster(cfg) if r.node.name == "decode-0" for s in r.services if s.unit == "gptoss-proxy.service"]
+    argv = [str(router_venv / "bin" / "python"), str(ROOT / "userdata" / "bin" / "gptoss-router"), *svc.argv[2:]]
+    argv[argv.index("--host") + 1] = ips["decode-0"]
+    argv[argv.index("--prometheus-host") + 1] = ips["decode-0"]
+    assert "http://prefill-1.gptoss.internal:28100" in argv, "the router's pool names nodes, not addresses"
+    router = subprocess.Popen(with_etc(argv, etc), stdout=(tmp_path / "router.log").open("wb"), stderr=subprocess.STDOUT)
+    base = f"http://{ips['decode-0']}:{cfg.serving.proxy.port}"
+
+    def readiness() -> dict[str, Any]:
+        try:
+            return dict(json.loads(urllib.request.urlopen(f"{base}/readiness", timeout=5).read()))
+        except OSError as e:
+            body = getattr(e, "read", lambda: b"{}")()
+            return dict(json.loads(body or b"{}"))
+
+    def wait(cond: Any, what: str, timeout: float = 90) -> float:
+        t0 = time.monotonic()
+        while not cond():
+            assert time.monotonic() - t0 < timeout, f"{what} not within {timeout}s: {readiness()}"
+            time.sleep(0.2)
+        return time.monotonic() - t0
+
+    def completions(n: int) -> int:
+        ok = 0
+        for i in range(n):
+            body = json.dumps({"model": "m", "prompt": f"after {i}", "max_tokens": 4}).encode()
+            try:
+                req = urllib.request.Request(f"{base}/v1/completions", body, {"Content-Type": "application/json"})
+                ok += json.loads(urllib.request.urlopen(req, timeout=10).read())["choices"][0]["text"] == " ok"
+            except OSError:
+                pass
+        return ok
+
+    try:
+        wait(lambda: readiness().get("prefill") == {"healthy": 2, "total": 2}, "both prefill servers healthy")
+        assert completions(10) == 10
+        procs[1].kill()
+        fleet.replace("prefill-1", "127.77.1.200")
+        wait(lambda: readiness().get("prefill") == {"healthy": 1, "total": 2}, "the dead server out of rotation")
+        assert completions(10) == 10, "the router serves with the live replica meanwhile"
+        procs.append(server("prefill", "127.77.1.200", port))
+        res = _members(shipped, env, "sync")
+        assert res.returncode == 0 and "127.77.1.200 prefill-1.gptoss.internal" in (etc / "hosts").read_text(), res.stdout + res.stderr
+        admitted = wait(lambda: readiness().get("prefill") == {"healthy": 2, "total": 2}, "the replacement admitted")
+        assert router.poll() is None, "the same router process: it was not restarted"
+        assert completions(20) == 20
+        stats = json.loads(urllib.request.urlopen("http://127.77.1.200:28100/stats", timeout=5).read())
+        assert stats["served"] > 0 and stats["violations"] == [], stats
+        print(f"\nreplacement admitted {admitted:.1f}s after the members' sync; it served {stats['served']} of 20 prefills")
+    finally:
+        router.kill()
+        for p in procs:
+            p.kill()

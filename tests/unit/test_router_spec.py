@@ -106,33 +106,38 @@ def test_either_kind_deploys_anywhere_the_router_on_the_references_layout_too(sy
     from tests.stacks.test_template import of_type
 
     t = synth_variant(**{"serving.proxy.kind": "vllm-router"})
-    (param,) = of_type(t, "AWS::SSM::Parameter").values()
-    assert param["Properties"]["Name"] == "/gptoss/gptoss-8k1k/members"
-    joined = json.dumps(param["Properties"]["Value"])
-    assert "prefill-0=" in joined and "decode-0=" in joined
+    assert not of_type(t, "AWS::SSM::Parameter"), "no members parameter: nodes read the members from EC2"
     assert not of_type(t, "AWS::ElasticLoadBalancingV2::LoadBalancer"), "one router: no load balancer"
-    statements = [st for p in of_type(t, "AWS::IAM::Policy").values() for st in p["Properties"]["PolicyDocument"]["Statement"]]
-    (get,) = [st for st in statements if st["Action"] == "ssm:GetParameter"]
-    assert "parameter/gptoss/gptoss-8k1k/members" in json.dumps(get["Resource"]), "the one parameter, by its ARN"
-    reads = next(st for st in statements if st["Action"] == "s3:GetObject" and isinstance(st["Resource"], list))
-    assert any(".whl" in json.dumps(r) for r in reads["Resource"]), "the router wheel asset, by its ARN"
+    roles = {lid: r for lid, r in of_type(t, "AWS::IAM::Role").items() if lid.startswith(("Prefill", "Decode"))}
+    statements = {lid: r["Properties"].get("Policies", [{}])[0].get("PolicyDocument", {}).get("Statement", []) for lid, r in roles.items()}
+    # The router runs on decode-0 (it outlives the loss of any prefill node): only its role reads the
+    # wheel and the members; the prefill node's role does neither.
+    (decode,) = [lid for lid in roles if lid.startswith("Decode0")]
+    (prefill,) = [lid for lid in roles if lid.startswith("Prefill0")]
+    wheel = [st for st in statements[decode] if st["Action"] == "s3:GetObject" and ".whl" in json.dumps(st["Resource"])]
+    assert wheel, "the router wheel asset, by its ARN, for the router's node"
+    assert {"Action": "ec2:DescribeInstances", "Effect": "Allow", "Resource": "*"} in statements[decode]
+    assert not [st for st in statements[prefill] if "ec2:DescribeInstances" in json.dumps(st) or ".whl" in json.dumps(st)]
     toy = synth_variant(decode_instances="8", **{"serving.proxy.kind": "toy"})
-    assert not of_type(toy, "AWS::SSM::Parameter"), "the toy proxy needs no members"
+    toy_roles = [r for lid, r in of_type(toy, "AWS::IAM::Role").items() if lid.startswith("Decode")]
+    assert toy_roles and all(".whl" not in json.dumps(r) for r in toy_roles), "the toy proxy needs no wheel"
 
 
 def test_the_router_pool_is_one_line_per_node_and_expands_to_every_server(tmp_path: Any, shipped: Any) -> None:
     cfg = load_config({"decode_instances": 8})
     r = render_cluster(cfg)[-1]
     pool = r.files["/etc/gptoss/router-pool"][0]
-    assert pool.splitlines() == [f"prefill prefill-{i} 8100 8115" for i in range(3)] + [f"decode decode-{d} 8200 8200" for d in range(8)]
+    assert pool.splitlines() == ([f"prefill prefill-{i}.gptoss.internal 8100 8115" for i in range(3)]
+                                 + [f"decode decode-{d}.gptoss.internal 8200 8200" for d in range(8)])  # fmt: skip
     (tmp_path / "pool").write_text(pool)
-    env = {"PATH": "/usr/bin:/bin"} | {f"GPTOSS_HOST_{n.upper().replace('-', '_')}": f"10.0.0.{i}" for i, n in enumerate([*(f"prefill-{i}" for i in range(3)), *(f"decode-{d}" for d in range(8))])}
-    res = subprocess.run([str(shipped("gptoss-router-pool")), str(tmp_path / "pool"), "--", "printf", "%s\\n", "router"], env=env,
-                         capture_output=True, text=True, timeout=30, check=True)  # fmt: skip
+    res = subprocess.run([str(shipped("gptoss-router-pool")), str(tmp_path / "pool"), "--", "printf", "%s\\n", "router"],
+                         env={"PATH": "/usr/bin:/bin"}, capture_output=True, text=True, timeout=30, check=True)  # fmt: skip
     out = res.stdout.split()
     assert out[0] == "router" and len(out) == 1 + 2 * (48 + 8)
-    assert out[1:3] == ["--prefill", "http://10.0.0.0:8100"] and out[-2:] == ["--decode", "http://10.0.0.10:8200"]
-    # A member without an address: the router does not start with a hole in its pool.
-    del env["GPTOSS_HOST_DECODE_5"]
-    res = subprocess.run([str(shipped("gptoss-router-pool")), str(tmp_path / "pool"), "--", "true"], env=env, capture_output=True, text=True, timeout=30)
-    assert res.returncode == 1 and "no address for decode-5 (GPTOSS_HOST_DECODE_5)" in res.stderr
+    # Every server by its node's name: gptoss-members keeps the names at the current addresses.
+    assert out[1:3] == ["--prefill", "http://prefill-0.gptoss.internal:8100"] and out[-2:] == ["--decode", "http://decode-7.gptoss.internal:8200"]
+    # A malformed line: the router does not start with a hole in its pool.
+    (tmp_path / "pool").write_text(pool.replace("decode-5.gptoss.internal", "decode-5 ; rm"))
+    res = subprocess.run([str(shipped("gptoss-router-pool")), str(tmp_path / "pool"), "--", "true"], env={"PATH": "/usr/bin:/bin"},
+                         capture_output=True, text=True, timeout=30)  # fmt: skip
+    assert res.returncode == 1 and "not ROLE HOST FIRST LAST" in res.stderr

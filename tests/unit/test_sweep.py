@@ -112,7 +112,7 @@ def bash_reads(env_file: str) -> dict[str, str]:
 def assert_carried_intact(cfg: Any, field: str, value: str, into_env: bool) -> None:
     assert get(cfg, field) == value, f"{field}: the config holds {get(cfg, field)!r}, given {value!r}"
     for r in render_cluster(cfg):
-        text = node_user_data(r, {p: "10.0.0.1" for p in r.peers})
+        text = node_user_data(r)
         assert not any(ch < " " and ch not in "\n" for ch in text), f"{r.node.name}: control characters in the user data"
         files, _, _ = parse_user_data(text)
         if into_env:
