@@ -14,10 +14,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from aws_cdk import Acknowledgment, Aws, Stack, Validations
+from aws_cdk import Acknowledgment, ArnFormat, Aws, Stack, Validations
 from aws_cdk import aws_iam as iam
 from constructs import Construct
 
+from clusterspec import telemetry
 from clusterspec.config import ClusterConfig
 from clusterspec.paths import holder_name
 
@@ -83,14 +84,31 @@ def holder_arn(config: ClusterConfig, node: str) -> str:
 class NodePolicy(Construct):
     """What every node does, in one policy attached to every node's role. No `*` action."""
 
-    def __init__(self, scope: Construct, construct_id: str, *, config: ClusterConfig, cache: CacheLocation | None) -> None:
+    def __init__(
+        self, scope: Construct, construct_id: str, *, config: ClusterConfig, cache: CacheLocation | None, scripts_arn: str
+    ) -> None:
         super().__init__(scope, construct_id)
         self.config = config
         cache_uri = cache.uri if cache else None
         self.policy = iam.Policy(self, "Policy")
-        partition = Stack.of(self).partition
+        stack = Stack.of(self)
+        partition = stack.partition
         # The SSM agent: no resource-level permissions to narrow (see SSM_AGENT_ACTIONS).
         self.add(iam.PolicyStatement(actions=list(SSM_AGENT_ACTIONS), resources=["*"]))
+        # Every node's scripts: the stack's asset, its one key.
+        self.add(iam.PolicyStatement(actions=["s3:GetObject"], resources=[scripts_arn]))
+        if config.observability.enabled:
+            # The collector: its own streams in the cluster's one log group, metrics of the cluster's namespace only.
+            group = telemetry.log_group(config)
+            group_arn = stack.format_arn(service="logs", resource="log-group", resource_name=f"{group}:*", arn_format=ArnFormat.COLON_RESOURCE_NAME)
+            self.add(iam.PolicyStatement(actions=["logs:CreateLogStream", "logs:PutLogEvents"], resources=[group_arn]))
+            metrics = iam.PolicyStatement(actions=["cloudwatch:PutMetricData"], resources=["*"])
+            metrics.add_condition("StringEquals", {"cloudwatch:namespace": telemetry.NAMESPACE})
+            self.add(metrics)
+            self.acknowledge(
+                f"AwsSolutions::AwsSolutions-IAM5[Resource::arn:<AWS::Partition>:logs:{config.region}:<AWS::AccountId>:log-group:{group}:*]",
+                "Nodes create and write their own streams (node/unit) in the cluster's one log group; no other group.",
+            )
         # Reads: the checkpoint and the examples when staged in S3, and of the compile cache only
         # what an operator promoted (fleet/): one node's upload is read by no other node.
         self.reads = [config.model.s3_uri if config.model.source == "s3" else None, config.examples.s3_uri]
@@ -147,10 +165,6 @@ class NodePolicy(Construct):
     def acknowledge(self, finding: str, reason: str) -> None:
         """A cdk-nag finding of this policy, acknowledged where it arises."""
         Validations.of(self).acknowledge(Acknowledgment(id=finding, reason=reason))
-
-    def allow_read(self, *object_arns: str) -> None:
-        """Read the stack's own assets (the node scripts): their exact ARNs, no wildcard."""
-        self.add(iam.PolicyStatement(actions=["s3:GetObject"], resources=list(object_arns)))
 
     def read_prefix(self, partition: str, uri: str) -> None:
         """GetObject under an s3:// location, and ListBucket only with that prefix."""

@@ -8,11 +8,9 @@ from typing import Any
 from aws_cdk import Stack
 from aws_cdk import aws_cloudwatch as cloudwatch
 from aws_cdk import aws_events as events
-from aws_cdk import aws_iam as iam
 from aws_cdk import aws_logs as logs
 from constructs import Construct
 
-from cluster_constructs.iam import NodePolicy
 from clusterspec import telemetry
 from clusterspec.config import ClusterConfig
 
@@ -96,14 +94,14 @@ def dashboard_body(cfg: ClusterConfig, *, region: str, lb: tuple[str, str] | Non
     )  # fmt: skip
     y = 8
     if cfg.proxy_kind == "vllm-router":
-        routers = [p.node for p in cfg.layout.proxies]
+        # A SEARCH per metric (one line per router): the body stays the same size at any fleet size.
         for x, (title, names, stat) in enumerate((
             ("Routers: requests and errors per second", ("RouterRequestsPerSecond", "RouterErrorsPerSecond", "RouterRetriesPerSecond"), "Sum"),
             ("Routers: servers out of rotation, decode queue", ("RouterUnhealthyServers", "RouterPendingDecode"), "Maximum"),
             ("Routers: mean request time (ms)", ("RouterRequestMs",), "Average"),
         )):  # fmt: skip
-            widgets.append(_widget(title, [[telemetry.NAMESPACE, n, "Cluster", cfg.cluster_name, "Node", node, "Role", "decode" if node.startswith("decode") else "prefill"]
-                                           for n in names for node in routers], x=8 * x, y=y, stat=stat))  # fmt: skip
+            metrics = [[_search(cfg, n, None, "Cluster,Node,Role", stat) | {"id": f"r{x}{i}"}] for i, n in enumerate(names)]
+            widgets.append(_widget(title, metrics, x=8 * x, y=y, stat=stat))
         y += 6
     for role, label in roles:
         y = _grid(widgets, cfg, label, SERVER_GRAPHS, role, "Cluster,Node,Role,Server", y)
@@ -119,7 +117,7 @@ ROUTER_ERROR_PERCENT = 5
 
 
 class FleetObservability(Construct):
-    """Log group (retention set, removed with the stack), the nodes' rights to publish, dashboard, alarms."""
+    """Log group (retention set, removed with the stack), dashboard, alarms (the nodes' rights to publish: NodePolicy)."""
 
     def __init__(
         self,
@@ -127,7 +125,6 @@ class FleetObservability(Construct):
         construct_id: str,
         *,
         config: ClusterConfig,
-        policy: NodePolicy,
         load_balancer: tuple[str, str] | None,
     ) -> None:
         super().__init__(scope, construct_id)
@@ -136,15 +133,6 @@ class FleetObservability(Construct):
         group = telemetry.log_group(config)
         # Encrypted at rest by CloudWatch Logs (always on); kept for the retention given, deleted with the stack.
         self.log_group = logs.CfnLogGroup(self, "Logs", log_group_name=group, retention_in_days=obs.log_retention_days)
-        group_arn = stack.format_arn(service="logs", resource="log-group", resource_name=f"{group}:*", arn_format=_colon())
-        policy.add(iam.PolicyStatement(actions=["logs:CreateLogStream", "logs:PutLogEvents"], resources=[group_arn]))
-        metrics = iam.PolicyStatement(actions=["cloudwatch:PutMetricData"], resources=["*"])
-        metrics.add_condition("StringEquals", {"cloudwatch:namespace": telemetry.NAMESPACE})
-        policy.add(metrics)
-        policy.acknowledge(
-            f"AwsSolutions::AwsSolutions-IAM5[Resource::arn:<AWS::Partition>:logs:{stack.region}:<AWS::AccountId>:log-group:{group}:*]",
-            "Nodes create and write their own streams (node/unit) in the cluster's one log group; no other group.",
-        )
         body = dashboard_body(config, region=stack.region, lb=load_balancer)
         self.body = body
         self.dashboard = cloudwatch.CfnDashboard(
@@ -259,9 +247,3 @@ class FleetObservability(Construct):
                     names.add(m[1])
         names |= {a.metric_name for a in self.alarms if a.metric_name and a.namespace == telemetry.NAMESPACE}
         return names
-
-
-def _colon() -> Any:
-    from aws_cdk import ArnFormat
-
-    return ArnFormat.COLON_RESOURCE_NAME

@@ -20,6 +20,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from clusterspec.cells import cells
 from clusterspec.config import ClusterConfig, load_config
 from clusterspec.errors import SpecError
 from clusterspec.render import NodeRender, plan_json, render_cluster
@@ -239,6 +240,9 @@ def summary(cfg: ClusterConfig, renders: list[NodeRender]) -> str:
         lines.append(f"  proxy: {what} on {_span(names) if len(names) > 1 else names[0]}")
         lines.append(f"    why: {cfg.proxy_kind_reason} (serving.proxy.kind)")
     lines.append(f"  idle cores: {sum(n.idle_cores for n in layout.nodes)}")
+    fleet_cells = cells(layout, cfg.cell_nodes)
+    per_role = ", ".join(f"{role} {sum(1 for c in fleet_cells if c.role == role)}" for role in dict.fromkeys(c.role for c in fleet_cells))
+    lines.append(f"  cells (nested stacks of up to {cfg.cell_nodes} nodes of a role): {len(fleet_cells)}: {per_role}")
     lines.append("")
     lines.append(f"  {'nodes':<20} {'role':<8} {'replicas':>8} {'cores':>7}  {'feeds':<16} {'servers':>7}")
     for role, rs in _groups(renders):
@@ -249,13 +253,14 @@ def summary(cfg: ClusterConfig, renders: list[NodeRender]) -> str:
         )
     lines.append("")
     billable = [f"{i.count:g} x {i.name}" if i.unit == "hour" else f"{i.name} x {len(layout.nodes)}" for i in cost.items(cfg)]
-    lines.append("  billed by the hour: " + billable[0])
-    lines += [f"    {b}" for b in billable[1:]]
+    import textwrap
+
+    lines += textwrap.wrap("billed by the hour: " + billable[0], 78, initial_indent="  ", subsequent_indent="      ")
+    for b in billable[1:]:
+        lines += textwrap.wrap(b, 78, initial_indent="    ", subsequent_indent="      ")
     lines.append("  prices: --cost (AWS credentials)   every unit: --details, --node NAME, --json")
     growth = fleet_growth(cfg)
     if growth:
-        import textwrap
-
         lines += textwrap.wrap(f"check the size: {growth}; gptoss deploy asks you to confirm it", 78, initial_indent="  ", subsequent_indent="    ")
     return "\n".join(lines)
 
@@ -293,6 +298,7 @@ def plan_document(cfg: ClusterConfig, renders: list[NodeRender]) -> dict[str, An
                   "health_path": cfg.proxy_health_path},
         "load_balancer": {"internal_nlb": cfg.load_balanced, "port": cfg.serving.proxy.port if cfg.serving.disaggregated else cfg.serving.server.port},
         "feeds": feeds,
+        "cells": [{"name": c.name, "role": c.role, "nodes": [n.name for n in c.nodes]} for c in cells(layout, cfg.cell_nodes)],
         "billable": [{"item": i.name, "count": i.count, "unit": i.unit, "note": i.note} for i in cost.items(cfg)],
         "nodes": doc["nodes"],
     }

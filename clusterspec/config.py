@@ -24,6 +24,7 @@ from pydantic import (
 
 from clusterspec import strict_yaml, validate
 from clusterspec.boot import SIGNAL_MARGIN_S, BootConfig
+from clusterspec.cells import CELL_NODES
 from clusterspec.errors import SpecError, explain, rule_error, show
 from clusterspec.instance_types import KNOWN_INSTANCE_TYPES, InstanceType
 from clusterspec.layout import Layout, compute_layout
@@ -59,6 +60,11 @@ class NetworkConfig(_Frozen):
     ssm_endpoints: bool | None = Field(
         None, description="Interface endpoints for SSM (ssm, ssmmessages, ec2messages); default: created when egress is none."
     )
+    placement_group: str | None = Field(
+        None, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,254}$",
+        description="An existing cluster placement group the nodes launch into, by name (one another fleet or a "
+        "reservation shares); default: one of the stack's.",
+    )  # fmt: skip
     flow_logs: bool = Field(True, description="VPC flow logs to CloudWatch Logs (new VPC).")
     flow_logs_traffic: Literal["REJECT", "ALL"] = Field(
         "REJECT", description="What the flow logs record: rejected traffic (default; cheap) or all of it."
@@ -404,6 +410,11 @@ class ClusterConfig(_Frozen):
         True, description="With compile_cache_s3_uri unset, the stack creates the compile cache's bucket; false: no compile cache."
     )
     healing: HealingConfig = Field(default_factory=HealingConfig, description="Replacement of lost nodes (README 'Healing').")
+    cell_nodes: int = Field(
+        CELL_NODES, ge=1, le=60,
+        description="The most nodes of one role in one nested stack (a cell). Changing it moves nodes between cells, which "
+        "replaces their instances: choose it once.",
+    )  # fmt: skip
     results_s3_uri: str | None = None
     kms_key_arns: tuple[str, ...] = Field(
         (), description="Customer-managed KMS keys of the S3 buckets the nodes read and write (kms:Decrypt, GenerateDataKey on these only)."
@@ -719,6 +730,13 @@ class ClusterConfig(_Frozen):
                     "with network.egress='none' S3 is reachable only through the gateway endpoint",
                     "set network.s3_gateway_endpoint=true",
                 )
+        pg = self.network.placement_group
+        if pg and self.capacity.type == "capacity-block":
+            raise rule_error("network.placement_group", pg, "a Capacity Block places its instances together itself: EC2 takes no placement group for it",
+                             "remove network.placement_group")  # fmt: skip
+        if pg and self.capacity.placement_group and pg != self.capacity.placement_group:
+            raise rule_error("network.placement_group", pg, f"capacity.placement_group names another group ({self.capacity.placement_group})",
+                             "give one of them (the reservation's group)")  # fmt: skip
         if self.proxy_kind == "vllm-router":
             r = self.serving.proxy.router
             for role, chosen, servers in (("prefill", r.prefill_policy, len(self.layout.replicas)), ("decode", r.decode_policy, len(self.layout.decode_nodes))):

@@ -1,10 +1,16 @@
-"""CloudFormation limits a fleet must fit in one stack, checked before anything is synthesized."""
+"""CloudFormation limits the stack and each of its cells must fit in, checked before anything is synthesized.
+
+The parent stack holds what the nodes share; each cell (a nested stack, clusterspec.cells) holds
+up to cell_nodes node identities of one role. Every template is limited on its own (1 MB, 500
+resources), so a fleet of any size is one stack; each node's user data is limited to 16 KB.
+"""
 
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass
 
+from clusterspec.cells import cells
 from clusterspec.config import ClusterConfig
 from clusterspec.errors import SpecError
 from clusterspec.layout import Layout, Node
@@ -14,44 +20,66 @@ from clusterspec.userdata import USER_DATA_LIMIT, user_data
 MAX_TEMPLATE_BYTES = 1_000_000  # CloudFormation: 1 MB for a template uploaded to S3
 MAX_RESOURCES = 500
 MAX_OUTPUTS = 200
-# Measured on templates the CLI writes (scripts/bench_scale.py prints estimate and actual):
-# what a template holds besides the nodes' user data. Rounded up: the estimate must not be
-# smaller than the template.
-BASE_BYTES = 20_000
-PER_NODE_BYTES = 8_500  # a node's launch template (but its NICs), group, role and instance profile, with their paths
-PER_CARD_BYTES = 340  # one network interface of a node's launch template (measured: 327)
-PER_NODE_RESOURCES = 4
-OBSERVABILITY_RESOURCES = 10  # log group, dashboard, alarms, the replacement rules
-PER_RULE_BYTES = 400
-LOAD_BALANCER_BYTES = 6_000
-PER_GATE_BYTES = 900  # a node's wait condition and handle (deploy gate)
-OBSERVABILITY_BYTES = 16_000  # log group, dashboard body, alarms, publishing rights
+# Measured on templates the CLI writes (scripts/bench_scale.py prints estimate and actual), rounded
+# up: an estimate must not be smaller than its template.
+# The parent: what the nodes share (network, security group, scripts, bucket, outputs), and one
+# nested stack resource per cell (its template's URL and the parameters CDK passes it).
+BASE_BYTES = 16_000
 BASE_RESOURCES = 40
+PER_RULE_BYTES = 400
+LOAD_BALANCER_BYTES = 12_000
+OBSERVABILITY_BYTES = 16_000  # log group, dashboard body, alarms, the replacement rules
+OBSERVABILITY_RESOURCES = 10
+PER_CELL_BYTES = 3_000
+# A cell: its parameters and shared policy, then per node its launch template (but its NICs), group,
+# role, instance profile and gate, and one network interface per card.
+CELL_BASE_BYTES = 6_000
+CELL_BASE_RESOURCES = 1
+PER_NODE_BYTES = 7_500
+PER_CARD_BYTES = 340
+PER_GATE_BYTES = 900  # a node's wait condition and handle (deploy gate)
+PER_NODE_RESOURCES = 4
 # Nodes of one shape differ only in digits; xz packs different digits into a few bytes more or
 # less. Measured over the examples and recipes (tests/unit/test_limits.py compares with every
 # node rendered): under 16 bytes of user data. Twice that, per node.
 SHAPE_SLACK = 32
-_DIGIT = re.compile(r"\d")
-
-
-def _zero(text: str) -> str:
-    return _DIGIT.sub("0", text)
 BASE_OUTPUTS = 2
+_DIGIT = re.compile(r"\d")
 # As long as the URI CloudFormation fills in: the bootstrap bucket's name and the asset's key.
 SCRIPTS_URI_PLACEHOLDER = "s3://cdk-hnb659fds-assets-123456789012-ap-southeast-4/" + "0" * 64 + ".xz"
 # About as long as a wait condition handle's presigned URL.
 SIGNAL_URL_PLACEHOLDER = "https://cloudformation-waitcondition-ap-southeast-4.s3.ap-southeast-4.amazonaws.com/" + "x" * 900
 
 
+def _zero(text: str) -> str:
+    return _DIGIT.sub("0", text)
+
+
+@dataclass(frozen=True)
+class TemplateSize:
+    """Estimated size of one template: the parent stack or a cell."""
+
+    name: str
+    nodes: int
+    resources: int
+    template_bytes: int
+
+
 @dataclass(frozen=True)
 class StackSize:
-    """Estimated size of the stack a config synthesizes."""
+    """Estimated size of the stack a config synthesizes: the parent's, each cell's, the largest user data."""
 
     nodes: int
     resources: int
     outputs: int
     template_bytes: int
     largest_user_data: int
+    cells: tuple[TemplateSize, ...] = ()
+
+    @property
+    def templates(self) -> tuple[TemplateSize, ...]:
+        """The parent and every cell."""
+        return (TemplateSize("parent", 0, self.resources, self.template_bytes), *self.cells)
 
 
 def node_shape(layout: Layout, node: Node) -> tuple[object, ...]:
@@ -92,30 +120,36 @@ def _user_data_bytes(cfg: ClusterConfig, layout: Layout, node: Node) -> int:
 
 
 def estimate(cfg: ClusterConfig) -> StackSize:
-    """Size the stack from the exact user data of one node per shape (plus SHAPE_SLACK) and measured
-    per-node overhead: linear in the fleet, with one render and one xz per shape, not per node."""
+    """Size the stack and its cells from the exact user data of one node per shape (plus SHAPE_SLACK)
+    and measured per-node overhead: linear in the fleet, one render and one xz per shape, not per node."""
     layout = cfg.layout
-    groups = shapes(layout)
-    sizes = [_user_data_bytes(cfg, layout, group[-1]) + SHAPE_SLACK for group in groups]
-    counts = [len(group) for group in groups]
+    size_of: dict[str, int] = {}
+    for group in shapes(layout):
+        size = _user_data_bytes(cfg, layout, group[-1]) + SHAPE_SLACK
+        size_of |= {n.name: size for n in group}
     url_growth = len(SIGNAL_URL_PLACEHOLDER) - 60 if cfg.wait_for_ready else 0
-    nodes = len(layout.nodes)
-    sg_rules = layout.max_replicas_per_node + 5
+    gate_bytes, gate_resources = (PER_GATE_BYTES, 2) if cfg.wait_for_ready else (0, 0)
+    per_node = PER_NODE_BYTES + PER_CARD_BYTES * cfg.hardware.network_cards + gate_bytes
     # The template holds user data as text; CloudFormation base64-encodes it at deploy time.
+    cell_sizes = tuple(
+        TemplateSize(
+            c.name, len(c.nodes), CELL_BASE_RESOURCES + len(c.nodes) * (PER_NODE_RESOURCES + gate_resources),
+            CELL_BASE_BYTES + sum(size_of[n.name] + per_node for n in c.nodes),
+        )
+        for c in cells(layout, cfg.cell_nodes)
+    )  # fmt: skip
+    sg_rules = layout.max_replicas_per_node + 5
     return StackSize(
-        nodes=nodes,
-        # Each node identity: its launch template, group, role and instance profile, and its gate's two.
-        resources=BASE_RESOURCES + nodes * (PER_NODE_RESOURCES + (2 if cfg.wait_for_ready else 0)) + sg_rules
-        + (OBSERVABILITY_RESOURCES if cfg.observability.enabled else 0),
+        nodes=len(layout.nodes),
+        resources=BASE_RESOURCES + len(cell_sizes) + sg_rules + (OBSERVABILITY_RESOURCES if cfg.observability.enabled else 0),
         outputs=BASE_OUTPUTS,
         template_bytes=BASE_BYTES
-        + sum(size * count for size, count in zip(sizes, counts, strict=True))
-        + (PER_NODE_BYTES + PER_CARD_BYTES * cfg.hardware.network_cards) * nodes
+        + PER_CELL_BYTES * len(cell_sizes)
         + PER_RULE_BYTES * sg_rules
-        + (PER_GATE_BYTES * nodes if cfg.wait_for_ready else 0)
         + (OBSERVABILITY_BYTES if cfg.observability.enabled else 0)
         + (LOAD_BALANCER_BYTES if cfg.load_balanced else 0),
-        largest_user_data=max(sizes) + url_growth,
+        largest_user_data=max(size_of.values()) + url_growth,
+        cells=cell_sizes,
     )
 
 
@@ -123,22 +157,23 @@ def _over(size: StackSize) -> list[str]:
     over = []
     if size.outputs > MAX_OUTPUTS:
         over.append(f"{size.outputs} outputs (CloudFormation allows {MAX_OUTPUTS})")
-    if size.resources > MAX_RESOURCES:
-        over.append(f"about {size.resources} resources (CloudFormation allows {MAX_RESOURCES})")
-    if size.template_bytes > MAX_TEMPLATE_BYTES:
-        over.append(f"about {size.template_bytes / 1e6:.2f} MB of template (CloudFormation allows 1 MB)")
+    for t in size.templates:
+        what = "the stack" if t.name == "parent" else f"cell {t.name} ({t.nodes} nodes)"
+        if t.resources > MAX_RESOURCES:
+            over.append(f"{what}: about {t.resources} resources (CloudFormation allows {MAX_RESOURCES})")
+        if t.template_bytes > MAX_TEMPLATE_BYTES:
+            over.append(f"{what}: about {t.template_bytes / 1e6:.2f} MB of template (CloudFormation allows 1 MB)")
     return over
 
 
 def largest_fleet(cfg: ClusterConfig) -> int:
     """The most decode instances one stack holds with the other parameters of `cfg`.
 
-    A binary search over estimates (cheap: one render per node shape). Each decode instance is at
-    least one node of PER_NODE_RESOURCES resources, so the resources limit bounds the search; the
-    size per node is not a constant (a router's pool names every server), so no guess from one
-    size is trusted.
+    A binary search over estimates (cheap: one render per node shape). Each decode instance adds
+    at least one node to a cell and, every cell_nodes nodes, a cell to the parent: the parent's
+    resources bound the search.
     """
-    lo, hi = 0, min(cfg.decode_instances - 1, (MAX_RESOURCES - BASE_RESOURCES) // PER_NODE_RESOURCES)
+    lo, hi = 0, min(cfg.decode_instances - 1, (MAX_RESOURCES - BASE_RESOURCES) * cfg.cell_nodes)
     while lo < hi:
         mid = (lo + hi + 1) // 2
         if _over(estimate(cfg.model_copy(update={"decode_instances": mid}))):
@@ -149,7 +184,7 @@ def largest_fleet(cfg: ClusterConfig) -> int:
 
 
 def check(cfg: ClusterConfig) -> StackSize:
-    """Fail with the field, the value, the limit and the fix when one stack or one node cannot hold it.
+    """Fail with the field, the value, the limit and the fix when the stack, a cell or a node cannot hold it.
 
     Run by `plan` and by the app before anything is synthesized (limits are a property of the
     rendered cluster, so they are checked after rendering, not inside the config model).
@@ -169,13 +204,16 @@ def check(cfg: ClusterConfig) -> StackSize:
             ]
         )
     over = _over(size)
+    cell_over = [o for o in over if o.startswith("cell ")]
+    if cell_over:
+        raise SpecError([f"cell_nodes={cfg.cell_nodes}: " + " and ".join(cell_over) + ". Fix: lower cell_nodes (each cell then holds fewer nodes)."])
     if over:
         raise SpecError(
             [
-                f"decode_instances={cfg.decode_instances}: {size.nodes} instances in one stack need "
+                f"decode_instances={cfg.decode_instances}: {size.nodes} instances in {len(size.cells)} cells need "
                 + " and ".join(over)
-                + f". Fix: keep one stack at or below {largest_fleet(cfg)} decode instances and deploy a larger "
-                "fleet as several stacks, each with its own stack_name and cluster_name."
+                + f". Fix: keep one stack at or below {largest_fleet(cfg)} decode instances, or raise cell_nodes "
+                "(fewer, larger cells), or deploy a larger fleet as several stacks, each with its own stack_name and cluster_name."
             ]
         )
     return size

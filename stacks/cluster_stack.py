@@ -6,21 +6,20 @@ from aws_cdk import Acknowledgment, Annotations, CfnParameter, CfnWaitConditionH
 from aws_cdk import aws_ec2 as ec2
 from constructs import Construct
 
+from cluster_constructs.cell import NodeCell, Shared
 from cluster_constructs.compile_cache import CompileCacheBucket
-from cluster_constructs.gate import NodeReadyGate
-from cluster_constructs.iam import CacheLocation, NodeIdentityRole, NodePolicy
+from cluster_constructs.iam import CacheLocation
 from cluster_constructs.load_balancer import ProxyLoadBalancer
 from cluster_constructs.network import ClusterNetwork
-from cluster_constructs.node import ClusterNode
 from cluster_constructs.observability import FleetObservability
 from cluster_constructs.outputs import ClusterOutputs
 from cluster_constructs.router import RouterWheel
 from cluster_constructs.scripts import NodeScripts
 from cluster_constructs.security_group import ClusterSecurityGroup
+from clusterspec.cells import cells
 from clusterspec.commands import model_name
 from clusterspec.config import ClusterConfig, interface_endpoints
 from clusterspec.render import render_cluster
-from clusterspec.userdata import launch_inputs, user_data
 
 
 class GptOssClusterStack(Stack):
@@ -72,8 +71,6 @@ class GptOssClusterStack(Stack):
         scripts = NodeScripts(self, "NodeScripts", renders=renders)
         router = RouterWheel(self, "RouterWheel", config=config) if config.proxy_kind == "vllm-router" else None
         cache = _compile_cache(self, config)
-        policy = NodePolicy(self, "NodePolicy", config=config, cache=cache)
-        policy.allow_read(scripts.object_arn)
         # The nodes clients reach: the proxies, or the one server of a single-instance recipe.
         proxy_names = [p.node for p in layout.proxies] or [renders[0].node.name]
         balancer = None
@@ -87,64 +84,34 @@ class GptOssClusterStack(Stack):
                 route_table_id=network.route_table_id,
                 cluster_group=security.group,
             )
-        self.nodes: dict[str, ClusterNode] = {}
-        for render in renders:
-            node = render.node
-            gate = (
-                NodeReadyGate(
-                    self,
-                    f"{node.logical_id}Ready",
-                    render=render,
-                    scripts_sha256=scripts.sha256,
-                    launch=launch_inputs(config, node.role),
-                    timeout_s=config.gate_timeout_s,
-                )
-                if config.wait_for_ready
-                else None
-            )
-            role = NodeIdentityRole(
-                self,
-                f"{node.logical_id}Role",
-                config=config,
-                node=node.name,
-                shared=policy,
-                cache=cache,
-                reads_members=bool(layout.proxies_on(node.name)),
-                router_object_arn=router.object_arn if router and "gptoss-install-router" in render.scripts else None,
-            )
-            holder = ClusterNode(
-                self,
-                node.logical_id,
-                config=config,
-                render=render,
-                image_id=image_id,
-                subnet_id=network.subnet_id,
-                security_group_id=security.group.security_group_id,
-                instance_profile_arn=role.profile.attr_arn,
-                placement_group=placement,
-                user_data=user_data(
-                    render,
-                    scripts_uri=scripts.uri,
-                    scripts_sha256=scripts.sha256,
-                    signal_url=gate.url if gate else None,
-                    router_uri=router.uri if router else None,
-                    compile_cache_uri=cache.uri if cache else None,
-                ),
-                target_group_arns=[balancer.target_group.target_group_arn] if balancer and node.name in proxy_names else None,
-            )
-            # A first boot must not race its network: routes, NAT and endpoints exist before the group launches.
-            holder.group.node.add_dependency(network_ready)
-            if gate:
-                # The gate's clock starts when the group has launched the node's instance, not when the stack starts.
-                gate.condition.add_resource_dependency(holder.group)
-            self.nodes[node.name] = holder
+        shared = Shared(
+            image_id=image_id,
+            subnet_id=network.subnet_id,
+            security_group_id=security.group.security_group_id,
+            placement_group=placement,
+            scripts_uri=scripts.uri,
+            scripts_sha256=scripts.sha256,
+            scripts_arn=scripts.object_arn,
+            router_uri=router.uri if router else None,
+            router_arn=router.object_arn if router else None,
+            cache=cache,
+            target_group_arn=balancer.target_group.target_group_arn if balancer else None,
+            proxy_nodes=frozenset(proxy_names),
+        )
+        by_name = {r.node.name: r for r in renders}
+        # Every node identity in a cell (a nested stack) of its role: any fleet is one stack name, and a
+        # fleet that grows never moves a node from one nested stack to another (clusterspec.cells).
+        self.cells: dict[str, NodeCell] = {}
+        for cell in cells(layout, config.cell_nodes):
+            self.cells[cell.name] = NodeCell(self, cell.name, config=config, cell=cell, renders=by_name, shared=shared)
+            # A first boot must not race its network: routes, NAT and endpoints exist before the groups launch.
+            self.cells[cell.name].node.add_dependency(network_ready)
         ClusterOutputs(self, "Outputs", config=config, proxy_nodes=proxy_names, endpoint_dns=balancer.dns_name if balancer else None)
         if config.observability.enabled:
             FleetObservability(
                 self,
                 "Observability",
                 config=config,
-                policy=policy,
                 load_balancer=(balancer.target_group.target_group_full_name, balancer.nlb.load_balancer_full_name)
                 if balancer
                 else None,
@@ -188,6 +155,6 @@ def _placement_group(stack: Stack, config: ClusterConfig) -> str | None:
     """
     if not config.serving.disaggregated or config.capacity.type == "capacity-block":
         return None
-    if config.capacity.placement_group:
-        return config.capacity.placement_group
+    if config.capacity.placement_group or config.network.placement_group:
+        return config.capacity.placement_group or config.network.placement_group
     return ec2.CfnPlacementGroup(stack, "PlacementGroup", strategy="cluster").ref

@@ -39,14 +39,55 @@ def cli_env(**extra: str) -> dict[str, str]:
     return env
 
 
+def _substitute(value: Any, params: dict[str, Any]) -> Any:
+    if isinstance(value, dict):
+        if set(value) == {"Ref"} and value["Ref"] in params:
+            return params[value["Ref"]]
+        return {k: _substitute(v, params) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_substitute(v, params) for v in value]
+    return value
+
+
+def flatten(parent: dict[str, Any], nested: Callable[[str, dict[str, Any]], dict[str, Any]]) -> dict[str, Any]:
+    """The parent template with every cell's resources in it, as one template reads: a cell's
+    parameters replaced by what the parent passes it, and its resources created after what the
+    cell's nested stack resource waits for. The nested stack resources stay (tests count cells)."""
+    out = json.loads(json.dumps(parent))
+    for lid, res in parent["Resources"].items():
+        if res["Type"] != "AWS::CloudFormation::Stack":
+            continue
+        child = nested(lid, res)
+        params = res["Properties"].get("Parameters", {})
+        after = res.get("DependsOn", [])
+        for clid, cres in child["Resources"].items():
+            if cres["Type"] == "AWS::CDK::Metadata":
+                continue
+            assert clid not in out["Resources"], f"{clid} is in two templates"
+            flat = _substitute(cres, params)
+            flat["DependsOn"] = sorted({*(flat.get("DependsOn") or []), *([after] if isinstance(after, str) else after)})
+            out["Resources"][clid] = flat
+    return out
+
+
+def nested_templates(outdir: Path, parent: dict[str, Any]) -> dict[str, Path]:
+    """The nested templates the CLI wrote for a parent, by the parent's logical id of each."""
+    return {lid: outdir / res["Metadata"]["aws:asset:path"] for lid, res in parent["Resources"].items()
+            if res["Type"] == "AWS::CloudFormation::Stack"}  # fmt: skip
+
+
 class Synth:
-    """One `cdk synth` through the pinned CLI: its template and its validation report."""
+    """One `cdk synth` through the pinned CLI: its template (the parent with its cells' resources, see
+    `flatten`), every template file it wrote, and its validation report."""
 
     def __init__(self, outdir: Path, result: subprocess.CompletedProcess[str]):
         self.outdir = outdir
         self.result = result
         self.template_path = outdir / f"{STACK}.template.json"
-        self.template: dict[str, Any] = json.loads(self.template_path.read_text())
+        self.parent: dict[str, Any] = json.loads(self.template_path.read_text())
+        self.nested_paths = nested_templates(outdir, self.parent)
+        self.template: dict[str, Any] = flatten(self.parent, lambda lid, res: json.loads(self.nested_paths[lid].read_text()))
+        self.template_paths = [self.template_path, *self.nested_paths.values()]
         report = outdir / "validation-report.json"
         self.report: dict[str, Any] = json.loads(report.read_text()) if report.exists() else {}
 
@@ -107,7 +148,8 @@ def synth_variant() -> Callable[..., dict[str, Any]]:
             # The feature flags of cdk.json, as the CLI passes them (policy minimization among them).
             app = cdk.App(context=json.loads((ROOT / "cdk.json").read_text())["context"])
             stack = GptOssClusterStack(app, STACK, config=load_config(context))
-            cache[key] = dict(Template.from_stack(stack).to_json())
+            by_lid = {stack.get_logical_id(c.nested_stack_resource): c for c in stack.cells.values()}  # type: ignore[arg-type]
+            cache[key] = flatten(dict(Template.from_stack(stack).to_json()), lambda lid, res: dict(Template.from_stack(by_lid[lid]).to_json()))
         return cache[key]
 
     return get
@@ -234,7 +276,7 @@ def nag_synth(outdir: Path, stacks: dict[str, dict[str, Any]]) -> dict[str, Any]
     from stacks.cluster_stack import GptOssClusterStack
 
     # What the CLI asks of an app: path metadata on every resource (cfn-lint reads it).
-    app = cdk.App(outdir=str(outdir), context={"aws:cdk:enable-path-metadata": True})
+    app = cdk.App(outdir=str(outdir), context={"aws:cdk:enable-path-metadata": True, "aws:cdk:enable-asset-metadata": True})
     names = {}
     for key, context in stacks.items():
         cfg = load_config(context)
@@ -245,10 +287,14 @@ def nag_synth(outdir: Path, stacks: dict[str, dict[str, Any]]) -> dict[str, Any]
     cdk.Validations.of(app).add_plugins(AwsSolutionsChecks(app))
     app.synth()
     report = outdir / "validation-report.json"
+    parents = {k: json.loads((outdir / f"{n}.template.json").read_text()) for k, n in names.items()}
+    nested = {k: nested_templates(outdir, t) for k, t in parents.items()}
     return {
         "outdir": outdir,
-        "paths": {k: outdir / f"{n}.template.json" for k, n in names.items()},
-        "templates": {k: json.loads((outdir / f"{n}.template.json").read_text()) for k, n in names.items()},
+        # Every template file: the parents' and their cells'.
+        "paths": {k: outdir / f"{n}.template.json" for k, n in names.items()}
+        | {f"{k}/{lid}": path for k, paths in nested.items() for lid, path in paths.items()},
+        "templates": {k: flatten(t, lambda lid, res, k=k: json.loads(nested[k][lid].read_text())) for k, t in parents.items()},  # type: ignore[misc]
         "report": json.loads(report.read_text()) if report.exists() else {},
     }
 

@@ -51,6 +51,9 @@ LOCAL_CONFIG = """\
 ami_ssm_parameter: /gptoss/test/neuron-dlami
 network:
   egress: none
+  # moto's CloudFormation makes no AWS::EC2::PlacementGroup (its Ref, which the cells take as a
+  # parameter, is empty there): an existing group by name, as an operator may give one.
+  placement_group: gptoss-local-cpg
 model:
   source: s3
   s3_uri: s3://gptoss-local-models/gpt-oss-120b
@@ -227,8 +230,14 @@ def deploy_check_destroy(
     else:
         aws.cdk("deploy", stack, "--require-approval", "never", *ctx)
     cf, ec2, iam, autoscaling = aws.client("cloudformation"), aws.client("ec2"), aws.client("iam"), aws.client("autoscaling")
-    # A deploy can report success while a resource failed: read every resource's status.
+    # A deploy can report success while a resource failed: read every resource's status, the cells' too.
     resources = cf.list_stack_resources(StackName=stack)["StackResourceSummaries"]
+    nested = [r["PhysicalResourceId"] for r in resources if r["ResourceType"] == "AWS::CloudFormation::Stack"]
+    assert nested, "the nodes are in cells (nested stacks)"
+    for cell in nested:
+        cell_resources = cf.list_stack_resources(StackName=cell)["StackResourceSummaries"]
+        assert {r["ResourceStatus"] for r in cell_resources} == {"CREATE_COMPLETE"}, cell
+        resources += cell_resources
     assert {r["ResourceStatus"] for r in resources} == {"CREATE_COMPLETE"}
     created = {k: v - before[k] for k, v in inventory(aws).items()}
 
@@ -286,6 +295,7 @@ def deploy_check_destroy(
         "statements": statements,
         "endpoints": endpoints,
         "created": created,
+        "nested_stacks": [cf.describe_stacks(StackName=c)["Stacks"][0]["StackName"] for c in nested],
     }
     if between:
         between(seen)
@@ -401,8 +411,10 @@ def test_production_three_plus_eight_in_an_existing_vpc_deploys_and_is_destroyed
     seen = deploy_check_destroy(
         local_aws,
         "decode_instances=8",
+        # Cells of at most 4 nodes: the decode nodes in two nested stacks, the prefill nodes in one.
+        "cell_nodes=4",
         "proxy_load_balancer=false",
-        f'network={{"vpc_id": "{vpc}", "subnet_id": "{subnet}"}}',
+        f'network={{"vpc_id": "{vpc}", "subnet_id": "{subnet}", "placement_group": "gptoss-local-cpg"}}',
     )
     assert (seen["vpc"]["VpcId"], seen["subnet"]["SubnetId"]) == (vpc, subnet)
     assert not seen["created"]["vpcs"] and not seen["created"]["subnets"] and not seen["created"]["endpoints"]
@@ -411,6 +423,8 @@ def test_production_three_plus_eight_in_an_existing_vpc_deploys_and_is_destroyed
     assert ("tcp", 8100, 8115, "self") in seen["rules_in"]
     assert {("tcp", 5559 + 100 * i, 5562 + 100 * i, "self") for i in range(16)} <= seen["rules_in"]
     _check_templates(seen["nodes"], seen["group"]["GroupId"])
+    cells = sorted(c.split("-")[1].split("NestedStack")[0] for c in seen["nested_stacks"])
+    assert cells == ["DecodeCell0", "DecodeCell1", "PrefillCell0"], seen["nested_stacks"]
 
 
 def test_single_instance_recipe_with_the_stacks_own_cache_bucket_deploys_and_is_destroyed(local_aws: LocalAws) -> None:

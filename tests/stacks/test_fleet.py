@@ -101,10 +101,17 @@ def test_config_file_gives_the_same_stack_as_context(fleet_synth: Synth, synth_v
     assert normalized(from_file)["Resources"] == normalized(fleet_synth.template)["Resources"]
 
 
-def test_size_estimate_is_conservative_and_close(default_synth: Synth, fleet_synth: Synth) -> None:
+def test_size_estimate_is_conservative_and_close_for_the_stack_and_every_cell(default_synth: Synth, fleet_synth: Synth) -> None:
     for s, ctx in ((default_synth, {}), (fleet_synth, {"decode_instances": "8"})):
         e = estimate(load_config(ctx))
         actual = s.template_path.stat().st_size
-        assert actual <= e.template_bytes <= actual * 1.2
-        assert len(s.template["Resources"]) <= e.resources
-        assert len(s.template["Outputs"]) == e.outputs
+        assert actual <= e.template_bytes <= actual * 1.25, ("parent", actual, e.template_bytes)
+        assert len(s.parent["Resources"]) <= e.resources
+        assert len(s.parent["Outputs"]) == e.outputs
+        by_cell = {c.name: c for c in e.cells}
+        assert len(s.nested_paths) == len(by_cell)
+        for lid, path in s.nested_paths.items():
+            cell = by_cell[next(name for name in by_cell if lid.startswith(f"{name}NestedStack"))]
+            actual = path.stat().st_size
+            assert actual <= cell.template_bytes <= actual * 1.2, (cell.name, actual, cell.template_bytes)
+            assert len(json.loads(path.read_text())["Resources"]) <= cell.resources + 1  # and CDK's metadata resource

@@ -70,7 +70,8 @@ def test_cdk_synth_takes_the_recipe_from_the_command_line(tmp_path: Path) -> Non
         cwd=ROOT, env=cli_env(), capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert r.returncode == 0, r.stderr[-2000:]
-    assert [p.name for p in tmp_path.glob("*.template.json")] == ["GptOss20bSingleStack.template.json"]
+    assert [p.name for p in tmp_path.glob("*.template.json") if ".nested." not in p.name] == ["GptOss20bSingleStack.template.json"]
+    assert [p.name.split("Cell")[0] for p in tmp_path.glob("*.nested.template.json")] == ["GptOss20bSingleStackServer"], "its one cell"
 
 
 def test_every_recipe_grants_the_node_exactly_the_allowlist(recipe_synth: dict[str, Any], default_synth: Any) -> None:

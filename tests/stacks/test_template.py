@@ -311,12 +311,13 @@ class TestIam:
         for lid, r in of_type(t, "AWS::IAM::Role").items():
             if lid.startswith(("Prefill", "Decode", "Server")):
                 out += [st for doc in r["Properties"].get("Policies", []) for st in doc["PolicyDocument"]["Statement"]]
-        flat = []
+        flat: dict[str, dict[str, Any]] = {}  # each cell's copy of the shared policy grants the same: once
         for st in out:
             for a in st["Action"] if isinstance(st["Action"], list) else [st["Action"]]:
                 for res in st["Resource"] if isinstance(st["Resource"], list) else [st["Resource"]]:
-                    flat.append({k: v for k, v in st.items() if k not in ("Action", "Resource")} | {"Action": a, "Resource": res})
-        return flat
+                    one = {k: v for k, v in st.items() if k not in ("Action", "Resource")} | {"Action": a, "Resource": res}
+                    flat[json.dumps(one, sort_keys=True)] = one
+        return list(flat.values())
 
     def test_no_managed_policy_no_parameter_store_and_no_wildcard_action(self, default_synth: Synth) -> None:
         t = default_synth.template
@@ -477,6 +478,9 @@ def normalized(template: dict[str, Any]) -> dict[str, Any]:
     t.pop("Rules", None)
     for r in t["Resources"].values():
         r.pop("Metadata", None)
+        if r["Type"] == "AWS::CloudFormation::Stack":
+            # A cell's template travels as an asset named by its hash; its resources are compared here flattened.
+            r["Properties"]["TemplateURL"] = "<the cell's template>"
         if r["Type"] == "AWS::EC2::LaunchTemplate":
             # Decode the bundle so a change to one script reads as a diff of that script.
             from clusterspec.userdata import parse_user_data

@@ -39,7 +39,10 @@ BAD_INPUTS: list[tuple[str, dict[str, Any], list[str]]] = [
     row("ratio below one", {"prefill_per_decode": "0"}, "prefill_per_decode=0", "at least one prefill replica", "set prefill_per_decode >= 1"),
     row("too many replicas on an instance", {"replicas_per_prefill_instance": "17"}, "replicas_per_prefill_instance=17", "1 to 16", "set it between 1 and 16"),
     row("no replica on an instance", {"replicas_per_prefill_instance": "0"}, "replicas_per_prefill_instance=0", "1 to 16", "set it between 1 and 16"),
-    row("fleet beyond one stack", {"decode_instances": "70"}, "decode_instances=70: 97 instances in one stack need", "CloudFormation allows 1 MB", "keep one stack at or below"),
+    row("cell beyond one template", {"decode_instances": "60", "cell_nodes": "60"}, "cell_nodes=60: cell DecodeCell0 (60 nodes): about 1.",
+        "MB of template (CloudFormation allows 1 MB)", "lower cell_nodes"),
+    row("more cells than the stack holds", {"decode_instances": "1000", "cell_nodes": "1"}, "decode_instances=1000: 1375 instances in 1375 cells need",
+        "the stack: about", "keep one stack at or below"),
     row("stack name starts with a digit", {"stack_name": "1stack"}, "stack_name='1stack'", "should match pattern", "set `stack_name` to a value of that form"),
     row("stack name with an underscore", {"stack_name": "my_stack"}, "stack_name='my_stack'", "should match pattern", "set `stack_name`"),
     row("stack name too long", {"stack_name": "S" + LONG}, "stack_name='S" + LONG[:60], "should match pattern", "set `stack_name`"),
@@ -356,16 +359,20 @@ def test_example_configs_are_valid(example: Path) -> None:
     assert cfg.layout.nodes
 
 
-def test_the_largest_fleet_the_refusal_names_fits_and_one_more_does_not() -> None:
+def test_any_fleet_is_one_stack_and_the_refusal_of_too_many_cells_names_one_that_fits() -> None:
+    """Cells hold the nodes: 1000 decode instances (the most a config takes) are one stack. Only the
+    parent's own limit (one resource per cell) can refuse a fleet, and then the fix names one that fits."""
     import re
 
+    size = limits.check(load_config({"decode_instances": "1000"}))
+    assert (size.nodes, len(size.cells)) == (1375, 58) and all(c.template_bytes < 1e6 and c.resources < 500 for c in size.templates)
     with pytest.raises(SpecError) as err:
-        limits.check(load_config({"decode_instances": "100"}))
+        limits.check(load_config({"decode_instances": "1000", "cell_nodes": "1"}))
     largest = int(re.search(r"at or below (\d+) decode instances", str(err.value)).group(1))  # type: ignore[union-attr]
-    assert 30 <= largest < 100
-    assert limits.check(load_config({"decode_instances": str(largest)})).nodes > 0
+    assert 200 <= largest < 1000
+    assert limits.check(load_config({"decode_instances": str(largest), "cell_nodes": "1"})).nodes > 0
     with pytest.raises(SpecError):
-        limits.check(load_config({"decode_instances": str(largest + 1)}))
+        limits.check(load_config({"decode_instances": str(largest + 1), "cell_nodes": "1"}))
 
 
 # ---- every accepted value survives the trip -------------------------------------------------

@@ -80,15 +80,16 @@ def test_sizing_a_fleet_renders_one_node_per_shape_not_every_node(monkeypatch: p
 
 
 def test_a_refusal_renders_a_bounded_number_of_nodes_however_large_the_fleet(monkeypatch: pytest.MonkeyPatch) -> None:
-    """decode_instances=1000 is refused with the largest fleet that fits, after a search over
-    estimates bounded by the outputs limit: never a render of each of the 1375 nodes."""
+    """decode_instances=1000 in cells of one node (more cells than the parent holds) is refused with
+    the largest fleet that fits, after a search over estimates bounded by the parent's resources:
+    never a render of each of the 1375 nodes."""
     rendered = count_renders(monkeypatch)
     with pytest.raises(SpecError) as err:
-        limits.check(load_config({"decode_instances": "8"}).model_copy(update={"decode_instances": 1000}))
+        limits.check(load_config({"decode_instances": "8", "cell_nodes": "1"}).model_copy(update={"decode_instances": 1000}))
     largest = int(re.search(r"at or below (\d+) decode instances", str(err.value)).group(1))  # type: ignore[union-attr]
     assert len(rendered) < 200, f"{len(rendered)} nodes rendered to refuse one fleet"
     # The same answer as refusing a fleet just over the limit (the per-node size grows with the
     # fleet, so the answer is searched, not extrapolated from 1000).
     with pytest.raises(SpecError) as near:
-        limits.check(load_config({"decode_instances": str(largest + 1)}))
+        limits.check(load_config({"decode_instances": str(largest + 1), "cell_nodes": "1"}))
     assert f"at or below {largest} decode instances" in str(near.value)

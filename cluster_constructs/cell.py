@@ -1,0 +1,101 @@
+"""A cell: one nested stack holding the node identities of one role (clusterspec.cells says which)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from aws_cdk import CfnParameter, NestedStack
+from constructs import Construct
+
+from cluster_constructs.gate import NodeReadyGate
+from cluster_constructs.iam import CacheLocation, NodeIdentityRole, NodePolicy
+from cluster_constructs.node import ClusterNode
+from clusterspec.cells import Cell
+from clusterspec.config import ClusterConfig
+from clusterspec.render import NodeRender
+from clusterspec.userdata import launch_inputs, user_data
+
+
+@dataclass(frozen=True)
+class Shared:
+    """What the parent stack makes and every cell's nodes refer to (CDK passes each as a parameter)."""
+
+    image_id: str
+    subnet_id: str
+    security_group_id: str
+    placement_group: str | None
+    scripts_uri: str
+    scripts_sha256: str
+    scripts_arn: str
+    router_uri: str | None
+    router_arn: str | None
+    cache: CacheLocation | None
+    target_group_arn: str | None
+    proxy_nodes: frozenset[str]
+
+
+class NodeCell(NestedStack):
+    """The nodes of one cell, each with its role, launch template, group and deploy gate, and the
+    cell's copy of the policy every node shares (attached here: a policy of the parent attached to
+    roles of a cell would wait for the cell, whose gates wait for nodes that need the policy)."""
+
+    def __init__(
+        self, scope: Construct, construct_id: str, *, config: ClusterConfig, cell: Cell, renders: dict[str, NodeRender], shared: Shared
+    ) -> None:
+        # The image by a parameter of its own type (CDK passes other values as strings), so that
+        # CloudFormation checks it is an image id, as the parent's DLAMI parameter is.
+        super().__init__(
+            scope, construct_id, description=f"{config.cluster_name}: {', '.join(n.name for n in cell.nodes)}", parameters={"ImageId": shared.image_id}
+        )
+        image_id = CfnParameter(self, "ImageId", type="AWS::EC2::Image::Id", description="The Neuron DLAMI every node boots").value_as_string
+        # Its id names the cell: every logical id of a node or a cell is unique across the stack's templates.
+        policy = NodePolicy(self, f"{construct_id}Policy", config=config, cache=shared.cache, scripts_arn=shared.scripts_arn)
+        self.nodes: dict[str, ClusterNode] = {}
+        for node in cell.nodes:
+            render = renders[node.name]
+            gate = (
+                NodeReadyGate(
+                    self,
+                    f"{node.logical_id}Ready",
+                    render=render,
+                    scripts_sha256=shared.scripts_sha256,
+                    launch=launch_inputs(config, node.role),
+                    timeout_s=config.gate_timeout_s,
+                )
+                if config.wait_for_ready
+                else None
+            )
+            role = NodeIdentityRole(
+                self,
+                f"{node.logical_id}Role",
+                config=config,
+                node=node.name,
+                shared=policy,
+                cache=shared.cache,
+                reads_members=bool(config.layout.proxies_on(node.name)),
+                router_object_arn=shared.router_arn if "gptoss-install-router" in render.scripts else None,
+            )
+            holder = ClusterNode(
+                self,
+                node.logical_id,
+                config=config,
+                render=render,
+                image_id=image_id,
+                subnet_id=shared.subnet_id,
+                security_group_id=shared.security_group_id,
+                instance_profile_arn=role.profile.attr_arn,
+                placement_group=shared.placement_group,
+                user_data=user_data(
+                    render,
+                    scripts_uri=shared.scripts_uri,
+                    scripts_sha256=shared.scripts_sha256,
+                    signal_url=gate.url if gate else None,
+                    router_uri=shared.router_uri,
+                    compile_cache_uri=shared.cache.uri if shared.cache else None,
+                ),
+                target_group_arns=[shared.target_group_arn] if shared.target_group_arn and node.name in shared.proxy_nodes else None,
+            )
+            if gate:
+                # The gate's clock starts when the group has launched the node's instance, not when the stack starts.
+                gate.condition.add_resource_dependency(holder.group)
+            self.nodes[node.name] = holder

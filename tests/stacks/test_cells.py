@@ -1,0 +1,61 @@
+"""Cells: a fleet of any size is one stack, each nested template within CloudFormation's limits."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+
+from clusterspec.cells import cell_name, cells
+from clusterspec.config import load_config
+from tests.conftest import cfn_lint, nag_synth
+from tests.stacks.test_template import of_type
+
+
+@pytest.fixture(scope="module")
+def big_synth(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """200 decode instances (75 prefill + 200 decode nodes), with cdk-nag, as app.py builds them."""
+    return nag_synth(tmp_path_factory.mktemp("big.out"), {"big": {"decode_instances": "200"}})
+
+
+def test_two_hundred_decode_instances_are_one_stack_of_cells_each_within_the_limits(big_synth: dict[str, Any]) -> None:
+    parent = json.loads(big_synth["paths"]["big"].read_text())
+    nested = {k: p for k, p in big_synth["paths"].items() if k.startswith("big/")}
+    # 75 prefill nodes in cells of 24: 4; 200 decode nodes: 9.
+    assert len(of_type(parent, "AWS::CloudFormation::Stack")) == len(nested) == 13
+    for path in [big_synth["paths"]["big"], *nested.values()]:
+        template = json.loads(path.read_text())
+        assert path.stat().st_size < 1_000_000, (path.name, path.stat().st_size)
+        assert len(template["Resources"]) < 500 and len(template.get("Parameters", {})) < 200 and len(template.get("Outputs", {})) < 200, path.name
+    t = big_synth["templates"]["big"]
+    holders = of_type(t, "AWS::AutoScaling::AutoScalingGroup")
+    assert len(holders) == 275
+    (report,) = [r for r in big_synth["report"]["pluginReports"] if r["pluginName"] == "AwsSolutions"]
+    assert report["conclusion"] == "success" and report["violations"] == []
+    r = cfn_lint(list(big_synth["paths"].values()))
+    assert r.returncode == 0, (r.stdout + r.stderr)[:4000]
+
+
+def test_each_node_is_in_the_cell_plan_names(big_synth: dict[str, Any]) -> None:
+    cfg = load_config({"decode_instances": "200"})
+    planned = {n.name: c.name for c in cells(cfg.layout, cfg.cell_nodes) for n in c.nodes}
+    for key, path in big_synth["paths"].items():
+        if not key.startswith("big/"):
+            continue
+        template = json.loads(path.read_text())
+        for g in of_type(template, "AWS::AutoScaling::AutoScalingGroup").values():
+            node = next(x["Value"] for x in g["Properties"]["Tags"] if x["Key"] == "gptoss:node")
+            assert key.removeprefix("big/").startswith(planned[node] + "NestedStack"), (node, key)
+
+
+def test_a_growing_fleet_never_moves_a_node_from_one_cell_to_another(synth_variant: Any) -> None:
+    """From 8 to 40 decode instances (3 to 15 prefill nodes): every node that was there stays in its
+    cell, under the same logical ids, so CloudFormation replaces no instance of it."""
+    before, after = load_config({"decode_instances": "8"}), load_config({"decode_instances": "40"})
+    was = {n.name: cell_name(n, before.cell_nodes) for n in before.layout.nodes}
+    now = {n.name: cell_name(n, after.cell_nodes) for n in after.layout.nodes}
+    assert {n: now[n] for n in was} == was
+    ids = [{lid: json.dumps(r["Properties"].get("Tags"), sort_keys=True) for lid, r in of_type(synth_variant(decode_instances=str(n)),
+           "AWS::AutoScaling::AutoScalingGroup").items()} for n in (8, 40)]  # fmt: skip
+    assert ids[0].items() <= ids[1].items(), "a node's group keeps its logical id and identity"
