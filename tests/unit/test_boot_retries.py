@@ -322,7 +322,7 @@ def _boot_unit(tmp_path: Path, shipped: Shipped, handle: Any, unit: str, env: di
     sysd.mkdir()
     states, journal = sysd / "states.json", sysd / "journal.log"
     journal.touch()
-    fake_command(sysd, "systemctl", f'python3 -c \'import json,sys; print(json.load(open("{states}")).get(sys.argv[1], ""))\' "${{@: -1}}"\n')
+    fake_command(sysd, "systemctl", f'python3 -c \'import json,sys; s=json.load(open("{states}")); print("\\n\\n".join(s.get(u, "") for u in sys.argv[1:] if u.endswith((".service", ".timer", ".target"))))\' "$@"\n')
     fake_command(sysd, "journalctl", f'tail -n 60 "{journal}"\n')
     etc = sysd / "etc"
     etc.mkdir()

@@ -163,7 +163,7 @@ def test_a_save_when_serving_waits_for_the_servers_and_uploads_once(cloud: dict[
     url = f"http://127.0.0.1:{server.server_address[1]}/health"
     health.write_text(f"gptoss-scripts.service - -\ngptoss-prefill@0.service {url} prefill_0\ngptoss-proxy.service http://127.0.0.1:9/healthcheck proxy\n")
     env = cloud["node"]("prefill-0", "i-0aaaaaaaaaaaaaaaa", _compiled(tmp_path / "a", PREFILL)) | {
-        "GPTOSS_HEALTH_FILE": str(health), "GPTOSS_SAVE_WAIT_S": "30", "GPTOSS_POLL_S": "1"}
+        "GPTOSS_HEALTH_FILE": str(health), "GPTOSS_SAVE_WAIT_S": "30", "GPTOSS_SAVE_POLL_S": "1"}
     shipped("gptoss-cache-manifest")
     proc = subprocess.Popen([str(shipped("gptoss-save-cache")), "--when-serving"], env=env, stdout=subprocess.PIPE, text=True)
     try:

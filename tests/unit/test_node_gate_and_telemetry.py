@@ -172,7 +172,8 @@ def signal_node(tmp_path: Path, peers: Any, shipped: Shipped) -> Callable[..., s
     fake_command(
         tmp_path,
         "systemctl",
-        f'python3 -c \'import json,sys; print(json.load(open("{states}")).get(sys.argv[1], "ActiveState=active"))\' "${{@: -1}}"\n',
+        # One block per unit named, in order, blank lines between (as systemctl show prints them).
+        f'python3 -c \'import json,sys; s=json.load(open("{states}")); print("\\n\\n".join(s.get(u, "ActiveState=active") for u in sys.argv[1:] if u.endswith((".service", ".timer", ".target"))))\' "$@"\n',
     )
     fake_command(tmp_path, "journalctl", 'u=${*: -1}; echo "last line of ${u#_SYSTEMD_UNIT=}"\n')
 
@@ -346,7 +347,7 @@ def test_collector_publishes_every_catalog_metric_in_a_payload_cloudwatch_accept
     fake_command(
         tmp_path,
         "systemctl",
-        f'for a; do u=$a; done\n[ "$u" = gptoss-stage.service ] && {{ cat "{stage_state}"; exit; }}\necho ActiveState=active\n',
+        f'for u; do case $u in -* | show) ;; gptoss-stage.service) cat "{stage_state}"; echo ;; *) echo ActiveState=active; echo ;; esac; done\n',
     )
     for k, v in {"GPTOSS_SYS_INFINIBAND": str(ib), "GPTOSS_NEURON_MONITOR": str(tmp_path / "neuron-monitor"),
                  "GPTOSS_SYSTEMCTL": str(tmp_path / "systemctl")}.items():  # fmt: skip

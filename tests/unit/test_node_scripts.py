@@ -556,3 +556,72 @@ def test_group_health_is_ready_only_when_every_server_of_the_group_answers(healt
     finally:
         proc.terminate()
         proc.wait(timeout=10)
+
+
+def test_the_health_watch_reports_its_own_instance_once_for_a_server_that_stopped_serving_and_never_for_one_that_never_served(
+    shipped: Any, tmp_path: Path
+) -> None:
+    """gptoss-health-watch as shipped, with every unit's state from one systemctl call (a fake that
+    prints a block per unit, as systemctl does) and the server's /health on loopback."""
+
+    class Health(http.server.BaseHTTPRequestHandler):
+        code = 200
+
+        def do_GET(self) -> None:
+            self.send_response(Health.code)
+            self.end_headers()
+
+        def log_message(self, *a: object) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Health)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    run, state = tmp_path / "run", tmp_path / "state"
+    run.mkdir()
+    (run / "identity.env").write_text("GPTOSS_INSTANCE_ID=i-0abc\n")
+    (tmp_path / "cluster.env").write_text(
+        "GPTOSS_NODE=decode-0\nAWS_REGION=us-east-2\nGPTOSS_UNHEALTHY_BACKOFF_S=600\nGPTOSS_UNHEALTHY_NEURON_ERRORS=5\n"
+    )
+    (tmp_path / "health").write_text(f"gptoss-stage.service - -\ngptoss-decode.service http://127.0.0.1:{server.server_address[1]}/health -\n")
+    states = tmp_path / "states.json"
+    calls = tmp_path / "calls"
+    bin_dir = tmp_path / "bin"
+    fake_command(bin_dir, "systemctl", f'echo "$*" >> "{calls}.systemctl"\n'
+                 f'python3 -c \'import json,sys; s=json.load(open("{states}")); '
+                 f'print("\\n\\n".join(s.get(u, "ActiveState=active\\nSubState=running\\nNRestarts=0") for u in sys.argv[1:] if u.endswith((".service", ".timer", ".target"))))\' "$@"\n')  # fmt: skip
+    fake_command(bin_dir, "aws", f'echo "$*" >> "{calls}.aws"\n')
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "GPTOSS_CLUSTER_ENV": str(tmp_path / "cluster.env"), "GPTOSS_RUN_DIR": str(run),
+           "GPTOSS_STATE_DIR": str(state), "GPTOSS_HEALTH_FILE": str(tmp_path / "health"), "GPTOSS_SYSTEMCTL": str(bin_dir / "systemctl")}  # fmt: skip
+    script = shipped("gptoss-health-watch")
+
+    def watch(decode: str) -> subprocess.CompletedProcess[str]:
+        states.write_text(json.dumps({"gptoss-decode.service": decode}))
+        return subprocess.run([str(script)], env=env, capture_output=True, text=True, timeout=60)
+
+    looping = "ActiveState=activating\nSubState=auto-restart\nNRestarts=7"
+    # A server that never answered on this instance: a configuration problem, not the hardware; never reported.
+    Health.code = 503
+    for _ in range(2):
+        r = watch(looping)
+        assert r.returncode == 0 and not (tmp_path / "calls.aws").exists(), r.stdout + r.stderr
+    (run / "watch" / "gptoss-decode.service").write_text(str(int(time.time()) - 3600))
+    assert watch(looping).returncode == 0 and not (tmp_path / "calls.aws").exists(), "a node that never served is not reported"
+    # It answers once: the node has served. Then it restarts with back-off for longer than the bound: reported, once.
+    Health.code = 200
+    r = watch("ActiveState=active\nSubState=running\nNRestarts=0")
+    assert r.returncode == 0 and "every server of decode-0 answers" in r.stdout and (state / "served-once").exists()
+    assert not (run / "watch" / "gptoss-decode.service").exists(), "serving again resets the clock"
+    Health.code = 503
+    assert watch(looping).returncode == 0 and not (tmp_path / "calls.aws").exists(), "its first failing minute is within the bound"
+    (run / "watch" / "gptoss-decode.service").write_text(str(int(time.time()) - 601))
+    r = watch(looping)
+    assert r.returncode == 0 and (tmp_path / "calls.aws").exists(), r.stdout + r.stderr
+    assert (tmp_path / "calls.aws").read_text().split() == [
+        "autoscaling", "set-instance-health", "--instance-id", "i-0abc", "--health-status", "Unhealthy", "--no-should-respect-grace-period"]  # fmt: skip
+    assert "marked i-0abc (decode-0) unhealthy: gptoss-decode.service has been restarting with back-off for 60" in r.stdout
+    assert "(7 restarts; the bound is 600s) after this node served" in r.stdout
+    # Every run asked systemctl once, for all its units.
+    assert all(line.split()[-2:] == ["gptoss-node-check.service", "gptoss-decode.service"] for line in (tmp_path / "calls.systemctl").read_text().splitlines())
+    r = watch(looping)
+    assert r.returncode == 0 and len((tmp_path / "calls.aws").read_text().splitlines()) == 1, "said once"
+    server.shutdown()
