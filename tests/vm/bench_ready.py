@@ -63,7 +63,7 @@ def main() -> int:
         cluster = VmCluster(Path(tmp), img, accel)
         try:
             cluster.deploy({})
-            cluster.start({"vllm": {"compile_s": c, "load_s": load}})
+            cluster.launch({"vllm": {"compile_s": c, "load_s": load}})
             cluster.wait_ready(3600)
             cluster.vms["prefill-0"].wait_until("test -s /var/lib/fakes/signals.jsonl", 300, "the deploy gate's signal")
             prefill = sorted(

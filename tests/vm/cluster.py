@@ -1,11 +1,14 @@
-"""A deployed cluster of guest VMs: render with the project's code, boot, restart, inspect.
+"""A deployed cluster of guest VMs: render with the project's code, launch, replace, restart, inspect.
 
-`deploy()` is what `cdk deploy` does to the nodes: it renders each node's user data with the
-same function the stack uses (tests/unit prove the stack embeds exactly that rendering), fills
-in what CloudFormation fills in (the peers' IPs, where the scripts asset is), and writes each
-VM's NoCloud seed. Restarting a VM then plays what EC2 does: a reboot keeps every disk, a
-stop/start blanks the instance store, a redeploy is a stop/start with new user data and the
-same instance id.
+Each node identity (prefill-0, decode-0) is held by one VM at a time, as an Auto Scaling group of
+one holds one instance. `deploy()` is what `cdk deploy` does: it renders each node's user data
+with the same function the stack uses (tests/unit prove the stack embeds exactly that
+rendering), fills in what CloudFormation fills in (where the scripts asset and the compile
+cache are, each node's deploy gate), puts the stack's assets in the cluster's AWS (one moto on
+the host, tests/vm/aws.py), and says which nodes changed: a changed node's group replaces its
+instance (a new VM: new root disk, new instance id, new address, blank instance store),
+`launch()` does that. A node's loss (`replace()`) is the same without a deploy. A reboot keeps
+every disk; pulling the plug is a hard reset of the same instance.
 """
 
 from __future__ import annotations
@@ -20,21 +23,18 @@ from typing import Any
 
 from clusterspec import telemetry
 from clusterspec.config import ClusterConfig, load_config
-from clusterspec.paths import WHEELS_DIR, members_parameter
+from clusterspec.paths import WHEELS_DIR
 from clusterspec.render import NodeRender, render_cluster
 from clusterspec.userdata import launch_inputs, node_digest, scripts_asset, user_data
+from tests.vm.aws import ASSET_BUCKET, CACHE_BUCKET, HostAws
 from tests.vm.image import Image
 from tests.vm.machine import Vm, free_port
 
-# The guests' addresses in the default subnet_cidr, 10.42.0.0/20.
-ADDRESSES = {"prefill-0": "10.42.0.10", "decode-0": "10.42.0.11"}
-# Nodes of a layout that has no VM here (a second decode server): in the members, nobody answers.
-ABSENT = {"decode-1": "10.42.0.12", "prefill-1": "10.42.0.13"}
-ASSET_BUCKET = "gptoss-vm-assets"
+NODES = ("prefill-0", "decode-0")
 # The guest's stand-in for the wait condition handle's presigned URL (fake-waitcondition).
 SIGNAL_BASE = "http://127.0.0.1:9901/cloudformation-waitcondition-us-east-2"
-# The Hugging Face token, in the guest's Secrets Manager (moto) under this name; every deploy names
-# it by its partial ARN (no random suffix), as an operator may. Nothing on the node may show it.
+# The Hugging Face token, in the cluster's Secrets Manager under this name; every deploy names it
+# by its partial ARN (no random suffix), as an operator may. Nothing on the node may show it.
 HF_TOKEN_NAME = "gptoss-vm-hf-token"
 HF_TOKEN_SECRET = f"arn:aws:secretsmanager:us-east-2:123456789012:secret:{HF_TOKEN_NAME}"
 HF_TOKEN = "hf_vmTOKENshownToNobody0123456789abcdef"
@@ -43,103 +43,139 @@ HF_TOKEN = "hf_vmTOKENshownToNobody0123456789abcdef"
 DEVICES = {"neuron": 16, "efa": 16}
 
 
+def address(index: int, generation: int) -> str:
+    """The private IP of the `generation`th instance of node `index` (a replacement gets a new one), in 10.42.0.0/20."""
+    return f"10.42.{generation}.{10 + index}"
+
+
 class VmCluster:
-    """The two VMs of the default layout (prefill-0 and decode-0)."""
+    """The VMs of the default layout's two node identities, and the cluster's AWS."""
 
     def __init__(self, workdir: Path, image: Image, accel: str) -> None:
         self.workdir = workdir
+        self.image, self.accel = image, accel
+        self.aws = HostAws(workdir, "gptoss-8k1k")
+        # The private link between the two identities' VMs (a replacement takes its predecessor's end).
         a, b = free_port(socket.SOCK_DGRAM), free_port(socket.SOCK_DGRAM)
-        self.vms = {
-            "prefill-0": Vm("prefill-0", 0, workdir / "prefill-0", image, ADDRESSES["prefill-0"], accel, a, b),
-            "decode-0": Vm("decode-0", 1, workdir / "decode-0", image, ADDRESSES["decode-0"], accel, b, a),
-        }
+        self.links = {"prefill-0": (a, b), "decode-0": (b, a)}
+        self.vms: dict[str, Vm] = {}
+        self.generations = {n: -1 for n in NODES}
+        self.instance_ids: dict[str, str] = {}
         self.cfg: ClusterConfig | None = None
         self.renders: dict[str, NodeRender] = {}
-        self.asset = workdir / "scripts.tar.xz"
+        self.user_data_text: dict[str, str] = {}
         self.scripts_uri = ""
-        self.router_uri = ""
-        self.members: dict[str, str] = {}
         self.fakes: dict[str, Any] = {}
         self.deploys = 0
         self.handles: dict[str, tuple[str, str]] = {}
+        self.pending: set[str] = set()
 
     # ---- what a deploy does --------------------------------------------------------------
 
-    def deploy(self, context: dict[str, Any]) -> None:
-        """Render every node for this config and write the seeds (no VM is started)."""
+    def deploy(self, context: dict[str, Any]) -> set[str]:
+        """Render every node for this config, put the stack's assets in S3; return the nodes whose
+        launch template changed (their instances are replaced by `launch`)."""
         model = {"hf_token_secret_arn": HF_TOKEN_SECRET} | context.get("model", {})
         # The node check gives devices 20 s to appear here (boot.devices_s, 180 s by default).
         boot = {"devices_s": 20} | context.get("boot", {})
-        self.cfg = load_config(context | {"model": model, "boot": boot})
+        # Members are read every 60 s here (30 s by default): each read is an AWS CLI call, which
+        # costs a software-emulated guest about 20 s of CPU.
+        healing = {"members_poll_s": 60} | context.get("healing", {})
+        self.cfg = load_config(context | {"model": model, "boot": boot, "healing": healing})
         renders = render_cluster(self.cfg)
-        self.renders = {r.node.name: r for r in renders if r.node.name in self.vms}
+        self.renders = {r.node.name: r for r in renders if r.node.name in NODES}
         data = scripts_asset(renders)
-        self.asset.write_bytes(data)
         sha = hashlib.sha256(data).hexdigest()
         self.scripts_uri = f"s3://{ASSET_BUCKET}/{sha}.xz"
-        # vLLM's router: the pinned wheel as the stack's asset, and the members the stack writes.
-        routed = self.cfg.proxy_kind == "vllm-router"
-        self.router_uri = f"s3://{ASSET_BUCKET}/router/{self.cfg.serving.proxy.router.wheel}" if routed else ""
-        self.members = {members_parameter(self.cfg.cluster_name): " ".join(f"{r.node.name}={(ADDRESSES | ABSENT)[r.node.name]}" for r in renders)} if routed else {}
+        self.aws.put(self.scripts_uri, data)
+        router_uri = None
+        if self.cfg.proxy_kind == "vllm-router":
+            wheel = self.cfg.serving.proxy.router.wheel
+            router_uri = f"s3://{ASSET_BUCKET}/router/{wheel}"
+            self.aws.put(router_uri, (WHEELS_DIR / wheel).read_bytes())
+        self.aws.secret(HF_TOKEN_NAME, HF_TOKEN)
+        self.aws.log_group(telemetry.log_group(self.cfg))
         self.deploys += 1
+        changed = set()
         for name, r in self.renders.items():
-            # The deploy gate's handle, as CloudFormation keeps or makes it: the same URL while
-            # the node's gate (its digest) stays, a new one when the node changes.
+            # The deploy gate's handle, as CloudFormation keeps or makes it: the same URL while the
+            # node's gate (its digest) stays, a new one when the node changes (and is replaced).
             digest = node_digest(r, sha, launch_inputs(self.cfg, r.node.role))
             if self.handles.get(name, ("",))[0] != digest:
-                self.handles[name] = (
-                    digest,
-                    f"{SIGNAL_BASE}/{name}/{digest}-{self.deploys}?Expires=1900000000&Signature=a%2Fb%3D",
-                )
+                self.handles[name] = (digest, f"{SIGNAL_BASE}/{name}/{digest}-{self.deploys}?Expires=1900000000&Signature=a%2Fb%3D")
+                changed.add(name)
             signal = self.handles[name][1] if self.cfg.wait_for_ready else None
-            self.vms[name].seed(
-                user_data(
-                    r, {p: ADDRESSES[p] for p in r.peers}, scripts_uri=self.scripts_uri, scripts_sha256=sha, signal_url=signal,
-                    router_uri=self.router_uri or None,
-                )
+            self.user_data_text[name] = user_data(
+                r, scripts_uri=self.scripts_uri, scripts_sha256=sha, signal_url=signal, router_uri=router_uri, compile_cache_uri=f"s3://{CACHE_BUCKET}"
             )
+        self.pending = changed
+        return changed
 
     def user_data(self, name: str) -> str:
-        """The user data the seed of a VM carries."""
-        return (self.vms[name].workdir / "seed" / "user-data").read_text()
+        """The user data of a node's launch template (what every instance of it boots from)."""
+        return self.user_data_text[name]
 
-    # ---- power -----------------------------------------------------------------------------
+    # ---- instances -------------------------------------------------------------------------
 
-    def start(self, fakes: dict[str, Any] | None = None) -> None:
-        """Power on every VM of the layout (in parallel) and wait for the harness's login."""
+    def launch(
+        self, fakes: dict[str, Any] | None = None, *, aws: dict[str, bool] | None = None, faults: dict[str, dict[str, Any]] | None = None
+    ) -> None:
+        """What the groups do after a deploy: each changed node's instance replaced by a new one
+        (the first deploy launches them all), booted in parallel; waits for the harness's login.
+        `aws` cuts a node's new instance off from the cluster's AWS ({node: False}); `faults` adds
+        settings of the fakes for one node's instance only."""
         self.fakes = fakes or {}
-        for name in self.renders:
-            self.power_on(name, wait=False)
-        self._each(lambda vm: vm.wait_ssh(600))
+        nodes = sorted(self.pending)
+        self.pending = set()
+        self.launched_at = time.monotonic()
+        for name in nodes:
+            self._new_instance(name, reach_aws=(aws or {}).get(name, True), fakes=self.fakes | (faults or {}).get(name, {}))
+        self._each(lambda vm: vm.wait_ssh(600), [self.vms[n] for n in nodes])
+
+    def replace(self, name: str, fakes: dict[str, Any] | None = None) -> float:
+        """A node's instance is lost (its VM destroyed, root and instance store with it); its group
+        launches one of the same identity from the same template. Returns when the loss happened
+        (time.monotonic()); the new VM is booting."""
+        lost = time.monotonic()
+        self._new_instance(name, reach_aws=True, fakes=fakes)
+        return lost
+
+    def _new_instance(self, name: str, *, reach_aws: bool, fakes: dict[str, Any] | None = None) -> None:
+        assert self.cfg is not None
+        old = self.vms.get(name)
+        if old is not None:
+            old.kill()
+            self.aws.terminate(self.instance_ids[name])
+        self.generations[name] += 1
+        gen = self.generations[name]
+        index = NODES.index(name)
+        ip = address(index, gen)
+        local, peer = self.links[name]
+        vm = Vm(name, index, self.workdir / f"{name}-{gen}", self.image, ip, self.accel, local, peer,
+                aws_port=self.aws.port if reach_aws else None)  # fmt: skip
+        self.instance_ids[name] = self.aws.launch(name, name.split("-")[0], ip)
+        vm.instance_id = self.instance_ids[name]
+        vm.seed(self.user_data(name))
+        self.vms[name] = vm
+        self._power_on(vm, self.fakes if fakes is None else fakes)
+
+    def _power_on(self, vm: Vm, fakes: dict[str, Any]) -> None:
+        # The instance's devices as the instance table says (a fault replaces them).
+        vm.start({"devices": DEVICES} | fakes)
 
     def power_on(self, name: str, *, wait: bool = True) -> None:
-        """Start one VM with the current seed and fakes (after pull_the_plug, for instance)."""
-        assert self.cfg is not None
-        # The instance's devices as the instance table says (a fault replaces them).
-        hw = {"devices": DEVICES}
-        # What the stack makes before the instances: the scripts asset, the log group.
-        # The router's wheel (23 MB) only where a router runs, on a disk of its own (fw_cfg is too slow for it).
-        wheel = WHEELS_DIR / self.cfg.serving.proxy.router.wheel
-        routes = self.router_uri and "gptoss-install-router" in self.renders[name].scripts
-        disk_objects = {self.router_uri: {"disk": "router", "size": wheel.stat().st_size}} if routes else {}
-        made = {"s3": {"objects": {self.scripts_uri: "scripts"}, "disk_objects": disk_objects}, "logs": {"groups": [telemetry.log_group(self.cfg)]},
-                "secrets": {"name": HF_TOKEN_NAME, "hf_token": HF_TOKEN}, "ssm": {"parameters": self.members}}  # fmt: skip
-        settings = hw | self.fakes | made
-        self.vms[name].start(settings, {"scripts": self.asset}, {"router": wheel} if routes else None)
+        """Start a node's VM again (after pull_the_plug): the same instance, every disk kept."""
+        self._power_on(self.vms[name], self.fakes)
         if wait:
             self.vms[name].wait_ssh(600)
 
     def reboot(self, fakes: dict[str, Any] | None = None) -> None:
         """`reboot` in each guest: every disk stays (QEMU runs with -no-reboot: power on again)."""
         self._each(lambda vm: (vm.ssh("systemctl reboot", check=False, timeout=30), vm.wait_exit(300)))
-        self.start(self.fakes if fakes is None else fakes)
-
-    def stop_start(self, fakes: dict[str, Any] | None = None) -> None:
-        """An EC2 stop/start: clean power-off, blank instance store, same root volume and id."""
-        self._each(lambda vm: vm.shutdown(300))
+        self.fakes = self.fakes if fakes is None else fakes
         for vm in self.running():
-            vm.blank_instance_store()
-        self.start(self.fakes if fakes is None else fakes)
+            self._power_on(vm, self.fakes)
+        self._each(lambda vm: vm.wait_ssh(600))
 
     def pull_the_plug(self, name: str) -> None:
         """Kill a VM's QEMU: no shutdown, nothing flushed that the guest had not written."""
@@ -148,15 +184,23 @@ class VmCluster:
     def stop(self) -> None:
         for vm in self.vms.values():
             vm.kill()
+        self.aws.stop()
 
     def running(self) -> list[Vm]:
-        return [self.vms[n] for n in self.renders]
+        return [self.vms[n] for n in NODES if n in self.vms]
 
-    def _each(self, fn: Any) -> list[Any]:
-        with ThreadPoolExecutor(max_workers=len(self.vms)) as pool:
-            return list(pool.map(fn, self.running()))
+    def _each(self, fn: Any, vms: list[Vm] | None = None) -> list[Any]:
+        vms = self.running() if vms is None else vms
+        if not vms:
+            return []
+        with ThreadPoolExecutor(max_workers=len(vms)) as pool:
+            return list(pool.map(fn, vms))
 
     # ---- what the tests read ----------------------------------------------------------------
+
+    def ip(self, name: str) -> str:
+        """The current private IP of a node (its instance's)."""
+        return self.vms[name].ip
 
     def status(self, name: str) -> dict[str, Any]:
         """gptoss-status on one node, by unit."""
@@ -219,16 +263,9 @@ class VmCluster:
         return self.vms[name].ssh(f"journalctl -b -u {unit} -o cat --no-pager", check=False).stdout
 
     def signals(self, name: str) -> list[dict[str, Any]]:
-        """Every PUT a node made to its deploy gate's handle, oldest first."""
+        """Every PUT a node's current instance made to its deploy gate's handle, oldest first."""
         out = self.vms[name].ssh("cat /var/lib/fakes/signals.jsonl 2>/dev/null || true").stdout
         return [json.loads(line) for line in out.splitlines() if line.strip()]
-
-    def guest_aws(self, name: str, command: str, *, until: str | None = None, timeout: float = 180) -> dict[str, Any]:
-        """An AWS CLI call inside a guest, against its moto (what the node's collector wrote)."""
-        cli = f"AWS_ENDPOINT_URL=http://127.0.0.1:5000 aws --region us-east-2 --output json {command}"
-        if until:
-            self.vms[name].wait_until(f"{cli} | grep -q '{until}'", timeout, f"{until} in `aws {command}`")
-        return dict(self.vms[name].json(cli))
 
     def unit_prop(self, name: str, unit: str, prop: str) -> str:
         return self.vms[name].ssh(f"systemctl show -p {prop} --value {unit}").stdout.strip()

@@ -27,8 +27,8 @@ PACKAGES = (
 )
 # The real client library in the guest's vLLM venv (the DLAMI's Python has its own).
 GUEST_HF_HUB = "huggingface_hub==1.33.0"
-# The AWS CLI the node scripts call, and the local S3 of the guest (the project's moto).
-GUEST_AWS = ("awscli==1.46.3", "moto[server,s3]==5.2.1")
+# The AWS CLI the node scripts call (the cluster's AWS is the host's moto: tests/vm/aws.py).
+GUEST_AWS = ("awscli==1.46.3",)
 GUEST_PYTHON = "3.13"
 ROOT_SIZE = "6G"
 HOST_TOOLS = {
@@ -38,6 +38,7 @@ HOST_TOOLS = {
     "cloud-localds": "cloud-image-utils",
     "ssh": "openssh-client",
     "mkfs.ext4": "e2fsprogs",
+    "socat": "socat",  # relays each guest's AWS connections to the host's moto
 }
 
 

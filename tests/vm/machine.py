@@ -6,9 +6,10 @@ What maps to what:
 - two emulated NVMe disks with serial gptoss-is-N are the instance store: a stop/start
   replaces them with blank ones;
 - a NoCloud seed (cloud-localds) carries the user data the project renders, and the
-  instance id: the same id models a restart of the same instance;
+  instance id: the same id models a restart of the same instance, a new VM a new instance;
 - a private link between the VMs (a QEMU socket netdev on loopback) is the VPC subnet;
-- a restricted user-mode NIC (no route anywhere) lets the harness log in over SSH;
+- a restricted user-mode NIC (no route anywhere) lets the harness log in over SSH, and relays
+  the guest's AWS (10.0.2.100:5000) to the host's moto, the cluster's one AWS (tests/vm/aws.py);
 - QEMU's fw_cfg passes the fakes' settings (IMDS address, server delays, faults).
 """
 
@@ -30,8 +31,8 @@ from tests.vm.image import Image
 NVME_DISKS = 2
 NVME_SIZE = 2 << 30
 MEMORY_MB = 1536
-# The first PCI slot of the extra virtio disks (q35: 0x1f is the LPC bridge; QEMU auto-assigns from 0x1).
-EXTRA_DISK_SLOT = 0x18
+# Where a guest reaches the cluster's AWS (the host's moto, through QEMU's guestfwd and socat).
+AWS_GUEST_ADDRESS = "10.0.2.100"
 
 
 def _boots(img: Image, accel: str) -> bool:
@@ -94,6 +95,10 @@ class Vm:
     ssh_port: int = field(default_factory=free_port)
     proc: subprocess.Popen[bytes] | None = None
     boots: int = 0
+    # The host's moto this guest reaches as its AWS (None: no AWS at all, e.g. S3 unreachable).
+    aws_port: int | None = None
+    # The instance's id, as EC2 (the host's moto) made it.
+    instance_id: str = "i-00000000000000000"
 
     def __post_init__(self) -> None:
         self.workdir.mkdir(parents=True, exist_ok=True)
@@ -112,9 +117,6 @@ class Vm:
     def vpc_mac(self) -> str:
         return f"52:54:00:42:00:{self.index + 1:02x}"
 
-    @property
-    def instance_id(self) -> str:
-        return f"i-0{self.index:016x}"
 
     def blank_instance_store(self) -> None:
         """New, empty instance-store disks: what a stop/start leaves."""
@@ -137,10 +139,8 @@ class Vm:
             check=True,
         )  # fmt: skip
 
-    def start(self, fakes: dict[str, Any], files: dict[str, Path] | None = None, disks: dict[str, Path] | None = None) -> None:
-        """Power the instance on; `files` reach the guest through fw_cfg as opt/gptoss/NAME, `disks`
-        (large files: fw_cfg reads them byte by byte, minutes for megabytes under TCG) as read-only
-        virtio disks /dev/disk/by-id/virtio-gptoss-NAME, padded to whole sectors."""
+    def start(self, fakes: dict[str, Any]) -> None:
+        """Power the instance on with the fakes' settings (fw_cfg)."""
         assert self.proc is None or self.proc.poll() is not None, f"{self.name} is already running"
         fw = self.workdir / "fakes.json"
         imds = {"local_ipv4": self.ip, "instance_id": self.instance_id} | fakes.get("imds", {})
@@ -154,23 +154,13 @@ class Vm:
             "-append", "root=/dev/vda rw console=ttyS0,115200 quiet systemd.show_status=0",
             "-drive", f"file={self.root},if=virtio,format=qcow2,cache=unsafe",
             "-drive", f"file={self.workdir / 'seed.img'},if=virtio,format=raw,readonly=on",
-            "-netdev", f"user,id=mgmt,restrict=on,hostfwd=tcp:127.0.0.1:{self.ssh_port}-:22",
+            "-netdev", f"user,id=mgmt,restrict=on,hostfwd=tcp:127.0.0.1:{self.ssh_port}-:22{self._aws_forward()}",
             "-device", f"virtio-net-pci,netdev=mgmt,mac={self.mgmt_mac}",
             "-netdev", f"socket,id=vpc,udp=127.0.0.1:{self.link_peer},localaddr=127.0.0.1:{self.link_local}",
             "-device", f"virtio-net-pci,netdev=vpc,mac={self.vpc_mac}",
             "-fw_cfg", f"name=opt/gptoss/fakes,file={fw}",
             "-serial", f"file:{console}", "-display", "none", "-monitor", "none", "-no-reboot",
         ]  # fmt: skip
-        for name, path in (files or {}).items():
-            cmd += ["-fw_cfg", f"name=opt/gptoss/{name},file={path}"]
-        for i, (name, path) in enumerate((disks or {}).items()):
-            padded = self.workdir / f"disk-{name}.raw"
-            data = path.read_bytes()
-            padded.write_bytes(data + b"\0" * (-len(data) % 512))
-            # A PCI slot past every auto-assigned one: QEMU creates `if=virtio` drives after the
-            # explicit devices, so without it this disk would probe first and take /dev/vda, the root.
-            cmd += ["-drive", f"file={padded},if=none,id=disk-{name},format=raw,readonly=on",
-                    "-device", f"virtio-blk-pci,drive=disk-{name},serial=gptoss-{name},bus=pcie.0,addr={EXTRA_DISK_SLOT + i:#x}"]  # fmt: skip
         for n in range(NVME_DISKS):
             cmd += [
                 "-drive", f"file={self.workdir / f'nvme{n}.raw'},if=none,id=nvme{n},format=raw,cache=writeback",
@@ -179,6 +169,13 @@ class Vm:
         log = (self.workdir / "qemu.log").open("a")
         self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         self.started_at = time.monotonic()
+
+    def _aws_forward(self) -> str:
+        """The guest's AWS (AWS_ENDPOINT_URL=http://10.0.2.100:5000): each connection relayed by socat to
+        the host's moto, one AWS for every guest of the cluster; none when the VM is cut off from it."""
+        if self.aws_port is None:
+            return ""
+        return f",guestfwd=tcp:{AWS_GUEST_ADDRESS}:5000-cmd:socat - TCP:127.0.0.1:{self.aws_port}"
 
     def console(self) -> str:
         """The serial console of the current boot."""

@@ -20,13 +20,11 @@ echo "/dev/vda / ext4 defaults 0 1" >"$root/etc/fstab"
 in_root python3 -m venv "$venv"
 cp -r "$WHEELS" "$root/tmp/wheels"
 in_root "$venv/bin/pip" install --quiet --no-index --find-links /tmp/wheels huggingface_hub
-# The AWS CLI the node scripts call (the DLAMI ships one), and moto as the local S3 they reach
-# through AWS_ENDPOINT_URL; each in its own venv.
+# The AWS CLI the node scripts call (the DLAMI ships one), in its own venv; it reaches the
+# cluster's AWS (the host's moto) through AWS_ENDPOINT_URL.
 in_root python3 -m venv /opt/awscli
 in_root /opt/awscli/bin/pip install --quiet --no-index --find-links /tmp/wheels awscli
 ln -sf /opt/awscli/bin/aws "$root/usr/local/bin/aws"
-in_root python3 -m venv /opt/moto
-in_root /opt/moto/bin/pip install --quiet --no-index --find-links /tmp/wheels "moto[server,s3]"
 rm -rf "$root/tmp/wheels"
 # NIXL, which the DLAMI's vLLM venv ships (the node check imports it before any server starts).
 site=$(in_root "$venv/bin/python3" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
@@ -54,6 +52,6 @@ mkdir -p "$root/srv/git"
 git clone -q --bare "$work/repo" "$root/srv/git/vllm-neuron.git"
 rm -rf "$work"
 
-in_root systemctl enable --quiet fake-devices.service fake-imds.service fake-hub.service fake-s3.service fake-waitcondition.service systemd-networkd.service ssh.service
+in_root systemctl enable --quiet fake-devices.service fake-imds.service fake-hub.service fake-waitcondition.service systemd-networkd.service ssh.service
 # Nothing the tests need, and each costs seconds of a software-emulated boot.
 in_root systemctl mask --quiet apt-daily.timer apt-daily-upgrade.timer e2scrub_all.timer fstrim.timer 2>/dev/null || true
