@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import re
+
 from botocore.exceptions import (
     BotoCoreError,
     ClientError,
@@ -12,6 +15,7 @@ from botocore.exceptions import (
     TokenRetrievalError,
     UnauthorizedSSOTokenError,
 )
+from botocore.parsers import ResponseParserError
 
 CREDENTIALS_FIX = (
     "configure credentials for the account (aws configure, aws sso login, or AWS_PROFILE / AWS_ACCESS_KEY_ID), "
@@ -62,9 +66,24 @@ def explain(e: BaseException, *, region: str) -> str | None:
             )
         if code in THROTTLED:
             return f"AWS throttled {_action(e)} after every retry ({code}). Fix: wait a minute and run again, or raise AWS_MAX_ATTEMPTS."
+        status = int(e.response.get("ResponseMetadata", {}).get("HTTPStatusCode") or 0)
+        if status >= 500 or code in {"InternalError", "InternalFailure", "ServiceUnavailable", "500", "502", "503", "504"}:
+            # A failing service (or a local endpoint's HTML error page): its status, never its body.
+            endpoint = os.environ.get("AWS_ENDPOINT_URL")
+            where = f"the endpoint {endpoint}" if endpoint else f"AWS in {region}"
+            fix = f"check the service at {endpoint} (AWS_ENDPOINT_URL)" if endpoint else "wait a few minutes and run again (AWS Health shows outages)"
+            return f"{where} answered HTTP {status or code} to {_action(e)} after every retry. Fix: {fix}."
         if code in {"OptInRequired", "InvalidRegion", "UnrecognizedRegion"}:
             return f"region {region} is not enabled for this account ({code}). Fix: enable it, or set region in the config."
         return f"{_action(e)} failed: {code}: {message[:200]}"
+    if isinstance(e, ResponseParserError):
+        # An answer that is no AWS response: an HTML error page of a proxy or a local endpoint.
+        endpoint = os.environ.get("AWS_ENDPOINT_URL")
+        title = re.search(r"<title>([^<]{1,80})</title>", str(e))
+        what = f"a page that is not an AWS response ({title.group(1) if title else 'unparsable'})"
+        where = f"the endpoint {endpoint}" if endpoint else f"AWS in {region} (or a proxy on the way)"
+        fix = f"check the service at {endpoint} (AWS_ENDPOINT_URL): its log names the failed call" if endpoint else "check HTTPS_PROXY, then run again"
+        return f"{where} answered {what}. Fix: {fix}."
     if isinstance(e, BotoCoreError):
         return f"AWS client error: {e}"
     return None

@@ -54,13 +54,19 @@ def run(
     while True:
         sleep(poll_s)
         waited += poll_s
-        _, out = run_command(ssm, iid, [f"systemctl show -p ActiveState,Result --value {UNIT}"], sleep=sleep)
-        state, result = [*out.split(), "unknown", "unknown"][:2]
-        on_poll(state, waited)
+        # Its state and result, then its last log line (the benchmark's own progress).
+        _, out = run_command(ssm, iid, [f"systemctl show -p ActiveState,Result --value {UNIT}; "
+                                        f"journalctl -u {UNIT} -n 1 -o cat --no-pager 2>/dev/null | tail -c 200"], sleep=sleep)  # fmt: skip
+        lines = out.splitlines()
+        state, result = [*lines[:2], "unknown", "unknown"][:2]
+        last = lines[2].strip() if len(lines) > 2 else ""
+        on_poll(f"{state}" + (f" · {last}" if last and state not in {"inactive", "failed"} else ""), waited)
         if state in {"inactive", "failed"}:
             break
         if waited >= timeout_s:
-            raise BenchError(f"{target}: {UNIT} still {state} after {timeout_s:.0f}s")
+            run_command(ssm, iid, [f"systemctl stop --no-block {UNIT}"], sleep=sleep)
+            raise BenchError(f"{target}: {UNIT} still {state} after {timeout_s:.0f}s (--timeout): stopped it. "
+                             "Fix: a longer --timeout, or check the servers first: gptoss status")  # fmt: skip
     if state == "failed" or result != "success":
         raise BenchError(f"{target}: {UNIT} ended with {result}; see journalctl -u {UNIT} on the node")
     path = f"{cfg.results_dir}/{cfg.serving.bench.result_file}"

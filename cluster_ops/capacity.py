@@ -185,7 +185,9 @@ def block_clock(cfg: ClusterConfig, ec2: Any, reservation_ids: list[str], *, now
 
 
 # The one-line answer when CloudFormation could not place a node (see explain_launch_failure).
-CAPACITY_CODES = ("InsufficientInstanceCapacity", "InsufficientCapacity", "ReservationCapacityExceeded", "InsufficientReservedInstanceCapacity")
+# EC2's error codes, and the words an Auto Scaling group's failed launch says them in.
+CAPACITY_CODES = ("InsufficientInstanceCapacity", "InsufficientCapacity", "ReservationCapacityExceeded", "InsufficientReservedInstanceCapacity",
+                  "do not have sufficient", "insufficient capacity", "Insufficient capacity")  # fmt: skip
 
 
 def explain_launch_failure(cfg: ClusterConfig, events: list[dict[str, Any]]) -> str | None:

@@ -62,13 +62,13 @@ def deployed() -> dict[str, dict[str, Any]]:
         return {}
 
 
-def _record(cfg: ClusterConfig, context: list[str], *, remove: bool = False) -> None:
+def _record(cfg: ClusterConfig, context: list[str], *, remove: bool = False, image: str | None = None) -> None:
     path = _state() / DEPLOYED
     doc = deployed()
     if remove:
         doc.pop(cfg.stack_name, None)
     else:
-        doc[cfg.stack_name] = {"context": context, "region": cfg.region, "cluster": cfg.cluster_name}
+        doc[cfg.stack_name] = {"context": context, "region": cfg.region, "cluster": cfg.cluster_name} | ({"image": image} if image else {})
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(doc, indent=2, sort_keys=True) + "\n")
 
@@ -142,8 +142,13 @@ def _session(cfg: ClusterConfig) -> Any:
     return boto3.Session(region_name=cfg.region)
 
 
-def _console(args: argparse.Namespace, default: int = 160) -> Console:
-    return Console(width=getattr(args, "width", None) or max(Console().width, default))
+def _console(args: argparse.Namespace) -> Console:
+    """Tables fit 80 columns (or a narrower terminal); --wide uses the terminal's width (at least
+    160); --width N exactly N."""
+    if getattr(args, "width", None):
+        return Console(width=args.width)
+    terminal = Console().width
+    return Console(width=max(terminal, 160) if getattr(args, "wide", False) else min(terminal, 80))
 
 
 # ---- plan ---------------------------------------------------------------------------------
@@ -249,7 +254,7 @@ def summary(cfg: ClusterConfig, renders: list[NodeRender]) -> str:
         n = rs[0].node
         reps = f"{len(n.replicas)} each" if len(rs) > 1 and n.replicas else str(len(n.replicas))
         lines.append(
-            f"  {_span([r.node.name for r in rs]):<20} {role:<8} {reps:>8} {f'{n.used_cores}/{n.cores}':>7}  {_feeds(rs, cfg.proxy_kind == 'vllm-router'):<16} {len(rs[0].services):>7}"
+            f"  {_span([r.node.name for r in rs]):<20} {role:<8} {reps:>8} {f'{n.used_cores}/{n.cores}':>7}  {_feeds(rs, cfg.proxy_kind == 'vllm-router'):<16} {len(rs[0].servers):>7}"
         )
     lines.append("")
     billable = [f"{i.count:g} x {i.name}" if i.unit == "hour" else f"{i.name} x {len(layout.nodes)}" for i in cost.items(cfg)]
@@ -304,6 +309,38 @@ def plan_document(cfg: ClusterConfig, renders: list[NodeRender]) -> dict[str, An
     }
 
 
+def _command_lines(argv: list[str], width: int) -> list[str]:
+    """A command as a shell would take it, one option (with its value) per line, continued with \\."""
+    parts: list[list[str]] = []
+    for a in argv:
+        if a.startswith("-") or not parts:
+            parts.append([a])
+        else:
+            parts[-1].append(a)
+    lines = [shlex.join(p) for p in parts]
+    return [(line + " \\") if i < len(lines) - 1 else line for i, line in enumerate(lines)]
+
+
+def _detail_lists(renders: list[NodeRender], width: int) -> None:
+    """Every unit's environment and command line, as text that fits `width` columns (a long JSON
+    value breaks at its spaces, which JSON ignores)."""
+    import textwrap
+
+    for r in renders:
+        print(f"{r.node.name} ({r.node.role}, {r.instance_type})")
+        for s in r.services:
+            print(f"  {s.unit}" + (f" ({s.step} leg)" if s.step else ""))
+            if s.environment:
+                print("    environment:")
+                for k, v in s.environment.items():
+                    print(textwrap.fill(f"{k}={v}", width, initial_indent="      ", subsequent_indent="        ", break_on_hyphens=False))
+            print("    command:")
+            for i, line in enumerate(_command_lines(s.argv, width)):
+                print(textwrap.fill(line, width, initial_indent="      " if i == 0 else "        ", subsequent_indent="          ",
+                                    break_on_hyphens=False, break_long_words=False))  # fmt: skip
+        print()
+
+
 def _detail_tables(console: Console, renders: list[NodeRender]) -> None:
     for r in renders:
         t = Table(title=f"{r.node.name} ({r.node.role}, {r.instance_type})", show_lines=True, expand=True)
@@ -337,11 +374,15 @@ def cmd_plan(args: argparse.Namespace) -> int:
         print(json.dumps(doc, indent=2))
         return 0
     if args.details or args.node:
-        _detail_tables(_console(args), renders_shown)
+        console = _console(args)
+        if args.wide or args.width:
+            _detail_tables(console, renders_shown)
+        else:
+            _detail_lists(renders_shown, console.width)
     else:
         print(summary(cfg, renders))
     if args.cost:
-        _print_cost(cfg)
+        _print_cost(cfg, _console(args))
     if args.diagram:
         from clusterspec.diagram import draw
 
@@ -357,7 +398,7 @@ def _cost_rows(cfg: ClusterConfig) -> list[dict[str, Any]]:
             for i in cost.priced(cfg, pricing)]  # fmt: skip
 
 
-def _print_cost(cfg: ClusterConfig) -> None:
+def _print_cost(cfg: ClusterConfig, console: Console) -> None:
     from cluster_ops import cost
 
     rows = _cost_rows(cfg)
@@ -372,7 +413,7 @@ def _print_cost(cfg: ClusterConfig) -> None:
     t.caption = (f"total ${sum(known):,.2f} per hour, ${sum(known) * 24:,.0f} per day"
                  + (f" without {', '.join(missing)} (not in the Price List here)" if missing else "")
                  + "; also by use: " + "; ".join(cost.usage_priced(cfg)))  # fmt: skip
-    Console(width=max(Console().width, 120)).print(t)
+    console.print(t)
 
 
 # ---- commands that need AWS ------------------------------------------------------------------
@@ -391,7 +432,7 @@ def cmd_recipes(args: argparse.Namespace) -> int:
         t.add_column(col, overflow="fold")
     for r in RECIPES.values():
         t.add_row(r.name + (" (default)" if r.name == DEFAULT_RECIPE else ""), r.reference, r.deploys, r.stack_name)
-    _console(args, 120).print(t)
+    _console(args).print(t)
     return 0
 
 
@@ -411,7 +452,7 @@ def cmd_preflight(args: argparse.Namespace) -> int:
     if not cfg.ami_id:
         print(f"note: the image resolves from {cfg.ami_ssm_parameter} at every deploy; pin it: gptoss pin-ami", file=sys.stderr)
     if args.cost:
-        _print_cost(cfg)
+        _print_cost(cfg, _console(args))
     return 0 if all(c.ok for c in checks) else 1
 
 
@@ -419,7 +460,13 @@ def _status_table(cfg: ClusterConfig, status: Any) -> Table:
     t = Table(title=f"{cfg.stack_name}: cluster status")
     for col in ("node", "unit", "state", "health"):
         t.add_column(col)
+    silent = getattr(status, "no_report", {})
+    for node, why in silent.items():
+        count = sum(u.node == node for u in status.units)
+        t.add_row(node, f"all {count} units", "[red]no report[/]", why)
     for u in status.units:
+        if u.node in silent:
+            continue
         health = "-" if not u.needs_health else ("[green]ok[/]" if u.healthy else "[red]no answer[/]")
         state = f"[green]{u.state}[/]" if u.state == "active" else f"[yellow]{u.state}[/]"
         t.add_row(u.node, u.unit, state, health)
@@ -444,14 +491,15 @@ def _identity_table(cfg: ClusterConfig, status: Any) -> Table:
     return t
 
 
-def _no_instances_hint(cfg: ClusterConfig, status: Any) -> None:
-    """When nothing of this cluster runs, say which stacks this checkout did deploy."""
+def _no_instances_hint(cfg: ClusterConfig, status: Any) -> bool:
+    """When nothing of this cluster runs, say so and which stacks this checkout did deploy."""
     if status.units or status.pending_nodes:
-        return
+        return False
     others = {k: v for k, v in deployed().items() if k != cfg.stack_name}
     hint = "; ".join(f"{k} (gptoss status --stack {k})" for k in sorted(others))
     print(f"no instance tagged gptoss:cluster={cfg.cluster_name} runs in {cfg.region}"
           + (f". Deployed from this checkout: {hint}" if hint else ""), file=sys.stderr)  # fmt: skip
+    return True
 
 
 def cmd_status(args: argparse.Namespace) -> int:
@@ -463,16 +511,20 @@ def cmd_status(args: argparse.Namespace) -> int:
     cfg = load(args)
     _announce(cfg)
     session = _session(cfg)
-    console = Console()
+    console = _console(args)
     with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total} nodes"),
-                  console=console, transient=True) as progress:  # fmt: skip
+                  console=console, transient=True, disable=not console.is_terminal) as progress:  # fmt: skip
         task = progress.add_task("asking every node (SSM Run Command)", total=len(cfg.layout.nodes))
         status = collect(cfg, session.client("ec2"), session.client("ssm"), autoscaling=session.client("autoscaling"),
                          logs=session.client("logs") if cfg.observability.enabled else None,
                          on_node=lambda node, st: progress.update(task, advance=1, description=f"{node}: {st}"))  # fmt: skip
     console.print(_identity_table(cfg, status))
     console.print(_status_table(cfg, status))
-    _no_instances_hint(cfg, status)
+    if not _no_instances_hint(cfg, status):
+        from cluster_ops.status import summary
+
+        for line in summary(status, os.environ.get("AWS_ENDPOINT_URL")):
+            console.print(line, highlight=False, soft_wrap=True)
     return 0 if status.ready else 1
 
 
@@ -485,16 +537,18 @@ def cmd_wait_ready(args: argparse.Namespace) -> int:
     cfg = load(args)
     _announce(cfg)
     session = _session(cfg)
-    console = Console()
-    with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total} units ready"),
-                  TimeElapsedColumn(), console=console) as progress:  # fmt: skip
-        task = progress.add_task("waiting for the cluster", total=None)
+    _account(cfg)  # no credentials: one line before anything is shown
+    console = _console(args)
+    with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.fields[count]}"),
+                  TimeElapsedColumn(), console=console, disable=not console.is_terminal) as progress:  # fmt: skip
+        task = progress.add_task("waiting for the cluster: asking every node", total=None, count="")
 
         def on_poll(status: Any, elapsed: float) -> None:
             ready = sum(u.ready for u in status.units)
-            waiting = list(status.failing)[:3]
-            progress.update(task, total=len(status.units) + len(status.missing_nodes) + len(status.pending_nodes), completed=ready,
-                            description="waiting: " + ("; ".join(waiting) if waiting else "all ready"))  # fmt: skip
+            total = len(status.units) + len(status.missing_nodes) + len(status.pending_nodes)
+            waiting = list(status.failing)[:2]
+            progress.update(task, total=total, completed=ready, count=f"{ready}/{total} units ready",
+                            description=("waiting: " + "; ".join(waiting) if waiting else "all ready")[:60])  # fmt: skip
 
         status = wait_ready(cfg, session.client("ec2"), session.client("ssm"), timeout_s=args.timeout, interval_s=args.interval,
                             on_poll=on_poll)  # fmt: skip
@@ -515,12 +569,15 @@ def cmd_bench(args: argparse.Namespace) -> int:
     cfg = load(args)
     _announce(cfg)
     session = _session(cfg)
-    console = Console()
-    with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), console=console) as progress:
+    _account(cfg)  # no credentials: one line before anything is shown
+    console = _console(args)
+    with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), console=console, transient=True,
+                  disable=not console.is_terminal) as progress:
         task = progress.add_task("gptoss-bench.service: starting", total=None)
         try:
             metrics = bench.run(cfg, session.client("ec2"), session.client("ssm"), node=args.node, poll_s=args.interval,
-                                on_poll=lambda state, t: progress.update(task, description=f"gptoss-bench.service: {state}"))  # fmt: skip
+                                timeout_s=args.timeout,
+                                on_poll=lambda state, t: progress.update(task, description=f"gptoss-bench.service: {state}"[:100]))  # fmt: skip
         except bench.BenchError as e:
             raise CliError(f"bench failed: {e}", 1) from None
     t = Table(title=f"{cfg.serving.bench.result_file} (measured leg, {cfg.serving.bench.measured_prompts} prompts)")
@@ -595,23 +652,72 @@ def _cdk(verb: str, cfg: ClusterConfig, context: list[str], extra: list[str]) ->
     return subprocess.run(cmd, cwd=_checkout(), env=env).returncode
 
 
+def _operation_events(cfn: Any, stack: str) -> list[dict[str, Any]]:
+    """Every event of a stack's latest operation (all pages), newest first, up to its 'User Initiated' start."""
+    out = []
+    for page in cfn.get_paginator("describe_stack_events").paginate(StackName=stack):
+        for e in page["StackEvents"]:
+            out.append(e)
+            if e.get("ResourceType") == "AWS::CloudFormation::Stack" and e.get("PhysicalResourceId") == e.get("StackId") \
+                    and e.get("ResourceStatusReason") == "User Initiated":  # fmt: skip
+                return out
+    return out
+
+
 def _failure_line(cfg: ClusterConfig) -> str | None:
-    """Why the stack's last operation failed, from its events (capacity first), or None."""
+    """Why the stack's last operation failed, from its events and its cells' (capacity first), or None."""
     from cluster_ops.capacity import explain_launch_failure
 
     try:
         cfn = _session(cfg).client("cloudformation")
-        events = cfn.describe_stack_events(StackName=cfg.stack_name)["StackEvents"]
+        events = _operation_events(cfn, cfg.stack_name)
+        # A cell (nested stack) that failed says only "Embedded stack ... was not successfully created":
+        # its own events hold the reason (a node's gate, a group that could not launch).
+        for e in list(events):
+            if e.get("ResourceType") == "AWS::CloudFormation::Stack" and e.get("ResourceStatus", "").endswith("FAILED") \
+                    and e.get("PhysicalResourceId") not in ("", e.get("StackId")):  # fmt: skip
+                events = _operation_events(cfn, e["PhysicalResourceId"]) + events
     except Exception:  # the deploy's own error stands; this is a best effort
         return None
     line = explain_launch_failure(cfg, events)
     if line:
         return line
-    failed = [e for e in events if e.get("ResourceStatus", "").endswith("FAILED") and "cancelled" not in (e.get("ResourceStatusReason") or "")]
+    generic = ("cancelled", "Embedded stack", "The following resource(s) failed")
+    failed = [e for e in events if e.get("ResourceStatus", "").endswith("FAILED") and not any(g in (e.get("ResourceStatusReason") or "") for g in generic)]
     if failed:
-        e = failed[-1]
+        e = failed[-1]  # the earliest: what failed first
         return f"{e['LogicalResourceId']}: {e['ResourceStatus']}: {(e.get('ResourceStatusReason') or '').strip()[:300]}"
     return None
+
+
+def _account(cfg: ClusterConfig) -> str:
+    """The account the credentials act in, asked before anything is synthesized (no credentials: one line, exit 2)."""
+    return str(_session(cfg).client("sts").get_caller_identity()["Account"])
+
+
+def _resolve_image(cfg: ClusterConfig, args: argparse.Namespace, verb: str) -> list[str]:
+    """For a stack whose image is not pinned: the image the DLAMI parameter names now, passed to the
+    synth as ami_id, so the deploy gate of every node sees a new image as the change it is (a
+    parameter CloudFormation resolves would replace the instances behind the gate's back). A new
+    image since this checkout's last deploy replaces every instance: it is said, and a deploy asks."""
+    from cluster_ops import ami
+
+    if cfg.ami_id:
+        return []
+    session = _session(cfg)
+    image = ami.resolve(cfg, session.client("ssm"), session.client("ec2"))
+    print(f"image {image['ami_id']} ({image['name'] or 'no name'}, created {image['created'] or '?'}) from {cfg.ami_ssm_parameter}, "
+          "for this deploy; pin it to keep it: gptoss pin-ami", file=sys.stderr)  # fmt: skip
+    before = deployed().get(cfg.stack_name, {}).get("image")
+    if verb == "deploy" and before and before != image["ami_id"] and not args.yes:
+        what = f"{before} was deployed before: the new image replaces every instance of {cfg.stack_name} (instance store and compiled graphs with them)"
+        if not sys.stdin.isatty():
+            raise CliError(f"refusing to move to a new image without confirmation: {what}. Nothing was deployed. "
+                           "Fix: gptoss pin-ami to keep the image you have, or pass --yes to move.", 1)  # fmt: skip
+        answer = input(f"{what}. Type the new image id to deploy it: ").strip()
+        if answer != image["ami_id"]:
+            raise CliError(f"not confirmed ({answer!r} is not {image['ami_id']}): nothing was deployed.", 1)
+    return [f"ami_id={image['ami_id']}", "ami_ssm_parameter=null"]
 
 
 def cmd_deploy(args: argparse.Namespace, extra: list[str]) -> int:
@@ -620,10 +726,10 @@ def cmd_deploy(args: argparse.Namespace, extra: list[str]) -> int:
 
     cfg = load(args)
     _announce(cfg)
+    account = _account(cfg)
+    print(f"account {account}", file=sys.stderr)
     billable = ", ".join(f"{i.count:g} x {i.name}" if i.unit == "hour" else i.name for i in cost.items(cfg))
     print(f"billed by the hour once deployed: {billable} (prices: gptoss plan --cost)", file=sys.stderr)
-    if not cfg.ami_id:
-        print(f"warning: unpinned image ({cfg.ami_ssm_parameter}); pin it before a production deploy: gptoss pin-ami", file=sys.stderr)
     growth = fleet_growth(cfg)
     if growth and not args.yes:
         nodes = len(cfg.layout.nodes)
@@ -636,13 +742,24 @@ def cmd_deploy(args: argparse.Namespace, extra: list[str]) -> int:
         if answer != str(nodes):
             raise CliError(f"not confirmed ({answer!r} is not {nodes}): nothing was deployed.", 1)
     context = _context_args(args)
-    _record(cfg, context)
-    code = _cdk("deploy", cfg, context, extra)
+    image = _resolve_image(cfg, args, "deploy")
+    code = _cdk("deploy", cfg, context + image, extra)
+    # Recorded once the stack exists: a deploy refused before anything was made leaves no record.
+    if code == 0 or _stack_exists(cfg):
+        _record(cfg, context, image=image[0].split("=", 1)[1] if image else cfg.ami_id)
     if code != 0:
         line = _failure_line(cfg)
         if line:
             print(f"deploy failed: {line}", file=sys.stderr)
     return code
+
+
+def _stack_exists(cfg: ClusterConfig) -> bool:
+    try:
+        stacks = _session(cfg).client("cloudformation").describe_stacks(StackName=cfg.stack_name)["Stacks"]
+    except Exception:  # does not exist, or cannot be asked: nothing to record either way
+        return False
+    return any(s["StackStatus"] != "DELETE_COMPLETE" for s in stacks)
 
 
 def _what_goes(cfg: ClusterConfig) -> str:
@@ -677,6 +794,7 @@ def cmd_destroy(args: argparse.Namespace, extra: list[str]) -> int:
                        f"deployed from this checkout: {recorded}). Nothing was deleted.")  # fmt: skip
     cfg = load(args)
     _announce(cfg)
+    print(f"account {_account(cfg)}", file=sys.stderr)
     goes = _what_goes(cfg)
     print(f"destroy {cfg.stack_name} in {cfg.region} deletes: {goes}", file=sys.stderr)
     if not args.yes:
@@ -722,10 +840,11 @@ def _empty_cache_bucket(cfg: ClusterConfig) -> None:
 
 
 def cmd_diff(args: argparse.Namespace, extra: list[str]) -> int:
-    """`cdk diff` of the named stack."""
+    """`cdk diff` of the named stack (with the image a deploy would resolve now)."""
     cfg = load(args)
     _announce(cfg)
-    return _cdk("diff", cfg, _context_args(args), extra)
+    print(f"account {_account(cfg)}", file=sys.stderr)
+    return _cdk("diff", cfg, _context_args(args) + _resolve_image(cfg, args, "diff"), extra)
 
 
 # ---- the parser ---------------------------------------------------------------------------
@@ -738,12 +857,16 @@ def build_parser() -> argparse.ArgumentParser:
 
     def common(sp: argparse.ArgumentParser) -> None:
         sp.add_argument("-c", "--context", action="append", metavar="KEY=VALUE", help="the same keys as `cdk -c`")
-        sp.add_argument("--config", help="YAML or JSON config file (as `cdk -c config=FILE`)")
-        sp.add_argument("--stack", help="a stack deployed from this checkout (its recorded parameters), or a recipe's stack")
-        sp.add_argument("--decode-instances", type=int, help="decode instances (default 1: the tested 6P1D)")
-        sp.add_argument("--prefill-per-decode", type=int, help="prefill replicas per decode server (default 6)")
-        sp.add_argument("--replicas-per-prefill-instance", type=int, help="default: fill each prefill instance")
-        sp.add_argument("--instance-type", help="default trn3.48xlarge")
+        sp.add_argument("--config", metavar="FILE", help="YAML or JSON config file (as `cdk -c config=FILE`)")
+        sp.add_argument("--stack", metavar="NAME", help="a stack deployed from this checkout (its recorded parameters), or a recipe's stack")
+        sp.add_argument("--decode-instances", type=int, metavar="N", help="decode instances (default 1: the tested 6P1D)")
+        sp.add_argument("--prefill-per-decode", type=int, metavar="N", help="prefill replicas per decode server (default 6)")
+        sp.add_argument("--replicas-per-prefill-instance", type=int, metavar="N", help="default: fill each prefill instance")
+        sp.add_argument("--instance-type", metavar="TYPE", help="default trn3.48xlarge")
+
+    def width(sp: argparse.ArgumentParser) -> None:
+        sp.add_argument("--wide", action="store_true", help="tables as wide as the terminal (at least 160 columns); default 80")
+        sp.add_argument("--width", type=int, default=None, metavar="N", help="tables exactly N columns wide")
 
     plan = sub.add_parser("plan", help="what runs where (80-column summary; --details for every unit)")
     common(plan)
@@ -752,18 +875,18 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--json", action="store_true", help="machine-readable plan (everything the tables show)")
     plan.add_argument("--cost", action="store_true", help="prices per hour from the AWS Price List API (needs credentials)")
     plan.add_argument("--diagram", metavar="FILE", help="also draw the layout (PNG or SVG by extension)")
-    plan.add_argument("--width", type=int, default=None, help="console width of the detail tables")
+    width(plan)
     plan.set_defaults(func=cmd_plan)
 
     rec = sub.add_parser("recipes", help="list the documented deployments (-c recipe=NAME)")
-    rec.add_argument("--json", action="store_true")
-    rec.add_argument("--width", type=int, default=None)
+    rec.add_argument("--json", action="store_true", help="machine-readable list")
+    width(rec)
     rec.set_defaults(func=cmd_recipes)
 
     pre = sub.add_parser("preflight", help="check the account: type offered, hardware, DLAMI, quota, capacity")
     common(pre)
     pre.add_argument("--cost", action="store_true", help="also the prices per hour (AWS Price List API)")
-    pre.add_argument("--width", type=int, default=None)
+    width(pre)
     pre.set_defaults(func=cmd_preflight)
 
     pin = sub.add_parser("pin-ami", help="resolve the DLAMI parameter once and record the image (cdk.context.json)")
@@ -773,7 +896,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     dep = sub.add_parser("deploy", help="cdk deploy of the named stack (extra arguments go to cdk)")
     common(dep)
-    dep.add_argument("--yes", action="store_true", help="deploy a fleet 4x or more the expected size without asking")
+    dep.add_argument("--yes", action="store_true", help="deploy without asking: a fleet 4x or more the expected size, or a new image")
     dep.set_defaults(func=cmd_deploy, passthrough=True)
 
     des = sub.add_parser("destroy", help="cdk destroy of the named stack, after confirmation")
@@ -787,25 +910,49 @@ def build_parser() -> argparse.ArgumentParser:
 
     st = sub.add_parser("status", help="every unit's state and health on every node (SSM)")
     common(st)
+    width(st)
     st.set_defaults(func=cmd_status)
 
     wr = sub.add_parser("wait-ready", help="wait until every server answers its health route")
     common(wr)
+    width(wr)
     wr.add_argument("--timeout", type=float, default=6 * 3600, help="seconds (first compiles take hours)")
     wr.add_argument("--interval", type=float, default=60, help="seconds between polls")
     wr.set_defaults(func=cmd_wait_ready)
 
     be = sub.add_parser("bench", help="run the benchmark on a proxy node and print its metrics")
     common(be)
+    width(be)
     be.add_argument("--node", help="proxy node to run it on (default: the first)")
     be.add_argument("--interval", type=float, default=60, help="seconds between polls")
+    be.add_argument("--timeout", type=float, default=6 * 3600,
+                    help="seconds before the benchmark is stopped and the command fails (default 6 h)")  # fmt: skip
     be.set_defaults(func=cmd_bench)
 
     sc = sub.add_parser("save-cache", help="upload the compile caches of chosen nodes and promote them to the fleet's cache (after the first compile)")
     common(sc)
     sc.add_argument("--node", action="append", help="promote this node's upload (repeatable; default: the first prefill and decode node)")
     sc.set_defaults(func=cmd_save_cache)
+
+    lo = sub.add_parser("local", help="the whole lifecycle on this machine against moto on localhost (no AWS account): up, down, env",
+                        description="up: start moto on localhost:5005 (GPTOSS_LOCAL_PORT; or use GPTOSS_LOCAL_ENDPOINT), seed it, "
+                                    "bootstrap the CDK, deploy examples/local.yaml and show its status. down: destroy it, remove "
+                                    "everything up made, list what is left, stop the server. env: the exports that point this "
+                                    "shell's AWS clients at it.")  # fmt: skip
+    lo.add_argument("action", choices=["up", "down", "env"], help="up, down or env")
+    lo.set_defaults(func=cmd_local)
+    # Each subcommand's --help starts with what it does (the line the command list shows).
+    for sp in sub.choices.values():
+        sp.description = sp.description or next(a.help for a in sub._choices_actions if a.dest == sp.prog.split()[-1])
     return p
+
+
+def cmd_local(args: argparse.Namespace) -> int:
+    """`gptoss local up|down|env` (cluster_ops/local.py)."""
+    from cluster_ops import local
+
+    gptoss = str(Path(sys.executable).parent / "gptoss")
+    return {"up": lambda: local.up(gptoss), "down": lambda: local.down(gptoss), "env": local.env}[args.action]()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -814,7 +961,8 @@ def main(argv: list[str] | None = None) -> int:
 
     # Throttled calls are retried with client-side rate limiting before an error reaches anyone.
     os.environ.setdefault("AWS_RETRY_MODE", "adaptive")
-    os.environ.setdefault("AWS_MAX_ATTEMPTS", "8")
+    # A local endpoint (AWS_ENDPOINT_URL) does not throttle: a failing one is said after 3 attempts, not a minute of them.
+    os.environ.setdefault("AWS_MAX_ATTEMPTS", "3" if os.environ.get("AWS_ENDPOINT_URL") else "8")
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
     if extra and not getattr(args, "passthrough", False):

@@ -71,6 +71,7 @@ class ClusterStatus:
     pending_nodes: dict[str, str] = field(default_factory=dict)  # node -> EC2's reason
     notes: list[str] = field(default_factory=list)  # e.g. how long a Capacity Block has left
     identities: list[Identity] = field(default_factory=list)
+    no_report: dict[str, str] = field(default_factory=dict)  # node -> why it reported no unit (SSM's status, or no output)
 
     @property
     def ready(self) -> bool:
@@ -172,6 +173,10 @@ def collect(
                 reported = {u["unit"]: u for u in json.loads(out)["units"]}
             except (ValueError, KeyError):
                 reported = {}
+        if result != "Success":
+            status.no_report[name] = f"SSM Run Command {result}"
+        elif not reported:
+            status.no_report[name] = "it ran gptoss-status and printed " + (f"no status ({out.strip()[:60]!r})" if out.strip() else "nothing")
         for unit, needs_health in expected[name].items():
             r = reported.get(unit)
             if r is None:
@@ -207,3 +212,44 @@ def wait_ready(
         if status.ready or elapsed >= timeout_s:
             return status
         sleep(min(interval_s, max(0.0, timeout_s - elapsed)))
+
+
+def summary(status: ClusterStatus, endpoint: str | None = None) -> list[str]:
+    """The last lines of `gptoss status`: how much is ready, and the likeliest cause of what is not."""
+    nodes = {u.node for u in status.units} | set(status.missing_nodes) | set(status.pending_nodes)
+    ready_nodes = {n for n in nodes if n not in status.missing_nodes and n not in status.pending_nodes} - {u.node for u in status.units if not u.ready}
+    ready = sum(u.ready for u in status.units)
+    head = f"{'ready' if status.ready else 'not ready'}: {ready}/{len(status.units)} units ready, {len(ready_nodes)}/{len(nodes)} nodes serving"
+    if status.ready:
+        return [head]
+    return [head, f"likely cause: {likely_cause(status, endpoint)}"]
+
+
+def likely_cause(status: ClusterStatus, endpoint: str | None = None) -> str:
+    """The first thing to look at, in the order a node comes up: its instance, SSM, its scripts, its units."""
+    if status.missing_nodes:
+        names = ", ".join(status.missing_nodes)
+        return (f"{names}: no running instance. Its group launches a replacement, or cannot: the nodes table shows its latest "
+                "failed launch (capacity, quota); gptoss preflight checks both")  # fmt: skip
+    if status.pending_nodes:
+        return f"{', '.join(status.pending_nodes)}: the instance is still starting; run status again in a minute"
+    silent = {n: why for n, why in status.no_report.items() if "printed" in why}
+    if silent:
+        names = ", ".join(silent)
+        if endpoint:
+            return (f"{names}: Run Command succeeded with no output. {endpoint} (AWS_ENDPOINT_URL) runs no command on an "
+                    "instance (moto answers every one with empty output): expected locally; on AWS this status comes from booted nodes")  # fmt: skip
+        return (f"{names}: the node answered but printed no status: its scripts are not installed yet (gptoss-scripts fetches "
+                "them at boot) or failed to install; the deploy gate's FAILURE reason in the stack events names why")  # fmt: skip
+    if status.no_report:
+        names = ", ".join(status.no_report)
+        return (f"{names}: the SSM agent did not answer ({next(iter(status.no_report.values()))}): the instance is still booting, "
+                "or cannot reach SSM (with egress none: the ssm, ssmmessages and ec2messages endpoints)")  # fmt: skip
+    failed = [u for u in status.units if not u.ready and u.state in ("failed", "inactive")]
+    if failed:
+        u = failed[0]
+        return f"{u.node}: {u.unit} {u.problem}" + (f" - last log: {u.last_log}" if u.last_log else "")
+    waiting = [u for u in status.units if not u.ready]
+    u = waiting[0]
+    return (f"{u.node}: {u.unit}: {u.problem}" + (f" - last log: {u.last_log}" if u.last_log else "")
+            + "; servers that compile take long at first boot (gptoss wait-ready waits, up to 6 h)")  # fmt: skip

@@ -51,8 +51,10 @@ class GptOssClusterStack(Stack):
             # new DLAMI, a one-flag redeploy replaces every instance (instance store, compiles).
             Annotations.of(self).add_warning_v2(
                 "gptoss:unpinned-ami",
-                f"the image resolves from {config.ami_ssm_parameter} at every deploy; a redeploy after a new DLAMI "
-                "replaces every instance. Pin it: gptoss pin-ami (records it in cdk.context.json).",
+                f"the image resolves from {config.ami_ssm_parameter} at every deploy: after a new DLAMI a `cdk deploy` of "
+                "this template replaces every instance, and the deploy gate cannot wait for them (it sees only what "
+                "the synth knew). Deploy with gptoss deploy (it resolves the image first, asks, and gates it), or "
+                "pin it: gptoss pin-ami (records it in cdk.context.json).",
             )
         image_id = config.ami_id or CfnParameter(
             self,

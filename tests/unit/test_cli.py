@@ -42,6 +42,15 @@ def checkout(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     return tmp_path
 
 
+@pytest.fixture
+def account(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Credentials that work (the account is asked before a deploy or destroy) and an image the
+    stack pins already (no DLAMI parameter to resolve)."""
+    monkeypatch.setattr(cli, "_account", lambda cfg: "123456789012")
+    monkeypatch.setattr(cli, "_resolve_image", lambda cfg, args, verb: [])
+    monkeypatch.setattr(cli, "_stack_exists", lambda cfg: False)
+
+
 class Session:
     def __init__(self, **clients: Any) -> None:
         self.clients = clients
@@ -63,17 +72,67 @@ def failing(service: str, operation: str, code: str, message: str = "") -> Any:
 # ---- one line for every AWS error -----------------------------------------------------------
 
 
-@pytest.mark.parametrize(
-    "command", [["status"], ["wait-ready", "--timeout", "1"], ["bench"], ["preflight"], ["save-cache", "-c", "compile_cache_s3_uri=s3://gptoss-cache/n"], ["pin-ami"]]
-)
+AWS_COMMANDS = [["status"], ["wait-ready", "--timeout", "1"], ["bench"], ["preflight"], ["save-cache", "-c", "compile_cache_s3_uri=s3://gptoss-cache/n"],
+                ["pin-ami"], ["deploy"], ["diff"], ["destroy", "--yes", *PROD]]  # fmt: skip
+
+
+def _stack_line(command: list[str]) -> str:
+    return ("stack GptOss8k1kProd · region us-east-2 · cluster tag gptoss:cluster=gptoss-prod" if "config=examples/production-3p8d.yaml" in command
+            else "stack GptOss8k1kStack · region us-east-2 · cluster tag gptoss:cluster=gptoss-8k1k")  # fmt: skip
+
+
+@pytest.mark.parametrize("command", AWS_COMMANDS, ids=[c[0] for c in AWS_COMMANDS])
 def test_without_credentials_every_aws_command_says_so_in_one_line(command: list[str], tmp_path: Path) -> None:
-    r = subprocess.run([str(GPTOSS), *command], capture_output=True, text=True, env=no_credentials(tmp_path), cwd=ROOT, timeout=120)
+    env = no_credentials(tmp_path) | {"GPTOSS_STATE_DIR": str(tmp_path / "state")}
+    r = subprocess.run([str(GPTOSS), *command], capture_output=True, text=True, env=env, cwd=ROOT, timeout=120)
     lines = r.stderr.strip().splitlines()
     assert r.returncode == 2, r.stderr
-    assert lines[0] == "stack GptOss8k1kStack · region us-east-2 · cluster tag gptoss:cluster=gptoss-8k1k"
+    assert lines[0] == _stack_line(command)
     assert lines[1:] == [f"gptoss {command[0]}: no AWS credentials found. Fix: configure credentials for the account "
                          "(aws configure, aws sso login, or AWS_PROFILE / AWS_ACCESS_KEY_ID), then run the command again."]  # fmt: skip
-    assert "Traceback" not in r.stderr + r.stdout
+    assert "Traceback" not in r.stderr + r.stdout and r.stdout == "", "nothing else: no progress bar, no synth"
+    assert not (tmp_path / "state" / "deployed.json").exists(), "nothing recorded"
+
+
+@pytest.fixture(scope="module")
+def html_500() -> Iterator[str]:
+    """An endpoint that answers every request with an HTML error page and status 500 (a broken local
+    endpoint, or a proxy in front of AWS)."""
+    import http.server
+    import threading
+
+    class Broken(http.server.BaseHTTPRequestHandler):
+        def _fail(self) -> None:
+            self.rfile.read(int(self.headers.get("Content-Length") or 0))
+            body = b"<!doctype html>\n<html lang=en>\n<title>500 Internal Server Error</title>\n<h1>Internal Server Error</h1>\n"
+            self.send_response(500)
+            self.send_header("Content-Type", "text/html; charset=utf-8")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        do_GET = do_POST = do_PUT = _fail
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Broken)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_port}"
+    server.shutdown()
+
+
+@pytest.mark.parametrize("command", AWS_COMMANDS, ids=[c[0] for c in AWS_COMMANDS])
+def test_an_endpoint_answering_html_500_is_one_line_naming_it(command: list[str], html_500: str, tmp_path: Path) -> None:
+    env = no_credentials(tmp_path) | {"AWS_ENDPOINT_URL": html_500, "AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
+                                      "AWS_MAX_ATTEMPTS": "2", "GPTOSS_STATE_DIR": str(tmp_path / "state")}  # fmt: skip
+    r = subprocess.run([str(GPTOSS), *command], capture_output=True, text=True, env=env, cwd=ROOT, timeout=120)
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 2, r.stderr
+    assert lines[0] == _stack_line(command) and len(lines) == 2, lines
+    assert lines[1].startswith(f"gptoss {command[0]}: the endpoint {html_500} answered "), lines[1]
+    assert f"Fix: check the service at {html_500} (AWS_ENDPOINT_URL)" in lines[1], lines[1]
+    assert "<" not in lines[1] and "Traceback" not in r.stderr + r.stdout and r.stdout == ""
 
 
 @pytest.mark.parametrize(
@@ -105,20 +164,32 @@ def test_destroy_without_a_named_cluster_deletes_nothing(checkout: Path, capsys:
     assert "destroy deletes a cluster: name it (-c config=FILE, -c KEY=VALUE or --stack NAME" in err and "Nothing was deleted." in err
 
 
-def test_make_destroy_without_yes_and_without_a_terminal_refuses_naming_what_it_would_delete(tmp_path: Path) -> None:
+def test_make_destroy_without_credentials_stops_in_one_line_before_cdk(tmp_path: Path) -> None:
     r = subprocess.run(["make", "-s", "destroy", "CDK_ARGS=-c config=examples/production-3p8d.yaml"], cwd=ROOT, capture_output=True,
                        text=True, stdin=subprocess.DEVNULL, env=no_credentials(tmp_path), timeout=600)  # fmt: skip
     assert r.returncode != 0
+    said = [line for line in r.stderr.splitlines() if line.startswith("gptoss destroy:")]
+    assert len(said) == 1 and "no AWS credentials" in said[0] and said[0].endswith("then run the command again."), r.stderr
+    assert "Traceback" not in r.stderr and "cdk destroy" not in r.stderr
+
+
+def test_make_destroy_without_yes_and_without_a_terminal_refuses_naming_what_it_would_delete(moto_url: str) -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
+    env |= {"AWS_ENDPOINT_URL": moto_url, "AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_REGION": REGION,
+            "AWS_EC2_METADATA_DISABLED": "true"}  # fmt: skip
+    r = subprocess.run(["make", "-s", "destroy", "CDK_ARGS=-c config=examples/production-3p8d.yaml"], cwd=ROOT, capture_output=True,
+                       text=True, stdin=subprocess.DEVNULL, env=env, timeout=600)  # fmt: skip
+    assert r.returncode != 0
     assert "stack GptOss8k1kProd · region us-east-2 · cluster tag gptoss:cluster=gptoss-prod" in r.stderr
+    assert "account 123456789012" in r.stderr
     assert ("destroy GptOss8k1kProd in us-east-2 deletes: 11 x trn3.48xlarge (3 prefill, 8 decode), the internal NLB, "
-            "the VPC and its NAT gateway, the log group /gptoss/gptoss-prod; could not list the running instances "
-            "(no AWS credentials found)") in r.stderr  # fmt: skip
+            "the VPC and its NAT gateway, the log group /gptoss/gptoss-prod; running now: 0 instances tagged gptoss:cluster=gptoss-prod") in r.stderr  # fmt: skip
     assert "refusing to destroy GptOss8k1kProd without confirmation (no terminal). Fix: run it in a terminal, or pass --yes (make destroy YES=1)." in r.stderr
     assert "cdk destroy" not in r.stderr
 
 
 def test_destroy_asks_for_the_stack_name_and_runs_cdk_only_when_it_is_typed(
-    checkout: Path, monkeypatch: pytest.MonkeyPatch, capsys: Any, tmp_path: Path
+    checkout: Path, account: None, monkeypatch: pytest.MonkeyPatch, capsys: Any, tmp_path: Path
 ) -> None:
     ran: list[tuple[str, str, list[str], list[str]]] = []
     monkeypatch.setattr(cli, "_cdk", lambda verb, cfg, context, extra: ran.append((verb, cfg.stack_name, context, extra)) or 0)
@@ -146,7 +217,7 @@ def test_make_deploy_keeps_cdks_approval_prompt() -> None:
     assert ".venv/bin/gptoss deploy  --require-approval never" in ci.stdout
 
 
-def test_deploy_names_the_stack_records_it_and_later_commands_find_it(checkout: Path, monkeypatch: pytest.MonkeyPatch, capsys: Any) -> None:
+def test_deploy_names_the_stack_records_it_and_later_commands_find_it(checkout: Path, account: None, monkeypatch: pytest.MonkeyPatch, capsys: Any) -> None:
     ran: list[tuple[str, str, list[str], list[str]]] = []
     monkeypatch.setattr(cli, "_cdk", lambda verb, cfg, context, extra: ran.append((verb, cfg.stack_name, context, extra)) or 0)
     assert cli.main(["deploy", *PROD, "--require-approval", "never"]) == 0
@@ -154,7 +225,6 @@ def test_deploy_names_the_stack_records_it_and_later_commands_find_it(checkout: 
     err = capsys.readouterr().err
     assert err.splitlines()[0].startswith("stack GptOss8k1kProd")
     assert "billed by the hour once deployed: 11 x trn3.48xlarge (on-demand)" in err
-    assert "warning: unpinned image" in err
     # Later commands can name the cluster by its stack alone.
     assert cli.main(["plan", "--stack", "GptOss8k1kProd", "--json"]) == 0
     out, err = capsys.readouterr()
@@ -163,7 +233,7 @@ def test_deploy_names_the_stack_records_it_and_later_commands_find_it(checkout: 
     assert "--stack GptOssNope: no stack of that name was deployed from this checkout (recorded: GptOss8k1kProd)" in capsys.readouterr().err
 
 
-def test_a_fleet_many_times_the_expected_size_is_confirmed_before_it_bills(checkout: Path, monkeypatch: pytest.MonkeyPatch, capsys: Any) -> None:
+def test_a_fleet_many_times_the_expected_size_is_confirmed_before_it_bills(checkout: Path, account: None, monkeypatch: pytest.MonkeyPatch, capsys: Any) -> None:
     """prefill_per_decode=1000 means 64 instances: plan says so, deploy asks (or refuses without a
     terminal) and runs nothing unconfirmed; the 3 + 8 layout asked by decode_instances does not ask,
     and a later deploy of that stack is compared with what it had."""
@@ -205,9 +275,14 @@ def test_a_failed_deploy_is_explained_in_one_line(checkout: Path, monkeypatch: p
         {"StackName": "GptOss8k1kProd"})  # fmt: skip
     stub.activate()
     monkeypatch.setattr(cli, "_session", lambda cfg: Session(cloudformation=cfn))
+    monkeypatch.setattr(cli, "_account", lambda cfg: "123456789012")
+    monkeypatch.setattr(cli, "_resolve_image", lambda cfg, args, verb: [])
+    monkeypatch.setattr(cli, "_stack_exists", lambda cfg: False)
     assert cli.main(["deploy", *PROD]) == 1
     err = capsys.readouterr().err.splitlines()
     assert err[-1].startswith("deploy failed: no capacity for decode (trn3.48xlarge in us-east-2a, on-demand)")
+    assert not (checkout / ".gptoss/deployed.json").exists(), "a deploy that made no stack is not recorded"
+    stub.assert_no_pending_responses()
 
 
 @mock_aws
@@ -253,6 +328,31 @@ def test_pin_ami_records_the_image_and_the_config_uses_it(moto_aws: None, checko
     assert load_config({"ami_ssm_parameter": "/other/param", "gptoss:pinned-ami:us-east-2": pin}).ami_id is None
 
 
+def test_an_unpinned_deploy_passes_the_image_it_resolved_and_a_new_one_asks_first(
+    moto_aws: None, checkout: Path, monkeypatch: pytest.MonkeyPatch, capsys: Any
+) -> None:
+    """The deploy gate sees the image as a value of the synth: the parameter is resolved by the CLI,
+    said, passed as ami_id and recorded; a newer image replaces every instance, so it asks."""
+    ec2 = boto3.client("ec2", region_name=REGION)
+    ssm = boto3.client("ssm", region_name=REGION)
+    first, second = [i["ImageId"] for i in ec2.describe_images(Owners=["amazon"])["Images"][:2]]
+    ssm.put_parameter(Name="/test/dlami", Value=first, Type="String")
+    ran: list[list[str]] = []
+    monkeypatch.setattr(cli, "_cdk", lambda verb, cfg, context, extra: ran.append(context) or 0)
+    monkeypatch.setattr(sys, "stdin", io.StringIO(""))  # no terminal
+    args = ["deploy", "-c", "ami_ssm_parameter=/test/dlami"]
+    assert cli.main(args) == 0
+    err = capsys.readouterr().err
+    assert f"image {first} (" in err and "from /test/dlami, for this deploy; pin it to keep it: gptoss pin-ami" in err
+    assert ran[-1][-2:] == [f"ami_id={first}", "ami_ssm_parameter=null"]
+    assert cli.deployed()["GptOss8k1kStack"]["image"] == first
+    ssm.put_parameter(Name="/test/dlami", Value=second, Type="String", Overwrite=True)
+    assert cli.main(args) == 1 and len(ran) == 1
+    err = capsys.readouterr().err
+    assert f"refusing to move to a new image without confirmation: {first} was deployed before: the new image replaces every instance" in err
+    assert cli.main([*args, "--yes"]) == 0 and ran[-1][-2] == f"ami_id={second}"
+
+
 def test_an_unpinned_stack_warns_at_synth_and_a_pinned_one_does_not() -> None:
     import aws_cdk as cdk
     from aws_cdk.assertions import Annotations, Match
@@ -262,7 +362,8 @@ def test_an_unpinned_stack_warns_at_synth_and_a_pinned_one_does_not() -> None:
     app = cdk.App()
     unpinned = GptOssClusterStack(app, "A", config=load_config({}))
     pinned = GptOssClusterStack(app, "B", config=load_config({"ami_id": "ami-0123456789abcdef0", "ami_ssm_parameter": "null"}))
-    Annotations.from_stack(unpinned).has_warning("*", Match.string_like_regexp("Pin it: gptoss pin-ami"))
+    said = "cdk deploy` of this template replaces every instance.*Deploy with gptoss deploy.*pin it: gptoss pin-ami"
+    Annotations.from_stack(unpinned).has_warning("*", Match.string_like_regexp(said))
     Annotations.from_stack(pinned).has_no_warning("*", Match.string_like_regexp("pin-ami"))
 
 

@@ -466,3 +466,47 @@ def test_status_shows_each_identitys_instance_its_replacements_and_why(aws: None
     assert got["prefill-0"].last_cause.endswith("in response to a user health-check.") and got["prefill-0"].last_at == "2026-11-30 10:00 UTC"
     assert got["prefill-0"].reported.startswith("gptoss-node-check.service failed: gptoss-node-check: Neuron: 15 devices")
     assert (got["decode-0"].replaced, got["decode-0"].last_cause) == (0, no_room["StatusMessage"])
+
+
+# ---- status ends with a summary and the likeliest cause ---------------------------------------
+
+
+def test_status_summary_names_the_first_thing_to_look_at() -> None:
+    from cluster_ops.status import ClusterStatus, UnitStatus, summary
+
+    def unit(node: str, name: str, state: str = "active", healthy: bool | None = True, **kw: Any) -> UnitStatus:
+        return UnitStatus(node, name, state, healthy, healthy is not None, **kw)
+
+    ready = ClusterStatus(units=[unit("prefill-0", "gptoss-prefill@0.service"), unit("decode-0", "gptoss-decode.service")])
+    assert summary(ready) == ["ready: 2/2 units ready, 2/2 nodes serving"]
+    failed = ClusterStatus(units=[unit("prefill-0", "gptoss-prefill@0.service"),
+                                  unit("decode-0", "gptoss-node-check.service", "failed", None, last_log="Neuron: 15 devices in /dev"),
+                                  unit("decode-0", "gptoss-decode.service", "inactive", False)])  # fmt: skip
+    head, cause = summary(failed)
+    assert head == "not ready: 1/3 units ready, 1/2 nodes serving"
+    assert cause == "likely cause: decode-0: gptoss-node-check.service NOT RUNNING (failed): it should run - last log: Neuron: 15 devices in /dev"
+    gone = ClusterStatus(units=[unit("prefill-0", "gptoss-prefill@0.service")], missing_nodes=["decode-0"])
+    assert summary(gone)[1].startswith("likely cause: decode-0: no running instance. Its group launches a replacement, or cannot")
+    silent = ClusterStatus(units=[unit("prefill-0", "gptoss-stage.service", "missing", None)],
+                           no_report={"prefill-0": "it ran gptoss-status and printed nothing"})  # fmt: skip
+    assert "its scripts are not installed yet" in summary(silent)[1]
+    assert "(AWS_ENDPOINT_URL) runs no command on an instance" in summary(silent, "http://localhost:5005")[1]
+    unreachable = ClusterStatus(units=[unit("prefill-0", "gptoss-stage.service", "unreachable", None)],
+                                no_report={"prefill-0": "SSM Run Command Undeliverable"})  # fmt: skip
+    assert summary(unreachable)[1].startswith("likely cause: prefill-0: the SSM agent did not answer (SSM Run Command Undeliverable)")
+    compiling = ClusterStatus(units=[unit("prefill-0", "gptoss-prefill@0.service", "active", False, phase="compiling (42 min)")])
+    assert summary(compiling)[1] == ("likely cause: prefill-0: gptoss-prefill@0.service: compiling (42 min); servers that compile take long "
+                                     "at first boot (gptoss wait-ready waits, up to 6 h)")  # fmt: skip
+
+
+def test_bench_stops_the_benchmark_at_its_timeout_and_shows_its_progress(aws: None) -> None:
+    cfg = load_config({})
+    iid = launch(cfg)["prefill-0"]
+    # start, then two polls (still running, its last log line the benchmark's progress), then the stop.
+    ssm, stub = stub_ssm([(iid, ""), (iid, "active\n\n 40%|████      | 2/5 [00:10<00:15]\n"), (iid, "active\n\n 80%|████████  | 4/5\n"), (iid, "")])
+    seen: list[str] = []
+    with pytest.raises(bench.BenchError, match=r"gptoss-bench\.service still active after 2s \(--timeout\): stopped it"):
+        bench.run(cfg, boto3.client("ec2", region_name=REGION), ssm, poll_s=1, timeout_s=2, sleep=lambda s: None,
+                  on_poll=lambda state, t: seen.append(state))  # fmt: skip
+    assert seen == ["active · 40%|████      | 2/5 [00:10<00:15]", "active · 80%|████████  | 4/5"]
+    stub.assert_no_pending_responses()
