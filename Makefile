@@ -19,7 +19,7 @@ DEPLOY_ARGS ?=
 YES ?=
 NODE_MAJOR := 22
 
-.PHONY: setup synth plan test test-vm test-vm-router vm-root lint bootstrap deploy destroy diff bench-scale bench-synth bench-ready bench-proxy diagrams clean
+.PHONY: setup synth plan local local-down test test-vm vm-root lint bootstrap deploy destroy diff bench-scale bench-synth bench-ready bench-proxy diagrams clean
 
 setup: .make/python .make/node .make/system .make/hf-clients .make/aws-cli .make/router-wheel
 
@@ -68,7 +68,7 @@ SYSTEM_TOOLS := systemd-analyze:systemd curl:curl dot:graphviz git:git xz:xz-uti
 	@touch $@
 
 # The VM scenarios (tests/vm): QEMU, an image builder and a NoCloud seed writer from Debian.
-VM_TOOLS := qemu-system-x86_64:qemu-system-x86 qemu-img:qemu-utils mmdebstrap:mmdebstrap cloud-localds:cloud-image-utils ssh:openssh-client mkfs.ext4:e2fsprogs
+VM_TOOLS := qemu-system-x86_64:qemu-system-x86 qemu-img:qemu-utils mmdebstrap:mmdebstrap cloud-localds:cloud-image-utils ssh:openssh-client mkfs.ext4:e2fsprogs socat:socat
 .make/vm-system:
 	@mkdir -p .make
 	@missing=$$(for t in $(VM_TOOLS); do command -v $${t%%:*} >/dev/null || echo $${t#*:}; done); \
@@ -99,6 +99,15 @@ diff: setup
 destroy: setup
 	$(GPTOSS) destroy $(CDK_ARGS) $(if $(YES),--yes)
 
+# The whole lifecycle on this machine, no AWS account: moto on localhost:5005 (GPTOSS_LOCAL_PORT),
+# seeded, the CDK bootstrapped, examples/local.yaml deployed, its status shown; local-down removes
+# it all and lists what is left (cluster_ops/local.py).
+local: setup
+	$(GPTOSS) local up
+
+local-down: setup
+	$(GPTOSS) local down
+
 # Test files run in parallel (a file's fixtures stay in one worker). Three workers even on two
 # cores: tests that wait on a subprocess or a timeout would leave a core idle. The 15 slowest
 # tests are printed.
@@ -109,11 +118,6 @@ test: setup
 # Needs root (the guest image is built with mmdebstrap --mode=root; the packages come from apt).
 test-vm: vm-root setup .make/vm-system
 	$(PY) -m pytest -p no:xdist -m vm tests/vm $(PYTEST_ARGS)
-
-# The same scenarios with the 1 -> 2 redeploy serving through vLLM's router (about 36 min under TCG;
-# not in .ci/run, whose budget it would exceed).
-test-vm-router: vm-root setup .make/vm-system
-	GPTOSS_VM_ROUTER=1 $(PY) -m pytest -p no:xdist -m vm tests/vm -k 'first_boot or one_to_two or two_to_one' $(PYTEST_ARGS)
 
 lint: setup
 	$(PY) -m ruff check .
@@ -136,9 +140,12 @@ bench-proxy: setup
 bench-ready: setup .make/vm-system
 	$(PY) -m tests.vm.bench_ready $(BENCH_ARGS)
 
+# Every recipe's layout and the production 3 + 8, as self-contained SVG (the README shows two).
+RECIPES := gptoss-120b-8k1k gptoss-120b-single gptoss-20b-single gptoss-120b-di gptoss-20b-di
 diagrams: setup
-	$(GPTOSS) plan --diagram docs/layout-6p1d.png > /dev/null
-	$(GPTOSS) plan --decode-instances 8 --diagram docs/layout-3p8d.png > /dev/null
+	@mkdir -p docs/diagrams
+	@for r in $(RECIPES); do $(GPTOSS) plan -c recipe=$$r --diagram docs/diagrams/$$r.svg > /dev/null || exit 1; echo docs/diagrams/$$r.svg; done
+	@$(GPTOSS) plan -c config=examples/production-3p8d.yaml --diagram docs/diagrams/production-3p8d.svg > /dev/null && echo docs/diagrams/production-3p8d.svg
 
 clean:
 	rm -rf cdk.out .make .pytest_cache .gptoss

@@ -1,0 +1,118 @@
+"""The README's local lifecycle, run as written against moto on localhost: up, status, diff, down,
+then the account's resources listed by this test: nothing the lifecycle made is left."""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import ROOT
+from tests.lifecycle.test_deploy_destroy import LocalAws, inventory
+
+pytestmark = pytest.mark.lifecycle
+
+
+def readme_block() -> list[str]:
+    """The commands of the README's local section (its ```shell block), as written."""
+    text = (ROOT / "README.md").read_text()
+    section = text[text.index("## Try the whole lifecycle locally") :]
+    (body,) = re.findall(r"```shell\n(.*?)```", section.split("\n## ", 1)[0], re.S)
+    return [line for line in body.splitlines() if line.strip()]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture
+def moto(tmp_path: Path) -> Iterator[str]:
+    """A moto server of this test's own (it outlives `make local-down`, so the test can look after it)."""
+    port = _free_port()
+    log = (tmp_path / "moto.log").open("w")
+    proc = subprocess.Popen([str(Path(sys.executable).parent / "moto_server"), "-H", "127.0.0.1", "-p", str(port)], stdout=log, stderr=log)
+    url = f"http://localhost:{port}"
+    try:
+        for _ in range(100):
+            try:
+                urllib.request.urlopen(f"{url}/moto-api/data.json", timeout=1)
+                break
+            except OSError:
+                time.sleep(0.1)
+        else:
+            pytest.fail("moto server did not start")
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+
+
+def test_the_readme_local_lifecycle_runs_as_written_and_leaves_nothing(moto: str, tmp_path: Path) -> None:
+    lines = readme_block()
+    assert lines[0].startswith("make local") and lines[-1].startswith("make local-down"), lines
+    # Each command as written, its exit code recorded after it; all in one shell (the eval carries).
+    script = "\n".join(f"{line}\necho \"::rc $? :: {i}\"" for i, line in enumerate(lines))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
+    env |= {"GPTOSS_LOCAL_ENDPOINT": moto, "GPTOSS_STATE_DIR": str(tmp_path / "state"), "AWS_EC2_METADATA_DISABLED": "true",
+            "AWS_CONFIG_FILE": str(tmp_path / "none"), "AWS_SHARED_CREDENTIALS_FILE": str(tmp_path / "none")}  # fmt: skip
+    aws = LocalAws(moto, env, tmp_path / "unused.yaml")
+    before = inventory(aws)
+    r = subprocess.run(["bash", "-c", script], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    out = r.stdout + r.stderr
+    codes = {int(i): int(rc) for rc, i in re.findall(r"::rc (\d+) :: (\d+)", r.stdout)}
+    assert sorted(codes) == list(range(len(lines))), out[-4000:]
+    for i, line in enumerate(lines):
+        said = re.search(r"# exits (\d+)", line)
+        assert codes[i] == (int(said.group(1)) if said else 0), f"{line!r} exited {codes[i]}\n{out[-4000:]}"
+    assert "Traceback" not in out
+    # up: the stack deployed through gptoss deploy, both identities shown with their instances, the cause named.
+    assert "stack GptOssLocalStack · region us-east-2 · cluster tag gptoss:cluster=gptoss-local" in out
+    assert "✅  GptOssLocalStack" in out
+    assert re.search(r"prefill-0\s+│ i-[0-9a-f]{17}", out) and re.search(r"decode-0\s+│ i-[0-9a-f]{17}", out), out[-4000:]
+    assert "likely cause: prefill-0, decode-0: Run Command succeeded with no output." in " ".join(out.split())
+    assert "local cluster GptOssLocalStack is up in" in out
+    # down: destroyed through gptoss destroy; it says nothing is left ...
+    assert "gptoss destroy" in out and "left in the local account: nothing" in out, out[-4000:]
+    # ... and the account, listed here, agrees: every resource the lifecycle made is gone.
+    after = inventory(aws)
+    left = {k: sorted(after[k] - before[k]) for k in after if after[k] - before[k]}
+    assert left == {}, left
+    stacks = [s for s in aws.client("cloudformation").list_stacks()["StackSummaries"] if s["StackStatus"] != "DELETE_COMPLETE"]
+    assert stacks == [], [s["StackName"] for s in stacks]
+    assert aws.client("s3").list_buckets()["Buckets"] == []
+    assert aws.client("ssm").describe_parameters()["Parameters"] == []
+
+
+def test_local_down_with_nothing_running_says_so_and_local_up_refuses_another_service(tmp_path: Path) -> None:
+    """No server on the port: down has nothing to remove (exit 0). Something that is not moto on it:
+    up refuses in one line, before anything is started or deployed."""
+    import http.server
+    import threading
+
+    gptoss = str(Path(sys.executable).parent / "gptoss")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")} | {"GPTOSS_STATE_DIR": str(tmp_path)}
+    port = _free_port()
+    r = subprocess.run([gptoss, "local", "down"], env=env | {"GPTOSS_LOCAL_PORT": str(port)}, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and f"nothing answers on http://localhost:{port}: nothing to remove" in r.stderr, r.stderr
+    server = http.server.HTTPServer(("127.0.0.1", 0), http.server.BaseHTTPRequestHandler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        r = subprocess.run([gptoss, "local", "up"], env=env | {"GPTOSS_LOCAL_PORT": str(server.server_port)}, capture_output=True, text=True,
+                           timeout=60)  # fmt: skip
+    finally:
+        server.shutdown()
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.strip().splitlines() == [f"gptoss local: something that is not moto answers on http://localhost:{server.server_port}. "
+                                             "Fix: stop it, or pick a free port: GPTOSS_LOCAL_PORT=PORT make local"]  # fmt: skip
+    r = subprocess.run([gptoss, "local", "up"], env=env | {"GPTOSS_LOCAL_ENDPOINT": "http://10.1.2.3:4566"}, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "acts only on a loopback endpoint" in r.stderr, r.stderr
