@@ -47,7 +47,7 @@ class ProxyLoadBalancer(Construct):
         # The toy proxy's /healthcheck answers while its servers are dead: the NLB checks the
         # project's group route. The router's own readiness already says whether it can serve.
         routed = config.proxy_kind == "vllm-router"
-        health_port = port if routed else config.serving.proxy.group_health_port
+        health_port, health_path = config.endpoint_health_check
         if not routed:
             cluster_group.add_ingress_rule(self.group, ec2.Port.tcp(health_port), "group health check, from the load balancer")
             self.group.add_egress_rule(cluster_group, ec2.Port.tcp(health_port), "health checks of the proxies' groups")
@@ -82,7 +82,7 @@ class ProxyLoadBalancer(Construct):
             health_check=elbv2.HealthCheck(
                 protocol=elbv2.Protocol.HTTP,
                 port=str(health_port),
-                path=config.proxy_health_path if routed else "/ready",
+                path=health_path,
                 interval=Duration.seconds(10),
                 healthy_threshold_count=2,
                 unhealthy_threshold_count=2,

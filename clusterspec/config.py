@@ -551,6 +551,14 @@ class ClusterConfig(_Frozen):
         return self.serving.proxy.health_path if self.serving.disaggregated else self.serving.server_health_path
 
     @property
+    def endpoint_health_check(self) -> tuple[int, str]:
+        """(port, path) the load balancer checks on each proxy node: the router's readiness, or the
+        toy proxy's whole group (gptoss-group-health: its own /healthcheck answers while its servers are dead)."""
+        if self.proxy_kind == "vllm-router":
+            return self.serving.proxy.port, ROUTER_READINESS_PATH
+        return self.serving.proxy.group_health_port, "/ready"
+
+    @property
     def layout(self) -> Layout:
         """The fleet these parameters describe (computed once per config: every node's rendering asks)."""
         if self._layout is None:

@@ -101,6 +101,11 @@ class NodeRender:
     wants: list[str] = field(default_factory=list)
     scripts: set[str] = field(default_factory=set)
 
+    @property
+    def servers(self) -> list[Service]:
+        """The vLLM servers this node runs (not its proxy, router or benchmark legs)."""
+        return [s for s in self.services if s.argv[:2] == ["vllm", "serve"]]
+
     def as_json(self) -> dict[str, object]:
         """The `plan --json` form of this node."""
         return {

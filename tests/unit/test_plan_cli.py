@@ -127,3 +127,94 @@ def test_a_reader_that_stops_early_gets_no_error_message() -> None:
     err = p.stderr.read().decode()
     assert p.wait(timeout=120) == 141, err
     assert "error" not in err.lower() and "Traceback" not in err, err
+
+
+def _svg_lines(svg: str) -> list[str]:
+    import html
+    import re
+
+    return [html.unescape(t) for t in re.findall(r"<text[^>]*>([^<]*)</text>", svg)]
+
+
+def _covered(lines: list[str], node: str, index: int) -> bool:
+    """A replica is drawn when a label names its node and a range of replicas holding its index."""
+    import re
+
+    for line in lines:
+        m = re.fullmatch(rf"{re.escape(node)} replicas (\d+)(?:-(\d+))?", line)
+        if m and int(m.group(1)) <= index <= int(m.group(2) or m.group(1)):
+            return True
+    return False
+
+
+LAYOUTS = [[f"recipe={r}"] for r in ("gptoss-120b-8k1k", "gptoss-120b-single", "gptoss-20b-single", "gptoss-120b-di", "gptoss-20b-di")] + [
+    ["decode_instances=8"], ["decode_instances=8", "serving.proxy.kind=toy"], ["decode_instances=3", "prefill_per_decode=2"],
+]  # fmt: skip
+
+
+import pytest  # noqa: E402
+
+
+@pytest.mark.parametrize("context", LAYOUTS, ids=[" ".join(c) for c in LAYOUTS])
+def test_every_layouts_svg_draws_every_server_of_its_plan_and_embeds_its_icons(context: list[str], tmp_path: Any) -> None:
+    """Every vLLM server of the plan (each prefill replica, decode server, single server) is in the
+    picture with its port, the proxy or router where the plan puts it, the load balancer's health
+    check as the template has it; the SVG refers to no file outside itself."""
+    import re
+
+    args = [a for c in context for a in ("-c", c)]
+    doc = plan_json(*args)
+    out = tmp_path / "layout.svg"
+    r = plan(*args, "--diagram", str(out))
+    assert r.returncode == 0, r.stderr
+    svg = out.read_text()
+    assert not re.findall(r'href="(?!data:|#)[^"]*"', svg), "an icon linked by path"
+    # Each icon is in the file once; every node's icon is a use of one of them.
+    icons = set(re.findall(r'<image id="(icon\d+)" xlink:href="data:image/png;base64,', svg))
+    uses = re.findall(r'<use xlink:href="#(icon\d+)"', svg)
+    assert icons and set(uses) == icons and len(uses) >= len(doc["nodes"]) + 1, (icons, uses)
+    lines = _svg_lines(svg)
+    for n in doc["nodes"]:
+        assert any(line.split()[:1] == [n["name"]] for line in lines), (n["name"], lines)
+        servers = [s for s in n["services"] if s["argv"][:2] == ["vllm", "serve"]]
+        assert servers, n["name"]
+        if n["role"] == "prefill":
+            for s in servers:
+                index = int(s["unit"].split("@")[1].split(".")[0])
+                assert _covered(lines, n["name"], index), (n["name"], index)
+        else:
+            port = servers[0]["argv"][servers[0]["argv"].index("--port") + 1]
+            assert any(line.endswith(f":{port}") and ("TP" in line) for line in lines), (n["name"], port, lines)
+    fronts = [line for line in lines if re.search(r"(router|proxy) :\d+$", line)]
+    assert len(fronts) == doc["totals"]["proxies"], fronts
+    if doc["load_balancer"]["internal_nlb"]:
+        health = next(line for line in lines if line.startswith("health check"))
+        assert health == {"vllm-router": "health check :8000 /readiness", "toy": "health check :8001 /ready"}[doc["proxy"]["kind"]]
+
+
+def test_every_subcommand_describes_itself_and_every_option_has_help() -> None:
+    from cluster_ops import cli
+
+    parser = cli.build_parser()
+    (sub,) = [a for a in parser._actions if isinstance(a, __import__("argparse")._SubParsersAction)]
+    assert set(sub.choices) >= {"plan", "recipes", "preflight", "pin-ami", "deploy", "destroy", "diff", "status", "wait-ready", "bench",
+                                "save-cache", "local"}  # fmt: skip
+    for name, sp in sub.choices.items():
+        assert sp.description and len(sp.description) > 20, name
+        assert [a.option_strings or a.dest for a in sp._actions if not a.help] == [], name
+        r = subprocess.run([sys.executable, str(ROOT / "scripts" / "cluster.py"), name, "--help"], capture_output=True, text=True, cwd=ROOT)
+        assert r.returncode == 0 and sp.description.split(":")[0][:40] in " ".join(r.stdout.split()), (name, r.stdout)
+
+
+def test_tables_fit_80_columns_in_a_wide_terminal_unless_asked_wider() -> None:
+    import os
+
+    env = os.environ | {"COLUMNS": "200"}
+    for args in (["recipes"], ["plan", "--details"], ["plan", "--decode-instances", "8"]):
+        r = subprocess.run([sys.executable, str(ROOT / "scripts" / "cluster.py"), *args], capture_output=True, text=True, cwd=ROOT, env=env)
+        assert r.returncode == 0, r.stderr
+        # One word longer than a line (a path) runs on; nothing else does.
+        long = [line for line in r.stdout.splitlines() if len(line) > 80 and " " in line.strip().rstrip(" \\")]
+        assert long == [], (args, long)
+    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "cluster.py"), "recipes", "--wide"], capture_output=True, text=True, cwd=ROOT, env=env)
+    assert max(len(line) for line in r.stdout.splitlines()) > 80
