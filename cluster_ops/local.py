@@ -69,15 +69,16 @@ def _env(url: str) -> dict[str, str]:
 
 def _answers(url: str) -> bool | None:
     """True: moto answers there; False: nothing listens; None: something else does."""
+    # moto's dashboard page: cheap (data.json loads every service's backend first, seconds on a
+    # busy machine), and titled Moto.
     try:
-        with urllib.request.urlopen(f"{url}/moto-api/data.json", timeout=2) as r:
-            json.load(r)
-            return True
+        with urllib.request.urlopen(f"{url}/moto-api/", timeout=10) as r:
+            return True if b"<title>Moto</title>" in r.read() else None
     except urllib.error.HTTPError:
         return None
     except (OSError, ValueError):
         try:
-            urllib.request.urlopen(url, timeout=2)
+            urllib.request.urlopen(url, timeout=10)
         except urllib.error.HTTPError:
             return None
         except OSError:

@@ -45,7 +45,7 @@ def moto(tmp_path: Path) -> Iterator[str]:
     try:
         for _ in range(100):
             try:
-                urllib.request.urlopen(f"{url}/moto-api/data.json", timeout=1)
+                urllib.request.urlopen(f"{url}/moto-api/", timeout=5)
                 break
             except OSError:
                 time.sleep(0.1)

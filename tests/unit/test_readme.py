@@ -2,7 +2,7 @@
 
 ```bash blocks need no AWS account: each command runs and must succeed. ```console blocks
 need an account: each `gptoss` subcommand answers `--help` and each make target dry-runs
-(`make -n`). ```text blocks of `-c` parameters are parsed by `gptoss plan`.
+(`make -n`). ```text blocks of `-c` parameters (README and docs/) are parsed by `gptoss plan`.
 """
 
 from __future__ import annotations
@@ -21,10 +21,10 @@ from tests.conftest import ROOT
 README = (ROOT / "README.md").read_text()
 
 
-def blocks(language: str) -> list[list[str]]:
+def blocks(language: str, text: str = README) -> list[list[str]]:
     """Each block of that language as its commands (continuations joined, comments dropped)."""
     out = []
-    for body in re.findall(rf"```{language}\n(.*?)```", README, re.S):
+    for body in re.findall(rf"```{language}\n(.*?)```", text, re.S):
         commands = []
         for line in body.replace("\\\n", " ").splitlines():
             line = re.sub(r"\s+#.*$", "", line).strip()
@@ -75,8 +75,13 @@ def test_commands_that_need_aws_exist_as_written(command: str, tmp_path: Path) -
     if words[0] == ".venv/bin/gptoss":
         r = run(shlex.join([words[0], words[1], "--help"]), tmp_path)
         assert r.returncode == 0, r.stderr
-        # ... and its parameters parse (everything but talking to AWS).
-        params = [w for w in words[2:] if w not in ("--cost", "--upgrade")]
+        # Its options are its own (the parser takes them) ...
+        from cluster_ops.cli import build_parser
+
+        args, extra = build_parser().parse_known_args(words[1:])
+        assert extra == [] or getattr(args, "passthrough", False), (command, extra)
+        # ... and the cluster they name is a valid one (everything but talking to AWS).
+        params = [a for c in (args.context or []) for a in ("-c", c)] + (["--stack", args.stack] if args.stack else [])
         r = run(shlex.join([words[0], "plan", *params]), tmp_path)
         assert r.returncode == 0, (command, r.stderr[-2000:])
     else:
@@ -85,7 +90,44 @@ def test_commands_that_need_aws_exist_as_written(command: str, tmp_path: Path) -
         assert r.returncode == 0, (command, r.stderr[-2000:])
 
 
-@pytest.mark.parametrize("line", [c for b in blocks("text") for c in b if c.startswith("-c ")])
+DOCS = [README, *((p.read_text()) for p in sorted((ROOT / "docs").glob("*.md")))]
+PARAMETER_LINES = [c for text in DOCS for b in blocks("text", text) for c in b if c.startswith("-c ")]
+
+
+def test_the_docs_show_parameter_examples() -> None:
+    assert len(PARAMETER_LINES) >= 2, "the docs' ```text blocks of -c parameters (docs/design.md)"
+
+
+@pytest.mark.parametrize("line", PARAMETER_LINES)
 def test_parameter_examples_are_accepted(line: str, tmp_path: Path) -> None:
     r = run(f".venv/bin/gptoss plan {line}", tmp_path)
     assert r.returncode == 0, (line, r.stderr[-2000:])
+
+
+def _uncommented(text: str) -> str:
+    """An example with its commented-out settings (`# key: value`, indented alike) switched on."""
+    return "\n".join(re.sub(r"^# ?((?: {2})*[a-z_]+:(?: |$))", r"\1", line) for line in text.splitlines()) + "\n"
+
+
+@pytest.mark.parametrize("example", sorted(p.name for p in (ROOT / "examples").glob("*.yaml")))
+def test_every_example_is_accepted_as_shipped_and_with_its_commented_settings_on(example: str, tmp_path: Path) -> None:
+    text = (ROOT / "examples" / example).read_text()
+    for variant, body in (("as shipped", text), ("commented settings on", _uncommented(text))):
+        path = tmp_path / example
+        path.write_text(body)
+        r = run(f".venv/bin/gptoss plan -c config={path}", tmp_path)
+        assert r.returncode == 0, (example, variant, r.stderr[-2000:])
+
+
+def test_every_relative_link_of_the_readme_and_docs_names_a_file_of_the_checkout() -> None:
+    docs = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+    for doc in docs:
+        for target in re.findall(r"\]\(([^)#]+)(?:#[^)]*)?\)", doc.read_text()):
+            if re.match(r"[a-z]+://", target):
+                continue
+            assert (doc.parent / target).exists(), f"{doc.relative_to(ROOT)}: {target} does not exist"
+
+
+def test_no_number_placeholder_is_left_in_the_docs() -> None:
+    for doc in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        assert not re.findall(r"@[A-Z_]+@", doc.read_text()), doc.name
