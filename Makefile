@@ -25,14 +25,16 @@ setup: .make/python .make/node .make/system .make/hf-clients .make/aws-cli .make
 
 .make/python: pyproject.toml
 	@mkdir -p .make
-	test -x $(PY) || python3 -m venv .venv
-	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e '.[dev]'
+	@echo "setup: the pinned Python packages into .venv (pip; the first time takes minutes)"
+	@test -x $(PY) || python3 -m venv .venv
+	@$(PY) -m pip install --quiet --upgrade pip
+	@$(PY) -m pip install --quiet -e '.[dev]'
 	@touch $@
 
 .make/node: package.json package-lock.json
 	@mkdir -p .make
-	npm ci --no-audit --no-fund --loglevel=error
+	@echo "setup: the pinned CDK CLI and Node.js into node_modules (npm ci)"
+	@npm ci --no-audit --no-fund --loglevel=error
 	@v=$$(node_modules/.bin/node -p 'process.versions.node.split(".")[0]'); \
 	if [ "$$v" -lt $(NODE_MAJOR) ]; then echo "node_modules/.bin/node is Node $$v; the CDK needs Node $(NODE_MAJOR) or 24 LTS (npm ci installs it from package.json)"; exit 1; fi
 	@touch $@
@@ -41,6 +43,7 @@ setup: .make/python .make/node .make/system .make/hf-clients .make/aws-cli .make
 # DLAMI's venv may hold (tests never reach PyPI: they are installed here).
 HF_CLIENTS := 0.36.2 1.33.0 2.4.0
 .make/hf-clients: .make/python Makefile
+	@echo "setup: huggingface_hub $(HF_CLIENTS) into .hf-clients (the staging tests run each)"
 	@for v in $(HF_CLIENTS); do test -d .hf-clients/$$v || $(PY) -m pip install --quiet --target .hf-clients/$$v huggingface_hub==$$v; done
 	@touch $@
 
@@ -48,12 +51,14 @@ HF_CLIENTS := 0.36.2 1.33.0 2.4.0
 # botocore): the compile-cache tests run the node's scripts with it against a moto server.
 AWS_CLI := 1.46.3
 .make/aws-cli: .make/python Makefile
+	@echo "setup: the AWS CLI $(AWS_CLI) into .aws-cli (the nodes' scripts run with it in tests)"
 	@test -d .aws-cli/$(AWS_CLI) || $(PY) -m pip install --quiet --target .aws-cli/$(AWS_CLI) awscli==$(AWS_CLI)
 	@touch $@
 
 # vLLM's router for the nodes: the spec's pinned wheel, checked against its sha256 (the stack ships it).
 .make/router-wheel: .make/python clusterspec/serving.py scripts/fetch_router_wheel.py
-	$(PY) -m scripts.fetch_router_wheel
+	@echo "setup: vLLM's router wheel, checked against the spec's sha256"
+	@$(PY) -m scripts.fetch_router_wheel
 	@touch $@
 
 # systemd-analyze checks the rendered units, curl runs the wait helper in tests, Graphviz

@@ -78,9 +78,9 @@ class VmCluster:
         model = {"hf_token_secret_arn": HF_TOKEN_SECRET} | context.get("model", {})
         # The node check gives devices 20 s to appear here (boot.devices_s, 180 s by default).
         boot = {"devices_s": 20} | context.get("boot", {})
-        # Members are read every 60 s here (30 s by default): each read is an AWS CLI call, which
+        # Members are read every 90 s here (30 s by default): each read is an AWS CLI call, which
         # costs a software-emulated guest about 20 s of CPU.
-        healing = {"members_poll_s": 60} | context.get("healing", {})
+        healing = {"members_poll_s": 90} | context.get("healing", {})
         self.cfg = load_config(context | {"model": model, "boot": boot, "healing": healing})
         renders = render_cluster(self.cfg)
         self.renders = {r.node.name: r for r in renders if r.node.name in NODES}
@@ -246,7 +246,9 @@ class VmCluster:
     def wait_boot_done(self, name: str, timeout: float) -> dict[str, Any]:
         """Wait until cloud-init is done and systemd's boot finished; returns the facts then."""
         vm = self.vms[name]
-        vm.wait_until("cloud-init status | grep -q 'status: done' && "
+        # cloud-init writes result.json when its last stage ends: a file test, where `cloud-init
+        # status` (Python) can take a busy TCG guest longer than a poll's timeout to answer.
+        vm.wait_until("test -s /run/cloud-init/result.json && "
                       "systemctl is-system-running | grep -Eq '^(running|degraded)$'", timeout, "boot finished")  # fmt: skip
         facts: dict[str, Any] = self.boot_facts(name)
         facts["cloud_init"] = json.loads(facts["cloud_init"])

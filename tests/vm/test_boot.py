@@ -70,7 +70,8 @@ def port_of(s: Service) -> int:
 
 
 def assert_boot_finished(cluster: VmCluster, node: str) -> dict[str, Any]:
-    facts = cluster.wait_boot_done(node, 420)
+    # Under TCG a guest's cloud-init alone takes about 6 minutes; a node boots in well under one.
+    facts = cluster.wait_boot_done(node, 900)
     ci = facts["cloud_init"]
     assert (ci["status"], ci["errors"], ci.get("recoverable_errors", {})) == ("done", [], {}), f"{node}: {ci}"
     assert facts["system"] == "running", f"{node}: systemd says {facts['system']}; failed units: {facts['failed']}"
