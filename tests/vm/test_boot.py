@@ -225,7 +225,7 @@ def test_first_boot_serves_with_the_plans_commands_in_the_tested_order(cluster: 
     assert ready0["compiled"] is True
     later = [last_start(cluster, "prefill-0", 8100 + i) for i in range(1, 6)]
     assert all(r["uptime"] >= ready0["uptime"] for r in later)
-    # Together: each waits on replica 0 with its own poll (2 s here). One at a time, the last
+    # Together: each waits on replica 0 with its own poll (5 s here). One at a time, the last
     # would start at least four loads (40 s) after the first.
     assert max(r["uptime"] for r in later) - min(r["uptime"] for r in later) < 3 * LOAD_S, "the later replicas start together"
     for i in range(1, 6):
