@@ -23,7 +23,7 @@ from stacks.cluster_stack import GptOssClusterStack
 
 def main() -> None:
     """Synthesize the cluster stack, or exit with the validation errors before writing anything."""
-    app = cdk.App()
+    app = cdk.App(stack_traces=False)  # no construct traces in the metadata: the CLI printed a jsii frame before each warning
     try:
         config = load_config(app.node.get_all_context())
         limits.check(config)

@@ -61,6 +61,9 @@ def test_the_readme_shows_commands_of_both_kinds() -> None:
 def test_offline_commands_run_as_written(command: str, tmp_path: Path) -> None:
     r = run(command, tmp_path)
     assert r.returncode == 0, f"{command}\n{r.stdout[-2000:]}\n{r.stderr[-2000:]}"
+    # Quiet: no jsii frame printed before a warning, no feature-flag notice, no traceback.
+    noise = [w for w in ("program.js:", "feature flags are not configured", "Traceback") if w in r.stdout + r.stderr]
+    assert noise == [], (command, noise)
 
 
 def test_make_test_is_what_ci_runs(tmp_path: Path) -> None:
