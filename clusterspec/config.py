@@ -246,6 +246,10 @@ class HealingConfig(_Frozen):
         description="A node that is up but cannot serve marks its own instance unhealthy, and its group replaces it: the "
         "node check failing after a reboot, Neuron execution errors past neuron_errors, a server in back-off longer than backoff_s.",
     )
+    watch_interval_s: int = Field(
+        60, ge=10, le=3600,
+        description="How often a node's health watch checks whether it can serve (and reports itself when it cannot).",
+    )  # fmt: skip
     backoff_s: int = Field(
         7200, ge=900, le=86400,
         description="A server restarting with back-off (crashing) for this long on a node that once served marks the node unhealthy.",

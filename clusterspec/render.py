@@ -493,7 +493,7 @@ def render_node(cfg: ClusterConfig, layout: Layout, node: Node, *, bin_dir: str 
         out.wants.append("gptoss-cache-save.service")
     if cfg.healing.report_unhealthy:
         out.files[f"{UNIT_DIR}/gptoss-health-watch.service"] = _unit("gptoss-health-watch.service", bin=bin_dir)
-        out.files[f"{UNIT_DIR}/gptoss-health-watch.timer"] = _unit("gptoss-health-watch.timer")
+        out.files[f"{UNIT_DIR}/gptoss-health-watch.timer"] = _unit("gptoss-health-watch.timer", interval_s=cfg.healing.watch_interval_s)
         out.units.append("gptoss-health-watch.timer")
         out.wants.append("gptoss-health-watch.timer")
     if cfg.observability.enabled:

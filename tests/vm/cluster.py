@@ -78,9 +78,10 @@ class VmCluster:
         model = {"hf_token_secret_arn": HF_TOKEN_SECRET} | context.get("model", {})
         # The node check gives devices 20 s to appear here (boot.devices_s, 180 s by default).
         boot = {"devices_s": 20} | context.get("boot", {})
-        # Members are read every 90 s here (30 s by default): each read is an AWS CLI call, which
-        # costs a software-emulated guest about 20 s of CPU.
-        healing = {"members_poll_s": 90} | context.get("healing", {})
+        # Members are read every 90 s here (30 s by default) and the health watch looks every
+        # 2 minutes (1): an AWS CLI call costs a software-emulated guest about 20 s of CPU, and
+        # every process it starts seconds.
+        healing = {"members_poll_s": 90, "watch_interval_s": 120} | context.get("healing", {})
         self.cfg = load_config(context | {"model": model, "boot": boot, "healing": healing})
         renders = render_cluster(self.cfg)
         self.renders = {r.node.name: r for r in renders if r.node.name in NODES}
