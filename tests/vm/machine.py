@@ -182,7 +182,7 @@ class Vm:
         p = self.workdir / f"console-{self.boots}.log"
         return p.read_text(errors="replace") if p.exists() else ""
 
-    def ssh(self, command: str, *, check: bool = True, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    def ssh(self, command: str, *, check: bool = True, timeout: float = 300) -> subprocess.CompletedProcess[str]:
         """Run a shell command in the guest as root."""
         cmd = [
             "ssh", "-q", "-i", str(self.image.key), "-p", str(self.ssh_port),
