@@ -25,7 +25,7 @@ setup: .make/python .make/node .make/system .make/hf-clients .make/aws-cli .make
 
 .make/python: pyproject.toml
 	@mkdir -p .make
-	@echo "setup: the pinned Python packages into .venv (pip; the first time takes minutes)"
+	@echo "setup: the pinned Python packages into .venv (pip; about 2 min the first time on a 2-core machine)"
 	@test -x $(PY) || python3 -m venv .venv
 	@$(PY) -m pip install --quiet --upgrade pip
 	@$(PY) -m pip install --quiet -e '.[dev]'
@@ -33,7 +33,7 @@ setup: .make/python .make/node .make/system .make/hf-clients .make/aws-cli .make
 
 .make/node: package.json package-lock.json
 	@mkdir -p .make
-	@echo "setup: the pinned CDK CLI and Node.js into node_modules (npm ci)"
+	@echo "setup: the pinned CDK CLI and Node.js into node_modules (npm ci; about 10 s)"
 	@npm ci --no-audit --no-fund --loglevel=error
 	@v=$$(node_modules/.bin/node -p 'process.versions.node.split(".")[0]'); \
 	if [ "$$v" -lt $(NODE_MAJOR) ]; then echo "node_modules/.bin/node is Node $$v; the CDK needs Node $(NODE_MAJOR) or 24 LTS (npm ci installs it from package.json)"; exit 1; fi
@@ -43,7 +43,7 @@ setup: .make/python .make/node .make/system .make/hf-clients .make/aws-cli .make
 # DLAMI's venv may hold (tests never reach PyPI: they are installed here).
 HF_CLIENTS := 0.36.2 1.33.0 2.4.0
 .make/hf-clients: .make/python Makefile
-	@echo "setup: huggingface_hub $(HF_CLIENTS) into .hf-clients (the staging tests run each)"
+	@echo "setup: huggingface_hub $(HF_CLIENTS) into .hf-clients (the staging tests run each; about 15 s)"
 	@for v in $(HF_CLIENTS); do test -d .hf-clients/$$v || $(PY) -m pip install --quiet --target .hf-clients/$$v huggingface_hub==$$v; done
 	@touch $@
 
@@ -51,7 +51,7 @@ HF_CLIENTS := 0.36.2 1.33.0 2.4.0
 # botocore): the compile-cache tests run the node's scripts with it against a moto server.
 AWS_CLI := 1.46.3
 .make/aws-cli: .make/python Makefile
-	@echo "setup: the AWS CLI $(AWS_CLI) into .aws-cli (the nodes' scripts run with it in tests)"
+	@echo "setup: the AWS CLI $(AWS_CLI) into .aws-cli (the nodes' scripts run with it in tests; about 10 s)"
 	@test -d .aws-cli/$(AWS_CLI) || $(PY) -m pip install --quiet --target .aws-cli/$(AWS_CLI) awscli==$(AWS_CLI)
 	@touch $@
 
