@@ -957,8 +957,6 @@ def cmd_local(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """Run one command: exit 0 done, 1 not done (checks failed, not ready, not confirmed), 2 cannot run."""
-    from cluster_ops.awserrors import explain
-
     # Throttled calls are retried with client-side rate limiting before an error reaches anyone.
     os.environ.setdefault("AWS_RETRY_MODE", "adaptive")
     # A local endpoint (AWS_ENDPOINT_URL) does not throttle: a failing one is said after 3 attempts, not a minute of them.
@@ -986,6 +984,8 @@ def main(argv: list[str] | None = None) -> int:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 141
     except Exception as e:
+        from cluster_ops.awserrors import explain  # botocore's parsers: a tenth of a second that plan needs not pay
+
         line = explain(e, region=_REGION or os.environ.get("AWS_REGION", "the configured region"))
         if line:
             print(f"gptoss {args.command}: {line}", file=sys.stderr)

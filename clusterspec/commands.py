@@ -6,6 +6,7 @@ references' tables.
 
 from __future__ import annotations
 
+import functools
 import re
 
 from clusterspec.config import ClusterConfig
@@ -166,13 +167,17 @@ def router_pool(cfg: ClusterConfig, proxy: ProxyPlacement) -> list[tuple[str, st
     return pool
 
 
-def router_pool_args(pool: list[tuple[str, str, int, int]]) -> list[str]:
-    """The router's --prefill and --decode URLs of a pool, each at its node's name (gptoss-members keeps it in /etc/hosts)."""
+@functools.lru_cache(maxsize=8)
+def router_pool_args(pool: tuple[tuple[str, str, int, int], ...]) -> tuple[str, ...]:
+    """The router's --prefill and --decode URLs of a pool, each at its node's name (gptoss-members keeps it in /etc/hosts).
+
+    Every router of a fleet has the same pool: built once, not once per router node.
+    """
     out: list[str] = []
     for role, node, first, last in pool:
         for port in range(first, last + 1):
             out += [f"--{role}", f"http://{member_host(node)}:{port}"]
-    return out
+    return tuple(out)
 
 
 def endpoint_port(cfg: ClusterConfig) -> int:

@@ -15,7 +15,7 @@ from clusterspec.config import ClusterConfig
 from clusterspec.errors import SpecError
 from clusterspec.layout import Layout, Node
 from clusterspec.render import render_node
-from clusterspec.userdata import USER_DATA_LIMIT, user_data
+from clusterspec.userdata import USER_DATA_LIMIT, Compress, bundle, bundle_bound, user_data
 
 MAX_TEMPLATE_BYTES = 1_000_000  # CloudFormation: 1 MB for a template uploaded to S3
 MAX_RESOURCES = 500
@@ -103,7 +103,8 @@ def shapes(layout: Layout) -> list[list[Node]]:
     return list(groups.values())
 
 
-def _user_data_bytes(cfg: ClusterConfig, layout: Layout, node: Node) -> int:
+def _user_data_bytes(cfg: ClusterConfig, layout: Layout, node: Node, *, compress: Compress = bundle) -> int:
+    """A node's user data as EC2 counts it: exact with the shipped compression (`bundle`)."""
     r = render_node(cfg, layout, node)
     # In the template the gate's URL is a Ref of about 60 characters; on the instance it is the
     # presigned URL, which counts against EC2's 16 KB.
@@ -115,17 +116,22 @@ def _user_data_bytes(cfg: ClusterConfig, layout: Layout, node: Node) -> int:
             signal_url="x" * 60 if cfg.wait_for_ready else None,
             router_uri=SCRIPTS_URI_PLACEHOLDER,
             compile_cache_uri=SCRIPTS_URI_PLACEHOLDER,
+            compress=compress,
         ).encode()
     )
 
 
 def estimate(cfg: ClusterConfig) -> StackSize:
-    """Size the stack and its cells from the exact user data of one node per shape (plus SHAPE_SLACK)
-    and measured per-node overhead: linear in the fleet, one render and one xz per shape, not per node."""
+    """Size the stack and its cells from the user data of one node per shape (plus SHAPE_SLACK) and
+    measured per-node overhead: linear in the fleet, one render and one xz per shape, not per node.
+
+    The user data is compressed with bundle_bound: a little larger than what ships, in a third of
+    the time. (A refusal must not wait for the whole fleet's render: the fleet is sized first.)
+    """
     layout = cfg.layout
     size_of: dict[str, int] = {}
     for group in shapes(layout):
-        size = _user_data_bytes(cfg, layout, group[-1]) + SHAPE_SLACK
+        size = _user_data_bytes(cfg, layout, group[-1], compress=bundle_bound) + SHAPE_SLACK
         size_of |= {n.name: size for n in group}
     url_growth = len(SIGNAL_URL_PLACEHOLDER) - 60 if cfg.wait_for_ready else 0
     gate_bytes, gate_resources = (PER_GATE_BYTES, 2) if cfg.wait_for_ready else (0, 0)

@@ -7,6 +7,7 @@ rendered here, the stack packages the files, and the tests compare the two.
 
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import dataclass, field
 from pathlib import PurePosixPath
@@ -60,6 +61,8 @@ from clusterspec.userdata import NODE_SCRIPTS, _scripts
 _ENV = jinja2.Environment(
     loader=jinja2.FileSystemLoader(USERDATA_DIR / "units"),
     undefined=jinja2.StrictUndefined,
+    # The templates are part of the package: loaded once per process, not checked on disk per unit.
+    auto_reload=False,
     keep_trailing_newline=True,
     trim_blocks=True,
     lstrip_blocks=True,
@@ -362,7 +365,7 @@ def _render_router(cfg: ClusterConfig, node: Node, proxy: ProxyPlacement, out: N
     r = s.proxy.router
     venv = router_venv(r.version, r.sha256)
     pool = router_pool(cfg, proxy)
-    pool_args = router_pool_args(pool)
+    pool_args = list(router_pool_args(tuple(pool)))
     routed = router_argv(cfg, bin_dir=bin_dir)
     if r.extra_flags:
         extra_tokens = sum(1 + (f.value is not None) for f in r.extra_flags)
@@ -545,17 +548,26 @@ def health_file(cfg: ClusterConfig, render: NodeRender) -> str:
     return "".join(f"{unit} {url or '-'} {phase or '-'}\n" for unit, url, phase in health_checks(cfg, render))
 
 
+@functools.cache
+def _script_references() -> dict[str, frozenset[str]]:
+    """For each shipped script, the scripts its text names (once per process, not once per node)."""
+    scripts = _scripts()
+    return {n: frozenset(m for m in scripts if m in text) for n, text in scripts.items()}
+
+
 def _needed_scripts(files: dict[str, tuple[str, int]], *, save_cache: bool) -> set[str]:
     """The scripts this node's units (and those scripts) name, plus its boot, fetch and status."""
-    scripts = _scripts()
     wanted = set(NODE_SCRIPTS) | ({"gptoss-save-cache"} if save_cache else set())
-    texts = [text for text, _ in files.values()]
-    while True:
-        found = {name for name in scripts for text in texts if name in text} | wanted
-        if found == wanted:
-            return wanted
+    # One search per script name over all of the node's files (a NUL cannot be part of a name).
+    text = "\0".join(t for t, _ in files.values())
+    found = {name for name in _scripts() if name in text} | wanted
+    if found == wanted:
+        return wanted
+    refs = _script_references()
+    while found != wanted:
         wanted = found
-        texts = [scripts[n] for n in wanted]
+        found = wanted.union(*(refs[n] for n in wanted))
+    return wanted
 
 
 def render_cluster(cfg: ClusterConfig) -> list[NodeRender]:
