@@ -12,11 +12,8 @@ from __future__ import annotations
 import base64
 import hashlib
 import json
-import socket
 import subprocess
 import sys
-import time
-import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,6 +24,7 @@ import pytest
 
 from clusterspec.userdata import parse_user_data
 from tests.conftest import CDK, ROOT, STACK, cli_env
+from tests.local_moto import MotoServer
 
 pytestmark = pytest.mark.lifecycle
 
@@ -105,31 +103,14 @@ class LocalAws:
         return r
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.fixture(scope="module")
 def local_aws(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalAws]:
     """A moto server on loopback, bootstrapped for the CDK, with the test's AMI parameter and bucket."""
-    port = _free_port()
-    log = tmp_path_factory.mktemp("moto") / "moto.log"
-    moto_server = Path(__import__("sys").executable).parent / "moto_server"
-    # The stack attaches no AWS managed policy: moto needs none loaded.
-    proc = subprocess.Popen([str(moto_server), "-H", "127.0.0.1", "-p", str(port)], stdout=log.open("w"), stderr=subprocess.STDOUT)
-    # The name `localhost`: the CDK parses the asset bucket URL by that name.
-    endpoint = f"http://localhost:{port}"
+    # The name `localhost`: the CDK parses the asset bucket URL by that name. The stack attaches
+    # no AWS managed policy: moto needs none loaded.
+    server = MotoServer(tmp_path_factory.mktemp("moto") / "moto.log")
+    endpoint = server.url
     try:
-        for _ in range(100):
-            try:
-                urllib.request.urlopen(f"{endpoint}/moto-api/", timeout=1)
-                break
-            except OSError:
-                time.sleep(0.1)
-        else:
-            pytest.fail(f"moto server did not start: {log.read_text()[-2000:]}")
         config = tmp_path_factory.mktemp("config") / "local.yaml"
         config.write_text(LOCAL_CONFIG)
         env = cli_env(
@@ -146,8 +127,7 @@ def local_aws(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalAws]:
         aws.cdk("bootstrap", f"aws://{ACCOUNT}/{REGION}")
         yield aws
     finally:
-        proc.terminate()
-        proc.wait(timeout=10)
+        server.stop()
 
 
 def inventory(aws: LocalAws) -> dict[str, set[str]]:

@@ -5,11 +5,8 @@ from __future__ import annotations
 
 import os
 import re
-import socket
 import subprocess
 import sys
-import time
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -17,6 +14,7 @@ import pytest
 
 from tests.conftest import ROOT
 from tests.lifecycle.test_deploy_destroy import LocalAws, inventory
+from tests.local_moto import MotoServer, free_port
 
 pytestmark = pytest.mark.lifecycle
 
@@ -29,32 +27,14 @@ def readme_block() -> list[str]:
     return [line for line in body.splitlines() if line.strip()]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.fixture
 def moto(tmp_path: Path) -> Iterator[str]:
     """A moto server of this test's own (it outlives `make local-down`, so the test can look after it)."""
-    port = _free_port()
-    log = (tmp_path / "moto.log").open("w")
-    proc = subprocess.Popen([str(Path(sys.executable).parent / "moto_server"), "-H", "127.0.0.1", "-p", str(port)], stdout=log, stderr=log)
-    url = f"http://localhost:{port}"
+    server = MotoServer(tmp_path / "moto.log")
     try:
-        for _ in range(100):
-            try:
-                urllib.request.urlopen(f"{url}/moto-api/", timeout=5)
-                break
-            except OSError:
-                time.sleep(0.1)
-        else:
-            pytest.fail("moto server did not start")
-        yield url
+        yield server.url
     finally:
-        proc.terminate()
-        proc.wait(timeout=10)
+        server.stop()
 
 
 def test_the_readme_local_lifecycle_runs_as_written_and_leaves_nothing(moto: str, tmp_path: Path) -> None:
@@ -101,7 +81,7 @@ def test_local_down_with_nothing_running_says_so_and_local_up_refuses_another_se
 
     gptoss = str(Path(sys.executable).parent / "gptoss")
     env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")} | {"GPTOSS_STATE_DIR": str(tmp_path)}
-    port = _free_port()
+    port = free_port()
     r = subprocess.run([gptoss, "local", "down"], env=env | {"GPTOSS_LOCAL_PORT": str(port)}, capture_output=True, text=True, timeout=60)
     assert r.returncode == 0 and f"nothing answers on http://localhost:{port}: nothing to remove" in r.stderr, r.stderr
     server = http.server.HTTPServer(("127.0.0.1", 0), http.server.BaseHTTPRequestHandler)

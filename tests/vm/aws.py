@@ -11,15 +11,12 @@ its node's group, and terminates the record when it destroys the VM.
 
 from __future__ import annotations
 
-import socket
-import subprocess
-import sys
-import time
-import urllib.request
 from pathlib import Path
 from typing import Any
 
 import boto3
+
+from tests.local_moto import MotoServer
 
 REGION = "us-east-2"
 ASSET_BUCKET = "gptoss-vm-assets"
@@ -28,31 +25,13 @@ CACHE_BUCKET = "gptoss-vm-compile-cache"
 SUBNET_CIDR = "10.42.0.0/20"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 class HostAws:
     """A moto server on a loopback port of the host, and what the harness does in it."""
 
     def __init__(self, workdir: Path, cluster: str) -> None:
         self.cluster = cluster
-        self.port = _free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        log = (workdir / "moto.log").open("w")
-        moto_server = Path(sys.executable).parent / "moto_server"
-        self.proc = subprocess.Popen([str(moto_server), "-H", "127.0.0.1", "-p", str(self.port)], stdout=log, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                urllib.request.urlopen(f"{self.url}/moto-api/", timeout=2)
-                break
-            except OSError:
-                if self.proc.poll() is not None or time.monotonic() > deadline:
-                    raise AssertionError(f"the host's moto did not start: {(workdir / 'moto.log').read_text()[-2000:]}") from None
-                time.sleep(0.2)
+        self.server = MotoServer(workdir / "moto.log", host="127.0.0.1")
+        self.port, self.url = self.server.port, self.server.url
         for bucket in (ASSET_BUCKET, CACHE_BUCKET):
             self.client("s3").create_bucket(Bucket=bucket, CreateBucketConfiguration={"LocationConstraint": REGION})
         ec2 = self.client("ec2")
@@ -64,9 +43,7 @@ class HostAws:
         return boto3.client(name, endpoint_url=self.url, region_name=REGION, aws_access_key_id="testing", aws_secret_access_key="testing")
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            self.proc.wait(timeout=10)
+        self.server.stop()
 
     # ---- what the stack makes ---------------------------------------------------------------
 

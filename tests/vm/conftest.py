@@ -9,6 +9,7 @@ without booting the nodes (.ci/run also checks that every collected scenario pas
 from __future__ import annotations
 
 import os
+import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -64,6 +65,11 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
         for vm in cluster.running():
             journal = ""
             if vm.proc is not None and vm.proc.poll() is None:
-                journal = vm.ssh("journalctl -b -o short-monotonic --no-pager -u 'gptoss-*' | tail -n 80", check=False, timeout=30).stdout
+                # The report of a failure must not fail itself: a guest too busy to answer within
+                # two minutes says so instead of its journal (pytest would end in INTERNALERROR).
+                try:
+                    journal = vm.ssh("journalctl -b -o short-monotonic --no-pager -u 'gptoss-*' | tail -n 80", check=False, timeout=120).stdout
+                except subprocess.TimeoutExpired:
+                    journal = "(the guest did not answer journalctl within 120 s)"
             report.sections.append((f"{vm.name} console", vm.console()[-3000:]))
             report.sections.append((f"{vm.name} journal (gptoss-*)", journal))

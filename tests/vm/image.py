@@ -8,6 +8,7 @@ reuses it and any change rebuilds it.
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import os
 import shutil
@@ -90,8 +91,20 @@ def build(progress: object = print) -> Image:
         return image
     if os.geteuid() != 0:
         raise RuntimeError("building the guest image needs root (mmdebstrap --mode=root, mkfs.ext4 -d with ownership)")
+    # One build at a time: a second run waits for the first (whose image it then uses) instead of
+    # deleting the directory the first is still writing.
+    cache_root().mkdir(parents=True, exist_ok=True)
+    with (cache_root() / f"{key}.lock").open("w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if (final / "DONE").exists():
+            return image
+        return _build(key, final, image, progress)
+
+
+def _build(key: str, final: Path, image: Image, progress: object) -> Image:
     work = cache_root() / f"{key}.building"
-    shutil.rmtree(work, ignore_errors=True)
+    if work.exists():  # a build that was killed: start over (an error here says what holds it)
+        shutil.rmtree(work)
     work.mkdir(parents=True)
     log = work / "build.log"
     say = progress if callable(progress) else print

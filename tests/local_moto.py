@@ -1,0 +1,53 @@
+"""moto's own server on a free loopback port: the local AWS of the lifecycle tests and the VM cluster."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class MotoServer:
+    """`moto_server` from this venv, listening on 127.0.0.1, started and waited for.
+
+    `url` names it by `host`: `localhost` for the CDK and the AWS CLI (the CDK parses asset bucket
+    URLs by that name), `127.0.0.1` where a guest's relay needs an address.
+    """
+
+    def __init__(self, log: Path, *, host: str = "localhost", timeout: float = 60) -> None:
+        self.port = free_port()
+        self.url = f"http://{host}:{self.port}"
+        self.log = log
+        server = Path(sys.executable).parent / "moto_server"
+        self.proc = subprocess.Popen([str(server), "-H", "127.0.0.1", "-p", str(self.port)],
+                                     stdout=log.open("w"), stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)  # fmt: skip
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                urllib.request.urlopen(f"{self.url}/moto-api/", timeout=2)
+                return
+            except OSError:
+                if self.proc.poll() is not None or time.monotonic() > deadline:
+                    self.stop()
+                    raise AssertionError(
+                        f"moto's server did not start within {timeout:.0f} s: {log.read_text()[-2000:]}"
+                    ) from None
+                time.sleep(0.1)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=10)
