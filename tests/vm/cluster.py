@@ -177,8 +177,9 @@ class VmCluster:
         self._power_on(vm, self.fakes if fakes is None else fakes)
 
     def _power_on(self, vm: Vm, fakes: dict[str, Any]) -> None:
-        # The instance's devices as the instance table says (a fault replaces them).
-        vm.start({"devices": DEVICES} | fakes)
+        # The instance's devices as the instance table says (a fault replaces them), and the token the
+        # fake Hub expects: the one the harness put in the cluster's Secrets Manager (the host's moto).
+        vm.start({"devices": DEVICES, "secrets": {"hf_token": HF_TOKEN}} | fakes)
 
     def power_on(self, name: str, *, wait: bool = True) -> None:
         """Start a node's VM again (after pull_the_plug): the same instance, every disk kept."""
