@@ -63,7 +63,7 @@ def synth(cwd: Path, outdir: Path, *context: str, env: dict[str, str] | None = N
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--fleets", type=int, nargs="*", default=[8, 32, 50], help="decode instances of the larger rows (default: 8, 32 and the most one stack holds)")
+    p.add_argument("--fleets", type=int, nargs="*", default=[8, 32, 56], help="decode instances of the larger rows (default: 8, 32 and 56, the issue's rows)")
     args = p.parse_args()
     args.fleets = [(n, len(ClusterConfig(decode_instances=n).layout.nodes)) for n in args.fleets]
     work = Path(tempfile.mkdtemp(prefix="bench-synth-"))
