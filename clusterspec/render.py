@@ -561,8 +561,6 @@ def _needed_scripts(files: dict[str, tuple[str, int]], *, save_cache: bool) -> s
     # One search per script name over all of the node's files (a NUL cannot be part of a name).
     text = "\0".join(t for t, _ in files.values())
     found = {name for name in _scripts() if name in text} | wanted
-    if found == wanted:
-        return wanted
     refs = _script_references()
     while found != wanted:
         wanted = found

@@ -26,7 +26,6 @@ class MotoServer:
     def __init__(self, log: Path, *, host: str = "localhost", timeout: float = 60) -> None:
         self.port = free_port()
         self.url = f"http://{host}:{self.port}"
-        self.log = log
         server = Path(sys.executable).parent / "moto_server"
         self.proc = subprocess.Popen([str(server), "-H", "127.0.0.1", "-p", str(self.port)],
                                      stdout=log.open("w"), stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)  # fmt: skip
@@ -38,9 +37,7 @@ class MotoServer:
             except OSError:
                 if self.proc.poll() is not None or time.monotonic() > deadline:
                     self.stop()
-                    raise AssertionError(
-                        f"moto's server did not start within {timeout:.0f} s: {log.read_text()[-2000:]}"
-                    ) from None
+                    raise AssertionError(f"moto's server did not start within {timeout:.0f} s: {log.read_text()[-2000:]}") from None
                 time.sleep(0.1)
 
     def stop(self) -> None:
