@@ -15,15 +15,16 @@ import shlex
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
-
-from rich.console import Console
-from rich.table import Table
+from typing import TYPE_CHECKING, Any
 
 from clusterspec.cells import cells
 from clusterspec.config import ClusterConfig, load_config
 from clusterspec.errors import SpecError
 from clusterspec.render import NodeRender, plan_json, render_cluster
+
+if TYPE_CHECKING:  # rich is imported where a table is printed: `plan` prints none (80 ms of its start)
+    from rich.console import Console
+    from rich.table import Table
 
 ROOT = Path(__file__).resolve().parent.parent
 CDK = ROOT / "node_modules" / ".bin" / "cdk"
@@ -145,10 +146,18 @@ def _session(cfg: ClusterConfig) -> Any:
 def _console(args: argparse.Namespace) -> Console:
     """Tables fit 80 columns (or a narrower terminal); --wide uses the terminal's width (at least
     160); --width N exactly N."""
+    from rich.console import Console
+
     if getattr(args, "width", None):
         return Console(width=args.width)
     terminal = Console().width
     return Console(width=max(terminal, 160) if getattr(args, "wide", False) else min(terminal, 80))
+
+
+def _table(**kwargs: Any) -> Table:
+    from rich.table import Table
+
+    return Table(**kwargs)
 
 
 # ---- plan ---------------------------------------------------------------------------------
@@ -343,7 +352,7 @@ def _detail_lists(renders: list[NodeRender], width: int) -> None:
 
 def _detail_tables(console: Console, renders: list[NodeRender]) -> None:
     for r in renders:
-        t = Table(title=f"{r.node.name} ({r.node.role}, {r.instance_type})", show_lines=True, expand=True)
+        t = _table(title=f"{r.node.name} ({r.node.role}, {r.instance_type})", show_lines=True, expand=True)
         t.add_column("unit", overflow="fold")
         t.add_column("environment", overflow="fold")
         t.add_column("command line", overflow="fold")
@@ -402,7 +411,7 @@ def _print_cost(cfg: ClusterConfig, console: Console) -> None:
     from cluster_ops import cost
 
     rows = _cost_rows(cfg)
-    t = Table(title=f"{cfg.stack_name}: billed by the hour in {cfg.region} (AWS Price List, On-Demand USD)")
+    t = _table(title=f"{cfg.stack_name}: billed by the hour in {cfg.region} (AWS Price List, On-Demand USD)")
     for col in ("item", "count", "unit price", "per hour", "note"):
         t.add_column(col, justify="right" if col in ("count", "unit price", "per hour") else "left")
     for r in rows:
@@ -427,7 +436,7 @@ def cmd_recipes(args: argparse.Namespace) -> int:
         print(json.dumps([{"name": r.name, "reference": r.reference, "deploys": r.deploys, "stack_name": r.stack_name,
                            "default": r.name == DEFAULT_RECIPE} for r in RECIPES.values()], indent=2))  # fmt: skip
         return 0
-    t = Table(title="recipes (-c recipe=NAME)", show_lines=True)
+    t = _table(title="recipes (-c recipe=NAME)", show_lines=True)
     for col in ("recipe", "reference", "deploys", "stack"):
         t.add_column(col, overflow="fold")
     for r in RECIPES.values():
@@ -443,7 +452,7 @@ def cmd_preflight(args: argparse.Namespace) -> int:
     cfg = load(args)
     _announce(cfg)
     checks = preflight.run(cfg, _session(cfg))
-    t = Table(title=f"preflight: {cfg.stack_name} ({len(cfg.layout.nodes)} x {cfg.instance_type} in {cfg.availability_zone})")
+    t = _table(title=f"preflight: {cfg.stack_name} ({len(cfg.layout.nodes)} x {cfg.instance_type} in {cfg.availability_zone})")
     for col in ("check", "result", "detail", "fix"):
         t.add_column(col, overflow="fold")
     for c in checks:
@@ -457,7 +466,7 @@ def cmd_preflight(args: argparse.Namespace) -> int:
 
 
 def _status_table(cfg: ClusterConfig, status: Any) -> Table:
-    t = Table(title=f"{cfg.stack_name}: cluster status")
+    t = _table(title=f"{cfg.stack_name}: cluster status")
     for col in ("node", "unit", "state", "health"):
         t.add_column(col)
     silent = getattr(status, "no_report", {})
@@ -481,7 +490,7 @@ def _status_table(cfg: ClusterConfig, status: Any) -> Table:
 
 def _identity_table(cfg: ClusterConfig, status: Any) -> Table:
     """Each node identity: the instance that holds it now, and its replacements (its group's count and cause)."""
-    t = Table(title=f"{cfg.stack_name}: nodes (each an Auto Scaling group of one)")
+    t = _table(title=f"{cfg.stack_name}: nodes (each an Auto Scaling group of one)")
     for col in ("node", "instance", "replaced", "latest replacement or failed launch"):
         t.add_column(col, overflow="fold")
     for i in status.identities:
@@ -580,7 +589,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
                                 on_poll=lambda state, t: progress.update(task, description=f"gptoss-bench.service: {state}"[:100]))  # fmt: skip
         except bench.BenchError as e:
             raise CliError(f"bench failed: {e}", 1) from None
-    t = Table(title=f"{cfg.serving.bench.result_file} (measured leg, {cfg.serving.bench.measured_prompts} prompts)")
+    t = _table(title=f"{cfg.serving.bench.result_file} (measured leg, {cfg.serving.bench.measured_prompts} prompts)")
     t.add_column("metric")
     t.add_column("value", justify="right")
     for key, label in bench.METRICS:

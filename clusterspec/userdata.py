@@ -64,13 +64,21 @@ def strip_comments(name: str, text: str) -> str:
     return "\n".join(out) + "\n"
 
 
+# The fields of a statement that hold statements (match's cases and try's handlers hold bodies).
+_STATEMENT_LISTS = ("body", "orelse", "finalbody", "handlers", "cases")
+
+
 def strip_python(name: str, text: str) -> str:
     """A Python script as shipped: docstrings and comments dropped, the code re-printed by `ast`.
 
     The same reason as strip_comments; the repository keeps the documented source.
     """
     tree = ast.parse(text)
-    for node in ast.walk(tree):
+    # A docstring opens a module's, a class's or a function's body, and those are statements:
+    # only statement lists are walked (ast.walk would visit every expression, three times the work).
+    todo: list[ast.AST] = [tree]
+    while todo:
+        node = todo.pop()
         body = getattr(node, "body", None)
         if (
             isinstance(node, ast.Module | ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef)
@@ -80,6 +88,8 @@ def strip_python(name: str, text: str) -> str:
             and isinstance(body[0].value.value, str)
         ):
             node.body = body[1:] or [ast.Pass()]  # type: ignore[attr-defined]
+        for field in _STATEMENT_LISTS:
+            todo.extend(getattr(node, field, None) or ())
     shebang = text.splitlines()[0]
     return f"{shebang}\n# {name}: userdata/bin/{name} of the cluster project, docstrings stripped\n{ast.unparse(tree)}\n"
 

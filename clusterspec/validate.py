@@ -12,8 +12,8 @@ import functools
 import ipaddress
 import json
 import re
-from importlib import resources
-from pathlib import PurePosixPath
+from importlib.util import find_spec
+from pathlib import Path, PurePosixPath
 
 from clusterspec.errors import rule_error
 
@@ -170,8 +170,13 @@ def operator_cidr(field: str, value: str) -> str:
 
 @functools.cache
 def _partitions() -> list[dict[str, object]]:
-    """botocore's own partition data (shipped with boto3), read as a file: synthesis never calls AWS."""
-    data = json.loads((resources.files("botocore") / "data" / "endpoints.json").read_text())
+    """botocore's own partition data (shipped with boto3), read as a file: synthesis never calls AWS.
+
+    Found without importing botocore (its import, logging and all, is a fortieth of `plan`'s time)."""
+    spec = find_spec("botocore")
+    if spec is None or not spec.submodule_search_locations:
+        raise ModuleNotFoundError("botocore (installed with boto3) is needed for its partition data: run make setup")
+    data = json.loads((Path(next(iter(spec.submodule_search_locations))) / "data" / "endpoints.json").read_text())
     return list(data["partitions"])
 
 

@@ -11,6 +11,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import textwrap
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -20,7 +21,7 @@ from typing import Any
 import pytest
 
 from clusterspec.paths import USERDATA_DIR
-from clusterspec.userdata import bundle, node_script, strip_comments
+from clusterspec.userdata import bundle, node_script, strip_comments, strip_python
 from tests.conftest import fake_command
 
 SCRIPTS = sorted(p for p in (USERDATA_DIR / "bin").iterdir() if p.is_file())
@@ -83,6 +84,51 @@ def test_shipped_bash_scripts_lose_only_comment_lines() -> None:
         assert ship[0] == source[0] == "#!/usr/bin/env bash"
         assert ship[1] == f"# {script.name}: userdata/bin/{script.name} of the cluster project, comments stripped"
         assert ship[2:] == code(source[1:]), script.name
+
+
+def test_python_stripping_reaches_docstrings_at_any_depth_and_keeps_strings() -> None:
+    text = textwrap.dedent('''\
+        #!/usr/bin/env python3
+        """module doc"""
+        if True:
+            def a():
+                """doc"""
+                return 1
+        else:
+            def b():
+                """doc"""
+        try:
+            class C:
+                """doc"""
+                def m(self):
+                    """doc"""
+                    return 2
+        except Exception:
+            def c():
+                """doc"""
+        finally:
+            def d():
+                """doc"""
+        match 1:
+            case 1:
+                def e():
+                    """doc"""
+                    return 3
+        with open("/dev/null"):
+            async def f():
+                """doc"""
+                return "kept"
+        for _ in ():
+            pass
+        else:
+            def g():
+                """doc"""
+        x = """not a docstring"""
+        ''')
+    shipped = strip_python("x", text)
+    assert "doc" not in shipped.replace("not a docstring", "").replace("docstrings stripped", "")
+    assert "'kept'" in shipped and "'not a docstring'" in shipped
+    assert ast.dump(ast.parse(shipped)).count("FunctionDef(") == ast.dump(ast.parse(text)).count("FunctionDef(") == 8
 
 
 def test_comment_stripping_keeps_heredoc_bodies() -> None:
