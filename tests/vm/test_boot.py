@@ -213,7 +213,11 @@ def test_first_boot_serves_with_the_plans_commands_in_the_tested_order(cluster: 
         detail = vm.ssh(f"mdadm --detail {source}").stdout
         assert re.search(r"Raid Level : raid0", detail) and re.search(r"Raid Devices : 2", detail), detail
         downloads = [r["file"] for r in cluster.this_boot(node, vm.records("hub.jsonl")) if r["complete"]]
-        assert sorted(downloads) == sorted(SERVABLE), f"{node}: each servable file once, nothing else"
+        retried = "download-hf" in " ".join(re.findall(r"attempt \d+ failed; retrying in \d+s: (.*)", cluster.journal(node, "gptoss-stage.service")))
+        if retried:  # a client-side failure (seen under load: httpx ReadError) re-fetches what it had not finished
+            assert set(downloads) == SERVABLE, f"{node}: every servable file, nothing else, after a retried download"
+        else:
+            assert sorted(downloads) == sorted(SERVABLE), f"{node}: each servable file once, nothing else"
         staged = set(vm.ssh(f"cd {MODEL} && ls -A").stdout.split())
         assert staged == SERVABLE | {".gptoss-complete", ".cache"}
         assert vm.ssh("test ! -e /opt/dlami/nvme/models/gpt-oss-120b.partial", check=False).returncode == 0
