@@ -313,7 +313,7 @@ def test_bench_command_prints_the_key_metrics(aws: None, monkeypatch: pytest.Mon
     ssm, _ = stub_ssm([(iid, ""), (iid, "inactive\nsuccess\n"), (iid, json.dumps(RESULT))])
     cli = _load_cli()
     monkeypatch.setattr(cli, "_session", lambda c: Session(ec2=boto3.client("ec2", region_name=REGION), ssm=ssm))
-    monkeypatch.setattr(cli, "Console", lambda *a, **k: __import__("rich.console").console.Console(width=200))
+    monkeypatch.setattr(cli, "_console", lambda args: __import__("rich.console").console.Console(width=200))
     assert cli.main(["bench", "--interval", "0"]) == 0
     out = capsys.readouterr().out
     for label, value in (("median TPOT (ms)", "9.80"), ("p99 TPOT (ms)", "12.10"), ("output throughput (tok/s)", "12,000.50"),
@@ -359,7 +359,7 @@ def test_status_command_prints_every_unit_and_exits_0_when_ready(
                           (ids["decode-0"], node_report(cfg, "decode-0", tmp_path, health_server))]])  # fmt: skip
     cli = _load_cli()
     monkeypatch.setattr(cli, "_session", lambda c: Session(ec2=boto3.client("ec2", region_name=REGION), ssm=ssm))
-    monkeypatch.setattr(cli, "Console", lambda *a, **k: __import__("rich.console").console.Console(width=200))
+    monkeypatch.setattr(cli, "_console", lambda args: __import__("rich.console").console.Console(width=200))
     assert cli.main(["status"]) == 0
     out = capsys.readouterr().out
     assert out.count("active") == 16 + 8 and "gptoss-prefill@5.service" in out and "gptoss-decode.service" in out
