@@ -7,6 +7,10 @@ validator off by default (cfn-lint, which the test gate runs on every template, 
 the minimal app is run both ways. All cases run through the pinned CLI with the project's Node,
 interleaved, ROUNDS times each; the script prints the medians of wall and CPU seconds (the CLI,
 the Python app and its jsii runtime) and their ratios.
+
+--breakdown adds rows for the default stack and the largest fleet with parts of synth switched
+off (scripts/synth_without.py: the bundles' xz at preset 0, no cdk-nag, no jsii type checks, then
+all three): what each part costs, and what the stack costs with none of them.
 """
 
 from __future__ import annotations
@@ -47,11 +51,11 @@ def _env() -> dict[str, str]:
     }
 
 
-def synth(cwd: Path, outdir: Path, *context: str, env: dict[str, str] | None = None) -> tuple[float, float]:
+def synth(cwd: Path, outdir: Path, *context: str, env: dict[str, str] | None = None, app: str | None = None) -> tuple[float, float]:
     """(wall, cpu) seconds of one `cdk synth`, children included."""
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     t0 = time.perf_counter()
-    args = [str(CDK), "synth", "--no-notices", "--quiet", "-o", str(outdir), *(a for c in context for a in ("-c", c))]
+    args = [str(CDK), "synth", "--no-notices", "--quiet", "-o", str(outdir), *(["--app", app] if app else []), *(a for c in context for a in ("-c", c))]
     r = subprocess.run(args, cwd=cwd, env=_env() | (env or {}), capture_output=True, text=True)
     wall = time.perf_counter() - t0
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
@@ -64,6 +68,7 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--fleets", type=int, nargs="*", default=[8, 32, 56], help="decode instances of the larger rows (default: 8, 32 and 56, the issue's rows)")
+    p.add_argument("--breakdown", action="store_true", help="add rows with the bundles' xz, cdk-nag and jsii's type checks switched off (what each costs)")
     args = p.parse_args()
     args.fleets = [(n, len(ClusterConfig(decode_instances=n).layout.nodes)) for n in args.fleets]
     work = Path(tempfile.mkdtemp(prefix="bench-synth-"))
@@ -81,12 +86,20 @@ def main() -> int:
             ("minimal one-queue app", minimal, on, []),
             ("GptOss8k1kStack (default, 2 nodes)", ROOT, on, []),
         ]
+        if args.breakdown:
+            largest = max(args.fleets, default=None)
+            for label, context in [("default", []), *([(f"{largest[0]} decode", [f"decode_instances={largest[0]}"])] if largest else [])]:
+                for parts in ("xz", "nag", "typecheck", "xz,nag,typecheck"):
+                    cases.append((f"{label} without {parts.replace(',', ', ')}", ROOT, off | {"GPTOSS_SYNTH_WITHOUT": parts}, context))
         results: list[list[tuple[float, float]]] = [[] for _ in cases]
         synth(minimal, work / "warm")  # the first run pays for caches of both
         synth(ROOT, work / "warm-app", env=off)
         for i in range(args.rounds):
             for n, (_, cwd, env, context) in enumerate(cases):
-                results[n].append(synth(cwd, work / f"out-{i}-{n}", *context, env=env))
+                variant = f"{sys.executable} {ROOT / 'scripts' / 'synth_without.py'}" if "GPTOSS_SYNTH_WITHOUT" in env else None
+                results[n].append(synth(cwd, work / f"out-{i}-{n}", *context, env=env, app=variant))
+                if cwd == ROOT:
+                    _check_variant(work / f"out-{i}-{n}", env.get("GPTOSS_SYNTH_WITHOUT", ""))
         base: dict[str, tuple[float, float]] = {}
         for (_, cwd, env, _), runs in zip(cases, results, strict=True):
             if cwd == minimal:
@@ -101,6 +114,13 @@ def main() -> int:
     finally:
         shutil.rmtree(work, ignore_errors=True)
     return 0
+
+
+def _check_variant(outdir: Path, without: str) -> None:
+    """A row measures what it says: cdk-nag ran (its report is written) exactly where it was not switched off."""
+    nag_ran = (outdir / "validation-report.json").exists()
+    if nag_ran == ("nag" in without.split(",")):
+        raise SystemExit(f"bench-synth: in {outdir.name} cdk-nag {'ran' if nag_ran else 'did not run'} with GPTOSS_SYNTH_WITHOUT={without!r}")
 
 
 def _node() -> str:
