@@ -129,10 +129,10 @@ lint: setup
 	$(PY) -m mypy clusterspec cluster_constructs cluster_ops stacks app.py scripts
 
 bench-scale: setup
-	$(PY) scripts/bench_scale.py
+	$(PY) scripts/bench_scale.py $(BENCH_ARGS)
 
 bench-synth: setup
-	$(PY) scripts/bench_synth.py
+	$(PY) scripts/bench_synth.py $(BENCH_ARGS)
 
 vm-root:
 	@[ "$$(id -u)" = 0 ] || { echo "make test-vm: the VM scenarios need root (the guest image is built with mmdebstrap --mode=root); run it as root"; exit 2; }
