@@ -56,7 +56,7 @@ AWS_CLI := 1.46.3
 	@touch $@
 
 # vLLM's router for the nodes: the spec's pinned wheel, checked against its sha256 (the stack ships it).
-.make/router-wheel: .make/python clusterspec/serving.py scripts/fetch_router_wheel.py
+.make/router-wheel: .make/python clusterspec/sections/proxy.py scripts/fetch_router_wheel.py
 	@echo "setup: vLLM's router wheel, checked against the spec's sha256"
 	@$(PY) -m scripts.fetch_router_wheel
 	@touch $@

@@ -16,8 +16,8 @@ import aws_cdk as cdk
 from cdk_nag import AwsSolutionsChecks
 
 from clusterspec import limits
-from clusterspec.config import load_config
 from clusterspec.errors import SpecError
+from clusterspec.loading import load_config
 from stacks.cluster_stack import GptOssClusterStack
 
 

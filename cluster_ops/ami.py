@@ -13,7 +13,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from clusterspec.config import ClusterConfig, pin_key
+from clusterspec.config import ClusterConfig
+from clusterspec.loading import pin_key
 
 
 def resolve(cfg: ClusterConfig, ssm: Any, ec2: Any) -> dict[str, str]:

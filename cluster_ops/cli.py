@@ -18,8 +18,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from clusterspec.cells import cells
-from clusterspec.config import ClusterConfig, load_config
+from clusterspec.config import ClusterConfig
 from clusterspec.errors import SpecError
+from clusterspec.loading import load_config
 from clusterspec.render import NodeRender, plan_json, render_cluster
 
 if TYPE_CHECKING:  # rich is imported where a table is printed: `plan` prints none (80 ms of its start)
@@ -621,7 +622,7 @@ def cmd_save_cache(args: argparse.Namespace) -> int:
 def cmd_pin_ami(args: argparse.Namespace) -> int:
     """Resolve the DLAMI parameter once and record the image in cdk.context.json."""
     from cluster_ops import ami
-    from clusterspec.config import pin_key
+    from clusterspec.loading import pin_key
 
     ctx = _context(_context_args(args))
     current = load_config(ctx)

@@ -13,7 +13,9 @@ from clusterspec.config import ClusterConfig
 from clusterspec.layout import ProxyPlacement, Replica
 from clusterspec.paths import EXAMPLES_DIR, member_host, router_venv
 from clusterspec.quoting import Expand
-from clusterspec.serving import Decode, Prefill, Server, Serving, json_arg
+from clusterspec.sections.flags import json_arg
+from clusterspec.sections.servers import Decode, Prefill, Server
+from clusterspec.sections.serving import Serving
 
 
 def host_var(node: str) -> str:

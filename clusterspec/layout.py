@@ -5,20 +5,16 @@ from __future__ import annotations
 import math
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict
-
+from clusterspec.base import Frozen
 from clusterspec.errors import SpecError
 from clusterspec.instance_types import InstanceType
-from clusterspec.serving import ProxyKind, Serving
+from clusterspec.sections.proxy import ProxyKind
+from clusterspec.sections.serving import Serving
 
 Role = Literal["prefill", "decode", "server"]
 
 
-class _Frozen(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-
-class Replica(_Frozen):
+class Replica(Frozen):
     """One TP prefill server."""
 
     node: str
@@ -42,7 +38,7 @@ class Replica(_Frozen):
         return f"{self.first_core}-{self.last_core}"
 
 
-class ProxyPlacement(_Frozen):
+class ProxyPlacement(Frozen):
     """One proxy or router: the node it runs on and the servers it routes to.
 
     A toy proxy routes to one decode server and its fixed group of replicas; a router to every
@@ -56,7 +52,7 @@ class ProxyPlacement(_Frozen):
     kind: ProxyKind = "toy"
 
 
-class Node(_Frozen):
+class Node(Frozen):
     """One instance of the fleet."""
 
     name: str
@@ -73,7 +69,7 @@ class Node(_Frozen):
         return self.cores - self.used_cores
 
 
-class Layout(_Frozen):
+class Layout(Frozen):
     """The computed fleet."""
 
     decode_instances: int

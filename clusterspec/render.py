@@ -1,8 +1,9 @@
 """Render each node's units and files from the config and the layout.
 
-What every server runs comes from commands.py; how the files travel to the node (the bundle,
-the user data, the scripts asset) from userdata.py. `cluster.py plan` prints the services
-rendered here, the stack packages the files, and the tests compare the two.
+What every server runs comes from commands.py, the scripts as shipped from node_scripts.py.
+userdata.py packages what is rendered here (the bundle, the user data, the scripts asset); the
+dependency goes that one way. `gptoss plan` prints the services rendered here, the stack
+packages the files, and the tests compare the two.
 """
 
 from __future__ import annotations
@@ -15,7 +16,6 @@ from pathlib import PurePosixPath
 import jinja2
 
 from clusterspec import telemetry
-from clusterspec.boot import BACKOFF_MAX_S, RESTART_SEC, SIGNAL_MARGIN_S
 from clusterspec.commands import (
     bench_argv,
     decode_env,
@@ -36,6 +36,7 @@ from clusterspec.commands import (
 )
 from clusterspec.config import ClusterConfig
 from clusterspec.layout import Layout, Node, ProxyPlacement
+from clusterspec.node_scripts import NODE_SCRIPTS, shipped_scripts
 from clusterspec.paths import (
     BIN,
     CLUSTER_ENV,
@@ -56,7 +57,7 @@ from clusterspec.paths import (
 )
 from clusterspec.quoting import Expand, env_file, expand, systemd_quote
 from clusterspec.router_cli import check_router_argv
-from clusterspec.userdata import NODE_SCRIPTS, _scripts
+from clusterspec.sections.boot import BACKOFF_MAX_S, RESTART_SEC, SIGNAL_MARGIN_S
 
 _ENV = jinja2.Environment(
     loader=jinja2.FileSystemLoader(USERDATA_DIR / "units"),
@@ -504,7 +505,7 @@ def render_node(cfg: ClusterConfig, layout: Layout, node: Node, *, bin_dir: str 
     out.files[f"{UNIT_DIR}/{NODE_TARGET}"] = _unit(NODE_TARGET, node=node.name, wants=out.wants)
     out.files[f"{ETC}/health"] = (health_file(cfg, out), 0o644)
     out.scripts = _needed_scripts(out.files, save_cache=cfg.compile_cache_enabled)
-    scripts = _scripts()
+    scripts = shipped_scripts()
     for name in sorted(out.scripts & NODE_SCRIPTS):
         out.files[f"{bin_dir}/{name}"] = (scripts[name], 0o755)
     out.files[UNITS_FILE] = ("\n".join(out.units) + "\n", 0o644)
@@ -551,7 +552,7 @@ def health_file(cfg: ClusterConfig, render: NodeRender) -> str:
 @functools.cache
 def _script_references() -> dict[str, frozenset[str]]:
     """For each shipped script, the scripts its text names (once per process, not once per node)."""
-    scripts = _scripts()
+    scripts = shipped_scripts()
     return {n: frozenset(m for m in scripts if m in text) for n, text in scripts.items()}
 
 
@@ -560,7 +561,7 @@ def _needed_scripts(files: dict[str, tuple[str, int]], *, save_cache: bool) -> s
     wanted = set(NODE_SCRIPTS) | ({"gptoss-save-cache"} if save_cache else set())
     # One search per script name over all of the node's files (a NUL cannot be part of a name).
     text = "\0".join(t for t, _ in files.values())
-    found = {name for name in _scripts() if name in text} | wanted
+    found = {name for name in shipped_scripts() if name in text} | wanted
     refs = _script_references()
     while found != wanted:
         wanted = found

@@ -11,7 +11,7 @@ import subprocess
 import sys
 
 from clusterspec.paths import WHEELS_DIR
-from clusterspec.serving import Router
+from clusterspec.sections.proxy import Router
 
 
 def main() -> int:

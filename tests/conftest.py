@@ -137,7 +137,7 @@ def synth_variant() -> Callable[..., dict[str, Any]]:
     import aws_cdk as cdk
     from aws_cdk.assertions import Template
 
-    from clusterspec.config import load_config
+    from clusterspec.loading import load_config
     from stacks.cluster_stack import GptOssClusterStack
 
     cache: dict[str, dict[str, Any]] = {}
@@ -200,7 +200,7 @@ CACHE_URI = "s3://gptoss-8k1k-compilecachebucket-0123456789ab"
 
 def rendered_services(**context: str) -> dict[str, dict[str, Any]]:
     """Every service the plan renders for this context, by unit (and step): node, environment, argv."""
-    from clusterspec.config import load_config
+    from clusterspec.loading import load_config
     from clusterspec.render import render_cluster
 
     out = {}
@@ -237,7 +237,7 @@ def node_user_data(render: Any) -> str:
 @pytest.fixture(scope="module")
 def shipped(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
     """Write a script as a node receives it (comments or docstrings stripped); returns its path."""
-    from clusterspec.userdata import node_script
+    from clusterspec.node_scripts import node_script
 
     folder = tmp_path_factory.mktemp("shipped")
 
@@ -272,7 +272,7 @@ def nag_synth(outdir: Path, stacks: dict[str, dict[str, Any]]) -> dict[str, Any]
     from cdk_nag import AwsSolutionsChecks
 
     from clusterspec import limits
-    from clusterspec.config import load_config
+    from clusterspec.loading import load_config
     from stacks.cluster_stack import GptOssClusterStack
 
     # What the CLI asks of an app: path metadata on every resource (cfn-lint reads it).

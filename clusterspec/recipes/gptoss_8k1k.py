@@ -1,12 +1,12 @@
 """gptoss-120b-8k1k: reference 000, the tested 8K/1K configuration (6P1D on two Trn3 instances).
 
-Its tables are the defaults of clusterspec/serving.py, where each value carries its reason.
+Its tables are the defaults of clusterspec/sections/ (servers.py, flags.py), where each value carries its reason.
 """
 
 from __future__ import annotations
 
-from clusterspec.recipes import Recipe
-from clusterspec.serving import Serving
+from clusterspec.recipes.base import Recipe
+from clusterspec.sections.serving import Serving
 
 RECIPE = Recipe(
     name="gptoss-120b-8k1k",

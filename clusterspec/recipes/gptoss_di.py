@@ -9,8 +9,10 @@ reference gives no DI flags: BF16 is assumed (set serving.shape.quantization=bf1
 
 from __future__ import annotations
 
-from clusterspec.recipes import Recipe
-from clusterspec.serving import Bench, Decode, EnvSetting, Prefill, Serving, Shape
+from clusterspec.recipes.base import Recipe
+from clusterspec.sections.flags import EnvSetting
+from clusterspec.sections.servers import Decode, Prefill, Shape
+from clusterspec.sections.serving import Bench, Serving
 
 
 def _env(**pairs: tuple[str, str]) -> dict[str, EnvSetting]:

@@ -7,10 +7,13 @@ itself, so the same recipe runs on both.
 
 from __future__ import annotations
 
-from clusterspec.recipes import Recipe
-from clusterspec.serving import Bench, EnvSetting, Server, Serving, Shape
+from clusterspec.recipes.base import Recipe
+from clusterspec.sections.flags import EnvSetting
 
 # 001, single instance: "Compilation and execution timeouts for gpt-oss."
+from clusterspec.sections.servers import Server, Shape
+from clusterspec.sections.serving import Bench, Serving
+
 SINGLE_ENV = {
     "VLLM_NEURON_COMPILATION_TIMEOUT": EnvSetting(value="1200", reason="gpt-oss compilation runs longer than the vLLM default."),
     "VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS": EnvSetting(value="1200", reason="gpt-oss execution runs longer than the vLLM default."),

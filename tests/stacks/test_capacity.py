@@ -117,7 +117,7 @@ def test_nodes_in_a_block_are_the_ones_the_gate_waits_for(capacity_synth: dict[s
 
 
 def test_every_capacity_mode_grants_the_node_exactly_the_allowlist(capacity_synth: dict[str, Any]) -> None:
-    from clusterspec.config import load_config
+    from clusterspec.loading import load_config
     from tests.stacks.least_privilege import assert_least_privilege
 
     for mode, t in capacity_synth["templates"].items():

@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from clusterspec.cells import cell_name, cells
-from clusterspec.config import load_config
+from clusterspec.loading import load_config
 from tests.conftest import cfn_lint, nag_synth
 from tests.stacks.test_template import of_type
 

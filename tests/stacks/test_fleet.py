@@ -7,8 +7,8 @@ import re
 from pathlib import Path
 from typing import Any
 
-from clusterspec.config import load_config
 from clusterspec.limits import estimate
+from clusterspec.loading import load_config
 from clusterspec.render import render_cluster
 from clusterspec.userdata import parse_user_data, user_data
 from tests.conftest import Synth

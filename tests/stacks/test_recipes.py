@@ -75,7 +75,7 @@ def test_cdk_synth_takes_the_recipe_from_the_command_line(tmp_path: Path) -> Non
 
 
 def test_every_recipe_grants_the_node_exactly_the_allowlist(recipe_synth: dict[str, Any], default_synth: Any) -> None:
-    from clusterspec.config import load_config
+    from clusterspec.loading import load_config
     from tests.stacks.least_privilege import assert_least_privilege
 
     assert_least_privilege(default_synth.template, load_config({}))

@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from clusterspec.config import load_config
+from clusterspec.loading import load_config
 from tests.conftest import Synth
 
 

@@ -26,10 +26,10 @@ from typing import Any
 
 import pytest
 
-from clusterspec.boot import BootConfig
-from clusterspec.config import load_config
+from clusterspec.loading import load_config
 from clusterspec.paths import BIN, UNIT_DIR
 from clusterspec.render import render_node
+from clusterspec.sections.boot import BootConfig
 from clusterspec.userdata import bundle
 from tests.conftest import fake_command
 from tests.unit.test_node_scripts import imds  # noqa: F401 - the IMDS fake, reused

@@ -15,11 +15,13 @@ import pytest
 import yaml
 
 from clusterspec.commands import host_var
-from clusterspec.config import ClusterConfig, load_config
+from clusterspec.config import ClusterConfig
+from clusterspec.loading import load_config
+from clusterspec.node_scripts import NODE_SCRIPTS, node_script
 from clusterspec.paths import BIN, DEPLOY_ENV, MANIFEST, MEMBERS_ENV, NIXL_ENV, ROUTER_POOL, UNITS_FILE
 from clusterspec.quoting import parse_env_file, systemd_expand
 from clusterspec.render import NodeRender, render_cluster, render_node, served
-from clusterspec.userdata import NODE_SCRIPTS, USER_DATA_LIMIT, node_script, parse_user_data, scripts_asset, unbundle
+from clusterspec.userdata import USER_DATA_LIMIT, parse_user_data, scripts_asset, unbundle
 from tests.conftest import CACHE_URI, SCRIPTS_SHA, SCRIPTS_URI, node_user_data
 
 LONGEST_IP = "10.255.255.254"
@@ -385,7 +387,7 @@ def test_an_environment_file_a_unit_writes_for_itself_is_optional_when_systemd_f
     when start-pre begins: unless it is optional (`-`), the unit fails with result 'resources'
     before the script that would write it runs. Files under /run written by another unit the
     service requires (gptoss-identity's nixl.env) exist by then and stay required."""
-    from clusterspec.config import load_config
+    from clusterspec.loading import load_config
     from clusterspec.render import render_cluster
 
     writes = {MEMBERS_ENV: "gptoss-members write", NIXL_ENV: "gptoss-identity"}

@@ -11,7 +11,7 @@ import pytest
 from botocore.stub import Stubber
 
 from cluster_ops import capacity, preflight
-from clusterspec.config import load_config
+from clusterspec.loading import load_config
 
 REGION = "us-east-2"
 NOW = dt.datetime(2026, 11, 30, 12, 0, tzinfo=dt.UTC)

@@ -20,7 +20,7 @@ from botocore.stub import Stubber
 from moto import mock_aws
 
 from cluster_ops import cli, cost
-from clusterspec.config import load_config
+from clusterspec.loading import load_config
 from tests.conftest import ROOT
 
 REGION = "us-east-2"

@@ -24,7 +24,7 @@ import boto3
 import pytest
 
 from cluster_ops import cache
-from clusterspec.config import load_config
+from clusterspec.loading import load_config
 from clusterspec.render import cluster_env
 from tests.conftest import ROOT, fake_command
 from tests.fakes import hub

@@ -12,8 +12,8 @@ from typing import Any
 import pytest
 
 from clusterspec import limits
-from clusterspec.config import load_config
 from clusterspec.errors import SpecError
+from clusterspec.loading import load_config
 from tests.conftest import CDK, ODD_VALUES, ROOT, cli_env
 
 

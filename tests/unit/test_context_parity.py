@@ -19,8 +19,8 @@ from typing import Any
 import pytest
 
 from cluster_ops import cli
-from clusterspec.config import load_config
 from clusterspec.errors import SpecError
+from clusterspec.loading import load_config
 from tests.conftest import CDK, ROOT, cli_env
 
 # The app the CLI starts: the CDK's own App reading the context, written where the test says.

@@ -6,10 +6,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from clusterspec.config import load_config
 from clusterspec.instance_types import KNOWN_INSTANCE_TYPES
 from clusterspec.layout import Layout, compute_layout
-from clusterspec.serving import Serving
+from clusterspec.loading import load_config
+from clusterspec.sections.serving import Serving
 
 TRN3 = KNOWN_INSTANCE_TYPES["trn3.48xlarge"]
 
@@ -91,12 +91,13 @@ def test_rendering_a_fleet_computes_its_layout_once(monkeypatch: pytest.MonkeyPa
     """The work's shape, not the clock: every node's rendering asks for the layout; it is computed once."""
     import clusterspec.config as config_module
     from clusterspec.limits import check
+    from clusterspec.loading import load_config
     from clusterspec.render import render_cluster
 
     calls = []
     real = config_module.compute_layout
     monkeypatch.setattr(config_module, "compute_layout", lambda **kw: calls.append(kw) or real(**kw))
-    cfg = config_module.load_config({"decode_instances": 8})
+    cfg = load_config({"decode_instances": 8})
     calls.clear()
     render_cluster(cfg)
     assert len(calls) == 0, "load_config validated the fleet: its layout is already there"

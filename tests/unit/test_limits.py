@@ -15,8 +15,8 @@ from typing import Any
 import pytest
 
 from clusterspec import limits, render, userdata
-from clusterspec.config import load_config
 from clusterspec.errors import SpecError
+from clusterspec.loading import load_config
 
 ROOT = Path(__file__).resolve().parents[2]
 CONTEXTS: list[dict[str, Any]] = [

@@ -20,8 +20,9 @@ from typing import Any
 
 import pytest
 
+from clusterspec.node_scripts import node_script, strip_comments, strip_python
 from clusterspec.paths import USERDATA_DIR
-from clusterspec.userdata import bundle, node_script, strip_comments, strip_python
+from clusterspec.userdata import bundle
 from tests.conftest import fake_command
 
 SCRIPTS = sorted(p for p in (USERDATA_DIR / "bin").iterdir() if p.is_file())

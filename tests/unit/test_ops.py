@@ -21,7 +21,8 @@ from moto import mock_aws
 
 from cluster_ops import bench, preflight
 from cluster_ops.status import collect, wait_ready
-from clusterspec.config import ClusterConfig, load_config
+from clusterspec.config import ClusterConfig
+from clusterspec.loading import load_config
 from clusterspec.paths import USERDATA_DIR
 from clusterspec.render import health_file, render_cluster
 

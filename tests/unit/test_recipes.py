@@ -13,8 +13,8 @@ from typing import Any
 import pytest
 
 from clusterspec import limits
-from clusterspec.config import load_config
 from clusterspec.errors import SpecError
+from clusterspec.loading import load_config
 from clusterspec.recipes import RECIPES
 from tests.conftest import argv_flags, rendered_services
 

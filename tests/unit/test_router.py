@@ -33,7 +33,7 @@ import boto3
 import pytest
 
 from clusterspec import telemetry
-from clusterspec.config import load_config
+from clusterspec.loading import load_config
 from clusterspec.paths import WHEELS_DIR, member_host
 from clusterspec.quoting import env_file as render_env_file
 from clusterspec.render import cluster_env, render_cluster

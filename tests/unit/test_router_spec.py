@@ -8,9 +8,9 @@ from typing import Any
 
 import pytest
 
-from clusterspec.config import load_config
 from clusterspec.errors import SpecError
 from clusterspec.limits import check
+from clusterspec.loading import load_config
 from clusterspec.paths import WHEELS_DIR
 from clusterspec.recipes import RECIPES
 from clusterspec.render import render_cluster

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from clusterspec.config import load_config
+from clusterspec.loading import load_config
 from tests.conftest import ROOT, fake_command
 from tests.fakes import hub
 

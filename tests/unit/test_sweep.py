@@ -20,8 +20,8 @@ import yaml
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from clusterspec.config import load_config
 from clusterspec.errors import SpecError
+from clusterspec.loading import load_config
 from clusterspec.render import render_cluster
 from clusterspec.userdata import parse_user_data
 from tests.conftest import node_user_data

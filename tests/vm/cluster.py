@@ -22,7 +22,8 @@ from pathlib import Path
 from typing import Any
 
 from clusterspec import telemetry
-from clusterspec.config import ClusterConfig, load_config
+from clusterspec.config import ClusterConfig
+from clusterspec.loading import load_config
 from clusterspec.paths import WHEELS_DIR
 from clusterspec.render import NodeRender, render_cluster
 from clusterspec.userdata import launch_inputs, node_digest, scripts_asset, user_data

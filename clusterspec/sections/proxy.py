@@ -1,0 +1,121 @@
+"""The endpoint of a disaggregated fleet: the examples' toy proxy, or vLLM's router (a pinned wheel, its policies and failure settings)."""
+
+from __future__ import annotations
+
+import ipaddress
+from typing import Literal
+
+from pydantic import Field, field_validator, model_validator
+
+from clusterspec.base import Frozen
+from clusterspec.errors import rule_error
+from clusterspec.sections.flags import ExtraFlag, repo_path, route_path
+
+ProxyKind = Literal["toy", "vllm-router"]
+RouterPolicy = Literal["random", "round_robin", "power_of_two", "cache_aware", "consistent_hash"]
+
+
+class Router(Frozen):
+    """vLLM's own router (PyPI vllm-router): a pinned wheel, its routing policies and failure settings.
+
+    The defaults are what the loopback fault test measured (README 'Router'): a dead server is
+    out of rotation within the health window (failure threshold x interval + timeout); what the
+    router sent it before that fails (0.1.17 does not retry a failed handoff on another server),
+    nothing after.
+    """
+
+    version: str = Field("0.1.17", pattern=r"^[0-9]+(\.[0-9]+){1,3}$", description="The vllm-router release.")
+    wheel: str = Field(
+        "vllm_router-0.1.17-cp38-abi3-manylinux_2_28_x86_64.whl",
+        pattern=r"^vllm_router-[0-9.]+-cp3[0-9]+-abi3-manylinux_[0-9]+_[0-9]+_x86_64\.whl$",
+        description="The release's wheel for the nodes (abi3: any CPython of the DLAMI; no compiled dependency).",
+    )
+    sha256: str = Field(
+        "85c96bea4d573a49b5a8ae4c72ee3dfe733aba26b6f1ff1256e6142f1f42694d",
+        pattern=r"^[0-9a-f]{64}$",
+        description="sha256 of the wheel: `make setup` refuses another file, and a node checks what it fetches.",
+    )
+    prefill_policy: RouterPolicy | None = Field(
+        None,
+        description="Unset: power_of_two (least loaded of two random servers; needs no tokenizer route on the servers) "
+        "with two or more prefill servers, round_robin with one (vllm-router 0.1.17 refuses power_of_two over one server).",
+    )
+    decode_policy: RouterPolicy | None = Field(None, description="The same rule for the decode servers.")
+    health_check_interval_s: int = Field(1, ge=1, le=300, description="How often the router asks every server's /health.")
+    health_check_timeout_s: int = Field(1, ge=1, le=60, description="A /health answer slower than this counts as a failure.")
+    health_failure_threshold: int = Field(2, ge=1, le=20, description="Failed checks in a row that take a server out of rotation.")
+    health_success_threshold: int = Field(1, ge=1, le=20, description="Passed checks in a row that bring it back.")
+    retry_max_retries: int = Field(3, ge=0, le=10, description="A request that failed to reach a server is sent again, to another.")
+    retry_initial_backoff_ms: int = Field(20, ge=1, le=10000, description="First pause before a retry.")
+    retry_max_backoff_ms: int = Field(500, ge=1, le=60000, description="Longest pause between retries.")
+    cb_failure_threshold: int = Field(3, ge=1, le=100, description="Failures in a row that open a server's circuit breaker.")
+    cb_timeout_s: int = Field(5, ge=1, le=600, description="How long an open breaker keeps the server out before one trial request.")
+    request_timeout_s: int = Field(1800, ge=10, le=86400, description="The longest one request may take end to end.")
+    metrics_port: int = Field(8029, ge=1024, le=65535, description="Prometheus metrics, on 127.0.0.1 (the node's collector reads them).")
+    extra_flags: tuple[ExtraFlag, ...] = Field(
+        (), description="Router flags the spec does not model; checked against the pinned router's own parser at plan time."
+    )
+
+    @model_validator(mode="after")
+    def _router_rules(self) -> Router:
+        if f"-{self.version}-" not in self.wheel:
+            raise rule_error(
+                "serving.proxy.router.wheel", self.wheel, f"is not a wheel of version {self.version}",
+                "give the wheel file of the pinned version (and its sha256)",
+            )  # fmt: skip
+        if self.retry_max_backoff_ms < self.retry_initial_backoff_ms:
+            raise rule_error(
+                "serving.proxy.router.retry_max_backoff_ms", self.retry_max_backoff_ms,
+                f"is below retry_initial_backoff_ms={self.retry_initial_backoff_ms}", "raise it or lower the initial back-off",
+            )  # fmt: skip
+        seen: set[str] = set()
+        for flag in self.extra_flags:
+            if flag.name in seen:
+                raise rule_error("serving.proxy.router.extra_flags", flag.name, "is given twice", "keep one")
+            seen.add(flag.name)
+        return self
+
+
+class Proxy(Frozen):
+    """The endpoint of a DI fleet: the examples' toy proxy, or vLLM's router."""
+
+    kind: ProxyKind | None = Field(
+        None,
+        description="'toy' runs the references' toy_proxy_server.py exactly as they do (one per decode server, a fixed "
+        "group of replicas); 'vllm-router' runs vLLM's router, which health-checks and retries. Unset: the router when "
+        "the fleet has more than one decode server, the toy proxy for the references' one-decode layouts.",
+    )
+    router: Router = Field(default_factory=Router)
+    port: int = Field(8000, ge=1024, le=65535, description="The client endpoint.")
+    bind_host: str = Field("0.0.0.0", description="The proxy defaults to 127.0.0.1; other nodes and the NLB must reach it.")
+    health_path: str = Field("/healthcheck", description="The proxy has no /health route.")
+    group_health_port: int = Field(
+        8001,
+        ge=1024,
+        le=65535,
+        description="The project's health route for the load balancer: ready only when the proxy and every server "
+        "of its group answer (the proxy's own /healthcheck answers as long as its process runs).",
+    )
+    script: str = Field(
+        "examples/vllm_neuron/vllm/disaggregated_inference/toy_proxy_server.py",
+        description="Path of the proxy inside the vLLM Neuron repository.",
+    )
+
+    @field_validator("script")
+    @classmethod
+    def _script(cls, v: str) -> str:
+        return repo_path("serving.proxy.script", v)
+
+    @field_validator("health_path")
+    @classmethod
+    def _route(cls, v: str) -> str:
+        return route_path("serving.proxy.health_path", v)
+
+    @field_validator("bind_host")
+    @classmethod
+    def _bind(cls, v: str) -> str:
+        try:
+            ipaddress.IPv4Address(v)
+        except ValueError:
+            raise rule_error("serving.proxy.bind_host", v, "must be an IPv4 address", "use 0.0.0.0 (other nodes and the load balancer reach the proxy)") from None
+        return v
