@@ -109,3 +109,9 @@ def priced(cfg: ClusterConfig, pricing: Any) -> list[Item]:
         usd = None if (item.note.startswith("paid up front")) else _unit_price(pricing, item)
         out.append(Item(**{**item.__dict__, "usd": usd}))
     return out
+
+
+def price_rows(cfg: ClusterConfig, pricing: Any) -> list[dict[str, Any]]:
+    """The priced items as `plan --json --cost` gives them (pricing: a Price List API client)."""
+    return [{"item": i.name, "count": i.count, "unit": i.unit, "usd_per_unit": i.usd, "usd_per_hour": i.per_hour, "note": i.note}
+            for i in priced(cfg, pricing)]  # fmt: skip

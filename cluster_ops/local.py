@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
-from cluster_ops.cli import ROOT, CliError, _checkout, _state
+from cluster_ops.common import ROOT, CliError, checkout, state_dir
 
 ACCOUNT = "123456789012"  # moto's account
 REGION = "us-east-2"
@@ -87,7 +87,7 @@ def _answers(url: str) -> bool | None:
 
 
 def _server_record() -> Path:
-    return _state() / "local" / "server.json"
+    return state_dir() / "local" / "server.json"
 
 
 def _start_server(url: str) -> int:
@@ -96,7 +96,7 @@ def _start_server(url: str) -> int:
     moto = Path(sys.executable).parent / "moto_server"
     if not moto.exists():
         raise CliError(f"moto's server is not installed ({moto}). Fix: make setup")
-    log = _state() / "local" / "moto.log"
+    log = state_dir() / "local" / "moto.log"
     log.parent.mkdir(parents=True, exist_ok=True)
     proc = subprocess.Popen([str(moto), "-H", "127.0.0.1", "-p", str(port)], stdout=log.open("w"), stderr=subprocess.STDOUT,
                             stdin=subprocess.DEVNULL, start_new_session=True)  # fmt: skip
@@ -151,7 +151,7 @@ def inventory(client: Any) -> dict[str, list[str]]:
 
 def _run(cmd: list[str], url: str, *, quiet: bool = False) -> int:
     print("$ " + " ".join(cmd), file=sys.stderr, flush=True)
-    r = subprocess.run(cmd, cwd=_checkout(), env=_env(url), stdin=subprocess.DEVNULL, capture_output=quiet, text=True)
+    r = subprocess.run(cmd, cwd=checkout(), env=_env(url), stdin=subprocess.DEVNULL, capture_output=quiet, text=True)
     if quiet and r.returncode != 0:
         print((r.stdout + r.stderr)[-2000:], file=sys.stderr)
     return r.returncode

@@ -19,7 +19,8 @@ from botocore.config import Config
 from botocore.stub import Stubber
 from moto import mock_aws
 
-from cluster_ops import cli, cost
+from cluster_ops import cli, common, cost, stack
+from cluster_ops.commands import deploy, destroy
 from clusterspec.loading import load_config
 from tests.conftest import ROOT
 
@@ -38,7 +39,7 @@ def no_credentials(tmp_path: Path) -> dict[str, str]:
 @pytest.fixture
 def checkout(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     """A checkout of our own: cdk.context.json and the deploy records go here."""
-    monkeypatch.setattr(cli, "_checkout", lambda: tmp_path)
+    monkeypatch.setattr(common, "checkout", lambda: tmp_path)
     return tmp_path
 
 
@@ -46,9 +47,9 @@ def checkout(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 def account(monkeypatch: pytest.MonkeyPatch) -> None:
     """Credentials that work (the account is asked before a deploy or destroy) and an image the
     stack pins already (no DLAMI parameter to resolve)."""
-    monkeypatch.setattr(cli, "_account", lambda cfg: "123456789012")
-    monkeypatch.setattr(cli, "_resolve_image", lambda cfg, args, verb: [])
-    monkeypatch.setattr(cli, "_stack_exists", lambda cfg: False)
+    monkeypatch.setattr(common, "account", lambda cfg: "123456789012")
+    monkeypatch.setattr(deploy, "resolve_image", lambda cfg, args, verb: [])
+    monkeypatch.setattr(stack, "exists", lambda cfg: False)
 
 
 class Session:
@@ -147,7 +148,7 @@ def test_an_endpoint_answering_html_500_is_one_line_naming_it(command: list[str]
 def test_expired_denied_and_throttled_are_one_line_naming_the_action(
     code: str, expected: str, monkeypatch: pytest.MonkeyPatch, capsys: Any
 ) -> None:
-    monkeypatch.setattr(cli, "_session", lambda cfg: Session(ec2=failing("ec2", "describe_instances", code), ssm=None))
+    monkeypatch.setattr(common, "session", lambda cfg: Session(ec2=failing("ec2", "describe_instances", code), ssm=None))
     assert cli.main(["status"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 2 and err[1].startswith(expected), err
@@ -192,8 +193,8 @@ def test_destroy_asks_for_the_stack_name_and_runs_cdk_only_when_it_is_typed(
     checkout: Path, account: None, monkeypatch: pytest.MonkeyPatch, capsys: Any, tmp_path: Path
 ) -> None:
     ran: list[tuple[str, str, list[str], list[str]]] = []
-    monkeypatch.setattr(cli, "_cdk", lambda verb, cfg, context, extra: ran.append((verb, cfg.stack_name, context, extra)) or 0)
-    monkeypatch.setattr(cli, "_what_goes", lambda cfg: "11 x trn3.48xlarge")
+    monkeypatch.setattr(stack, "cdk", lambda verb, cfg, context, extra: ran.append((verb, cfg.stack_name, context, extra)) or 0)
+    monkeypatch.setattr(destroy, "what_goes", lambda cfg: "11 x trn3.48xlarge")
 
     class Tty(io.StringIO):
         def isatty(self) -> bool:
@@ -219,7 +220,7 @@ def test_make_deploy_keeps_cdks_approval_prompt() -> None:
 
 def test_deploy_names_the_stack_records_it_and_later_commands_find_it(checkout: Path, account: None, monkeypatch: pytest.MonkeyPatch, capsys: Any) -> None:
     ran: list[tuple[str, str, list[str], list[str]]] = []
-    monkeypatch.setattr(cli, "_cdk", lambda verb, cfg, context, extra: ran.append((verb, cfg.stack_name, context, extra)) or 0)
+    monkeypatch.setattr(stack, "cdk", lambda verb, cfg, context, extra: ran.append((verb, cfg.stack_name, context, extra)) or 0)
     assert cli.main(["deploy", *PROD, "--require-approval", "never"]) == 0
     assert ran == [("deploy", "GptOss8k1kProd", ["config=examples/production-3p8d.yaml"], ["--require-approval", "never"])]
     err = capsys.readouterr().err
@@ -238,7 +239,7 @@ def test_a_fleet_many_times_the_expected_size_is_confirmed_before_it_bills(check
     terminal) and runs nothing unconfirmed; the 3 + 8 layout asked by decode_instances does not ask,
     and a later deploy of that stack is compared with what it had."""
     ran: list[str] = []
-    monkeypatch.setattr(cli, "_cdk", lambda verb, cfg, context, extra: ran.append(cfg.stack_name) or 0)
+    monkeypatch.setattr(stack, "cdk", lambda verb, cfg, context, extra: ran.append(cfg.stack_name) or 0)
     big = ["-c", "prefill_per_decode=1000"]
     assert cli.main(["plan", *big]) == 0
     out = " ".join(capsys.readouterr().out.split())
@@ -265,7 +266,7 @@ def test_a_fleet_many_times_the_expected_size_is_confirmed_before_it_bills(check
 
 
 def test_a_failed_deploy_is_explained_in_one_line(checkout: Path, monkeypatch: pytest.MonkeyPatch, capsys: Any) -> None:
-    monkeypatch.setattr(cli, "_cdk", lambda verb, cfg, context, extra: 1)
+    monkeypatch.setattr(stack, "cdk", lambda verb, cfg, context, extra: 1)
     cfn = boto3.client("cloudformation", region_name=REGION, aws_access_key_id="x", aws_secret_access_key="x")
     stub = Stubber(cfn)
     now = dt.datetime(2026, 11, 30, tzinfo=dt.UTC)
@@ -274,10 +275,10 @@ def test_a_failed_deploy_is_explained_in_one_line(checkout: Path, monkeypatch: p
          "ResourceStatus": "CREATE_FAILED", "ResourceStatusReason": "Insufficient capacity. (InsufficientInstanceCapacity)"}]},
         {"StackName": "GptOss8k1kProd"})  # fmt: skip
     stub.activate()
-    monkeypatch.setattr(cli, "_session", lambda cfg: Session(cloudformation=cfn))
-    monkeypatch.setattr(cli, "_account", lambda cfg: "123456789012")
-    monkeypatch.setattr(cli, "_resolve_image", lambda cfg, args, verb: [])
-    monkeypatch.setattr(cli, "_stack_exists", lambda cfg: False)
+    monkeypatch.setattr(common, "session", lambda cfg: Session(cloudformation=cfn))
+    monkeypatch.setattr(common, "account", lambda cfg: "123456789012")
+    monkeypatch.setattr(deploy, "resolve_image", lambda cfg, args, verb: [])
+    monkeypatch.setattr(stack, "exists", lambda cfg: False)
     assert cli.main(["deploy", *PROD]) == 1
     err = capsys.readouterr().err.splitlines()
     assert err[-1].startswith("deploy failed: no capacity for decode (trn3.48xlarge in us-east-2a, on-demand)")
@@ -338,14 +339,14 @@ def test_an_unpinned_deploy_passes_the_image_it_resolved_and_a_new_one_asks_firs
     first, second = [i["ImageId"] for i in ec2.describe_images(Owners=["amazon"])["Images"][:2]]
     ssm.put_parameter(Name="/test/dlami", Value=first, Type="String")
     ran: list[list[str]] = []
-    monkeypatch.setattr(cli, "_cdk", lambda verb, cfg, context, extra: ran.append(context) or 0)
+    monkeypatch.setattr(stack, "cdk", lambda verb, cfg, context, extra: ran.append(context) or 0)
     monkeypatch.setattr(sys, "stdin", io.StringIO(""))  # no terminal
     args = ["deploy", "-c", "ami_ssm_parameter=/test/dlami"]
     assert cli.main(args) == 0
     err = capsys.readouterr().err
     assert f"image {first} (" in err and "from /test/dlami, for this deploy; pin it to keep it: gptoss pin-ami" in err
     assert ran[-1][-2:] == [f"ami_id={first}", "ami_ssm_parameter=null"]
-    assert cli.deployed()["GptOss8k1kStack"]["image"] == first
+    assert common.deployed()["GptOss8k1kStack"]["image"] == first
     ssm.put_parameter(Name="/test/dlami", Value=second, Type="String", Overwrite=True)
     assert cli.main(args) == 1 and len(ran) == 1
     err = capsys.readouterr().err

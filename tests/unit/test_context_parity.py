@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from cluster_ops import cli
+from cluster_ops import common
 from clusterspec.errors import SpecError
 from clusterspec.loading import load_config
 from tests.conftest import CDK, ROOT, cli_env
@@ -70,9 +70,9 @@ def what_the_app_gets(tmp_path: Path, items: list[str]) -> tuple[dict[str, Any] 
 @pytest.mark.parametrize(("case", "items"), CASES, ids=[c[0] for c in CASES])
 def test_plan_and_the_cdk_cli_read_the_same_context(tmp_path: Path, case: str, items: list[str], monkeypatch: Any) -> None:
     monkeypatch.chdir(tmp_path)  # no cdk.context.json of the checkout on either side
-    monkeypatch.setattr(cli, "_checkout", lambda: tmp_path)
+    monkeypatch.setattr(common, "checkout", lambda: tmp_path)
     try:
-        plan: tuple[str, str] = verdict(cli._context(items))
+        plan: tuple[str, str] = verdict(common.context(items))
     except SpecError as e:
         plan = ("refused", str(e))
     app_context, output = what_the_app_gets(tmp_path, items)

@@ -105,9 +105,15 @@ def _load_cli() -> Any:
     return cli
 
 
+def _common() -> Any:
+    from cluster_ops import common
+
+    return common
+
+
 def test_preflight_command_prints_a_table_and_exits_non_zero_on_failure(aws: None, monkeypatch: pytest.MonkeyPatch, capsys: Any) -> None:
-    cli = _load_cli()
-    monkeypatch.setattr(cli, "_session", lambda cfg: _session(quota=100))
+    cli, common = _load_cli(), _common()
+    monkeypatch.setattr(common, "session", lambda cfg: _session(quota=100))
     code = cli.main(["preflight", "--width", "250", "-c", "instance_type=trn2.48xlarge", "-c", 'serving={"shape": {"quantization": "bf16"}}'])
     out = capsys.readouterr().out
     assert code == 1
@@ -300,8 +306,8 @@ def test_wait_ready_command_exits_1_naming_the_failing_units(
     report_p = node_report(cfg, "prefill-0", tmp_path, health_server)
     report_d = node_report(cfg, "decode-0", tmp_path, health_server, down={"gptoss-decode.service"})
     ssm, _ = stub_fleet([[(ids["prefill-0"], report_p), (ids["decode-0"], report_d)]])
-    cli = _load_cli()
-    monkeypatch.setattr(cli, "_session", lambda c: Session(ec2=boto3.client("ec2", region_name=REGION), ssm=ssm))
+    cli, common = _load_cli(), _common()
+    monkeypatch.setattr(common, "session", lambda c: Session(ec2=boto3.client("ec2", region_name=REGION), ssm=ssm))
     code = cli.main(["wait-ready", "--timeout", "0", "--interval", "1"])
     err = capsys.readouterr().err
     assert code == 1
@@ -312,9 +318,9 @@ def test_bench_command_prints_the_key_metrics(aws: None, monkeypatch: pytest.Mon
     cfg = load_config({})
     iid = launch(cfg)["prefill-0"]
     ssm, _ = stub_ssm([(iid, ""), (iid, "inactive\nsuccess\n"), (iid, json.dumps(RESULT))])
-    cli = _load_cli()
-    monkeypatch.setattr(cli, "_session", lambda c: Session(ec2=boto3.client("ec2", region_name=REGION), ssm=ssm))
-    monkeypatch.setattr(cli, "_console", lambda args: __import__("rich.console").console.Console(width=200))
+    cli, common = _load_cli(), _common()
+    monkeypatch.setattr(common, "session", lambda c: Session(ec2=boto3.client("ec2", region_name=REGION), ssm=ssm))
+    monkeypatch.setattr(common, "console", lambda args: __import__("rich.console").console.Console(width=200))
     assert cli.main(["bench", "--interval", "0"]) == 0
     out = capsys.readouterr().out
     for label, value in (("median TPOT (ms)", "9.80"), ("p99 TPOT (ms)", "12.10"), ("output throughput (tok/s)", "12,000.50"),
@@ -358,9 +364,9 @@ def test_status_command_prints_every_unit_and_exits_0_when_ready(
     ids = launch(cfg)
     ssm, _ = stub_fleet([[(ids["prefill-0"], node_report(cfg, "prefill-0", tmp_path, health_server)),
                           (ids["decode-0"], node_report(cfg, "decode-0", tmp_path, health_server))]])  # fmt: skip
-    cli = _load_cli()
-    monkeypatch.setattr(cli, "_session", lambda c: Session(ec2=boto3.client("ec2", region_name=REGION), ssm=ssm))
-    monkeypatch.setattr(cli, "_console", lambda args: __import__("rich.console").console.Console(width=200))
+    cli, common = _load_cli(), _common()
+    monkeypatch.setattr(common, "session", lambda c: Session(ec2=boto3.client("ec2", region_name=REGION), ssm=ssm))
+    monkeypatch.setattr(common, "console", lambda args: __import__("rich.console").console.Console(width=200))
     assert cli.main(["status"]) == 0
     out = capsys.readouterr().out
     assert out.count("active") == 16 + 8 and "gptoss-prefill@5.service" in out and "gptoss-decode.service" in out

@@ -1,0 +1,205 @@
+"""How a plan reads: the 80-column summary, `plan --json`, every unit's detail, and the price table.
+
+Presentation only: the plan comes from clusterspec (render_cluster), prices from cluster_ops.cost.
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+from typing import TYPE_CHECKING, Any
+
+from cluster_ops import common
+from cluster_ops.growth import fleet_growth
+from clusterspec.cells import cells
+from clusterspec.config import ClusterConfig
+from clusterspec.render import NodeRender, plan_json
+
+if TYPE_CHECKING:
+    from rich.console import Console
+
+
+def _groups(renders: list[NodeRender]) -> list[tuple[str, list[NodeRender]]]:
+    """Consecutive nodes that look alike in the summary, as 'decode-0..7'."""
+    out: list[tuple[str, list[NodeRender]]] = []
+    for r in renders:
+        feeds = sorted({rep.decode_server for rep in r.node.replicas})
+        key = (r.node.role, len(r.node.replicas), r.node.used_cores, len(r.services), len(feeds))
+        if out and out[-1][1][-1].node.role == r.node.role and _key(out[-1][1][-1]) == key:
+            out[-1][1].append(r)
+        else:
+            out.append((r.node.role, [r]))
+    return out
+
+
+def _key(r: NodeRender) -> tuple[Any, ...]:
+    feeds = sorted({rep.decode_server for rep in r.node.replicas})
+    return (r.node.role, len(r.node.replicas), r.node.used_cores, len(r.services), len(feeds))
+
+
+def _span(names: list[str]) -> str:
+    if len(names) == 1:
+        return names[0]
+    return f"{names[0]}..{names[-1].rsplit('-', 1)[1]}"
+
+
+def _feeds(rs: list[NodeRender], routed: bool) -> str:
+    feeds = sorted({rep.decode_server for r in rs for rep in r.node.replicas})
+    if not feeds:
+        return "-"
+    if routed:
+        return "every decode"
+    return f"decode-{feeds[0]}" if len(feeds) == 1 else f"decode-{feeds[0]}..{feeds[-1]}"
+
+
+def summary(cfg: ClusterConfig, renders: list[NodeRender]) -> str:
+    """The plan in 80 columns: what is deployed, where the endpoint is, what bills."""
+    from cluster_ops import cost
+
+    layout = cfg.layout
+    s = cfg.serving
+    lines = [f"{cfg.stack_name}: recipe {cfg.recipe}, {cfg.availability_zone}"]
+    if s.disaggregated:
+        lines += [
+            f"  {len(layout.nodes)} x {cfg.instance_type}: {len(layout.prefill_nodes)} prefill + {len(layout.decode_nodes)} decode",
+            f"  {len(layout.replicas)} prefill replicas (TP{s.prefill.tensor_parallel}), {len(layout.decode_nodes)} decode "
+            f"server{'s' if len(layout.decode_nodes) != 1 else ''} (TP{s.decode.tensor_parallel} DP{s.decode.data_parallel}), "
+            f"{len(layout.proxies)} {'router' if cfg.proxy_kind == 'vllm-router' else 'prox'}"
+            f"{('' if len(layout.proxies) == 1 else 's') if cfg.proxy_kind == 'vllm-router' else ('y' if len(layout.proxies) == 1 else 'ies')}",
+        ]
+    else:
+        lines.append(f"  1 x {cfg.instance_type}: one server (TP{s.server.tensor_parallel})")
+    port = s.proxy.port if s.disaggregated else s.server.port
+    lines.append(
+        f"  endpoint: internal NLB on :{port}" if cfg.load_balanced else f"  endpoint: {renders[0].node.name if not s.disaggregated else layout.proxies[0].node}:{port} (SSM port forward)"
+    )
+    if cfg.proxy_kind:
+        names = [p.node for p in layout.proxies]
+        what = f"vLLM router {s.proxy.router.version}" if cfg.proxy_kind == "vllm-router" else "the examples' toy proxy"
+        lines.append(f"  proxy: {what} on {_span(names) if len(names) > 1 else names[0]}")
+        lines.append(f"    why: {cfg.proxy_kind_reason} (serving.proxy.kind)")
+    lines.append(f"  idle cores: {sum(n.idle_cores for n in layout.nodes)}")
+    fleet_cells = cells(layout, cfg.cell_nodes)
+    per_role = ", ".join(f"{role} {sum(1 for c in fleet_cells if c.role == role)}" for role in dict.fromkeys(c.role for c in fleet_cells))
+    lines.append(f"  cells (nested stacks of up to {cfg.cell_nodes} nodes of a role): {len(fleet_cells)}: {per_role}")
+    lines.append("")
+    lines.append(f"  {'nodes':<20} {'role':<8} {'replicas':>8} {'cores':>7}  {'feeds':<16} {'servers':>7}")
+    for role, rs in _groups(renders):
+        n = rs[0].node
+        reps = f"{len(n.replicas)} each" if len(rs) > 1 and n.replicas else str(len(n.replicas))
+        lines.append(
+            f"  {_span([r.node.name for r in rs]):<20} {role:<8} {reps:>8} {f'{n.used_cores}/{n.cores}':>7}  {_feeds(rs, cfg.proxy_kind == 'vllm-router'):<16} {len(rs[0].servers):>7}"
+        )
+    lines.append("")
+    billable = [f"{i.count:g} x {i.name}" if i.unit == "hour" else f"{i.name} x {len(layout.nodes)}" for i in cost.items(cfg)]
+    import textwrap
+
+    lines += textwrap.wrap("billed by the hour: " + billable[0], 78, initial_indent="  ", subsequent_indent="      ")
+    for b in billable[1:]:
+        lines += textwrap.wrap(b, 78, initial_indent="    ", subsequent_indent="      ")
+    lines.append("  prices: --cost (AWS credentials)   every unit: --details, --node NAME, --json")
+    growth = fleet_growth(cfg)
+    if growth:
+        lines += textwrap.wrap(f"check the size: {growth}; gptoss deploy asks you to confirm it", 78, initial_indent="  ", subsequent_indent="    ")
+    return "\n".join(lines)
+
+
+def plan_document(cfg: ClusterConfig, renders: list[NodeRender]) -> dict[str, Any]:
+    """`plan --json`: everything the summary and the detail tables show."""
+    from cluster_ops import cost
+
+    layout = cfg.layout
+    doc = json.loads(plan_json(renders))
+    # A toy proxy's fixed groups; behind the router every replica feeds every decode server.
+    routed = cfg.proxy_kind == "vllm-router"
+    feeds: dict[str, list[str]] = {}
+    for rep in [] if routed else layout.replicas:
+        feeds.setdefault(f"decode-{rep.decode_server}", []).append(rep.unit.replace("gptoss-prefill@", f"{rep.node}:").removesuffix(".service"))
+    every_decode = [n.name for n in layout.decode_nodes]
+    for node in doc["nodes"]:
+        r = next(r for r in renders if r.node.name == node["name"])
+        node["cores"] = {"used": r.node.used_cores, "total": r.node.cores}
+        node["feeds"] = (every_decode if r.node.replicas else []) if routed else sorted({f"decode-{rep.decode_server}" for rep in r.node.replicas})
+    return {
+        "stack": cfg.stack_name,
+        "region": cfg.region,
+        "availability_zone": cfg.availability_zone,
+        "cluster_tag": {"gptoss:cluster": cfg.cluster_name},
+        "recipe": cfg.recipe,
+        "instance_type": cfg.instance_type,
+        "capacity": cfg.capacity.model_dump(exclude_defaults=True) or {"type": "on-demand"},
+        "ami": {"id": cfg.ami_id} if cfg.ami_id else {"ssm_parameter": cfg.ami_ssm_parameter, "pinned": False},
+        "totals": {
+            "nodes": len(layout.nodes), "prefill_nodes": len(layout.prefill_nodes), "decode_nodes": len(layout.decode_nodes),
+            "prefill_replicas": len(layout.replicas), "proxies": len(layout.proxies), "idle_cores": sum(n.idle_cores for n in layout.nodes),
+        },
+        "proxy": {"kind": cfg.proxy_kind, "why": cfg.proxy_kind_reason, "nodes": [p.node for p in layout.proxies],
+                  "health_path": cfg.proxy_health_path},
+        "load_balancer": {"internal_nlb": cfg.load_balanced, "port": cfg.serving.proxy.port if cfg.serving.disaggregated else cfg.serving.server.port},
+        "feeds": feeds,
+        "cells": [{"name": c.name, "role": c.role, "nodes": [n.name for n in c.nodes]} for c in cells(layout, cfg.cell_nodes)],
+        "billable": [{"item": i.name, "count": i.count, "unit": i.unit, "note": i.note} for i in cost.items(cfg)],
+        "nodes": doc["nodes"],
+    }
+
+
+def _command_lines(argv: list[str], width: int) -> list[str]:
+    """A command as a shell would take it, one option (with its value) per line, continued with \\."""
+    parts: list[list[str]] = []
+    for a in argv:
+        if a.startswith("-") or not parts:
+            parts.append([a])
+        else:
+            parts[-1].append(a)
+    lines = [shlex.join(p) for p in parts]
+    return [(line + " \\") if i < len(lines) - 1 else line for i, line in enumerate(lines)]
+
+
+def detail_lists(renders: list[NodeRender], width: int) -> None:
+    """Every unit's environment and command line, as text that fits `width` columns (a long JSON
+    value breaks at its spaces, which JSON ignores)."""
+    import textwrap
+
+    for r in renders:
+        print(f"{r.node.name} ({r.node.role}, {r.instance_type})")
+        for s in r.services:
+            print(f"  {s.unit}" + (f" ({s.step} leg)" if s.step else ""))
+            if s.environment:
+                print("    environment:")
+                for k, v in s.environment.items():
+                    print(textwrap.fill(f"{k}={v}", width, initial_indent="      ", subsequent_indent="        ", break_on_hyphens=False))
+            print("    command:")
+            for i, line in enumerate(_command_lines(s.argv, width)):
+                print(textwrap.fill(line, width, initial_indent="      " if i == 0 else "        ", subsequent_indent="          ",
+                                    break_on_hyphens=False, break_long_words=False))  # fmt: skip
+        print()
+
+
+def detail_tables(console: Console, renders: list[NodeRender]) -> None:
+    for r in renders:
+        t = common.table(title=f"{r.node.name} ({r.node.role}, {r.instance_type})", show_lines=True, expand=True)
+        t.add_column("unit", overflow="fold")
+        t.add_column("environment", overflow="fold")
+        t.add_column("command line", overflow="fold")
+        for s in r.services:
+            env = "\n".join(f"{k}={v}" for k, v in s.environment.items())
+            t.add_row(s.unit + (f"\n({s.step} leg)" if s.step else ""), env, shlex.join(s.argv))
+        console.print(t)
+
+
+def print_cost(cfg: ClusterConfig, rows: list[dict[str, Any]], console: Console) -> None:
+    """The price table (cost.price_rows) with its total per hour and per day."""
+    from cluster_ops import cost
+
+    t = common.table(title=f"{cfg.stack_name}: billed by the hour in {cfg.region} (AWS Price List, On-Demand USD)")
+    for col in ("item", "count", "unit price", "per hour", "note"):
+        t.add_column(col, justify="right" if col in ("count", "unit price", "per hour") else "left")
+    for r in rows:
+        unit = "-" if r["usd_per_unit"] is None else f"${r['usd_per_unit']:,.4f}/{'h' if r['unit'] == 'hour' else 'GB-mo'}"
+        t.add_row(r["item"], f"{r['count']:g}", unit, "-" if r["usd_per_hour"] is None else f"${r['usd_per_hour']:,.2f}", r["note"])
+    known = [r["usd_per_hour"] for r in rows if r["usd_per_hour"] is not None]
+    missing = [r["item"] for r in rows if r["usd_per_hour"] is None and not r["note"].startswith("paid up front")]
+    t.caption = (f"total ${sum(known):,.2f} per hour, ${sum(known) * 24:,.0f} per day"
+                 + (f" without {', '.join(missing)} (not in the Price List here)" if missing else "")
+                 + "; also by use: " + "; ".join(cost.usage_priced(cfg)))  # fmt: skip
+    console.print(t)
