@@ -91,15 +91,13 @@ def _server_record() -> Path:
 
 
 def _start_server(url: str) -> int:
-    """moto's server on the endpoint's port, detached (it outlives this command until `down`)."""
+    """The local AWS (cluster_ops/local_aws.py: moto's server, mended where the stack needs it) on
+    the endpoint's port, detached (it outlives this command until `down`)."""
     port = urlparse(url).port or 80
-    moto = Path(sys.executable).parent / "moto_server"
-    if not moto.exists():
-        raise CliError(f"moto's server is not installed ({moto}). Fix: make setup")
     log = state_dir() / "local" / "moto.log"
     log.parent.mkdir(parents=True, exist_ok=True)
-    proc = subprocess.Popen([str(moto), "-H", "127.0.0.1", "-p", str(port)], stdout=log.open("w"), stderr=subprocess.STDOUT,
-                            stdin=subprocess.DEVNULL, start_new_session=True)  # fmt: skip
+    proc = subprocess.Popen([sys.executable, "-m", "cluster_ops.local_aws", "-H", "127.0.0.1", "-p", str(port)], cwd=ROOT,
+                            stdout=log.open("w"), stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)  # fmt: skip
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
         if proc.poll() is not None:
@@ -111,6 +109,24 @@ def _start_server(url: str) -> int:
         time.sleep(0.2)
     proc.terminate()
     raise CliError(f"moto's server did not answer on {url} within 30 s (log {log}). Fix: free port {port} or set GPTOSS_LOCAL_PORT.")
+
+
+def _ours(url: str) -> int | None:
+    """The pid of the local AWS this checkout's `up` started on url and that still runs, else None."""
+    record = _server_record()
+    try:
+        doc = json.loads(record.read_text())
+        pid = int(doc["pid"])
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return pid if doc.get("endpoint") == url and b"cluster_ops.local_aws" in cmdline else None
+
+
+def _not_ours(url: str, verb: str) -> str:
+    return (f"moto on {url} was not started by this checkout's `make local` (another checkout's, or one of yours): "
+            f"{verb} it could act on another cluster. Fix: GPTOSS_LOCAL_PORT=PORT (a free port) for a server of this "
+            f"checkout's own, or GPTOSS_LOCAL_ENDPOINT={url} to name that server on purpose")  # fmt: skip
 
 
 def clients(url: str) -> Any:
@@ -250,6 +266,8 @@ def up(gptoss: str) -> int:
         raise CliError(f"something that is not moto answers on {url}. Fix: stop it, or pick a free port: GPTOSS_LOCAL_PORT=PORT make local")
     record = _server_record()
     if found:
+        if not (os.environ.get("GPTOSS_LOCAL_ENDPOINT") or _ours(url)):
+            raise CliError(_not_ours(url, "deploying to") + ". Nothing was deployed.")
         print(f"local AWS: moto already answers on {url}", file=sys.stderr)
     else:
         if os.environ.get("GPTOSS_LOCAL_ENDPOINT"):
@@ -297,6 +315,8 @@ def down(gptoss: str) -> int:
         for f in ("server.json", "baseline.json"):
             (record.parent / f).unlink(missing_ok=True)
         return 0
+    if not (os.environ.get("GPTOSS_LOCAL_ENDPOINT") or _ours(url)):
+        raise CliError(_not_ours(url, "removing what is on") + ". Nothing was removed.")
     client = clients(url)
     _check_account(client, url)
     removed = remove_what_moto_cannot_delete(client, STACK)
@@ -324,11 +344,16 @@ def down(gptoss: str) -> int:
         except ProcessLookupError:
             pass
         record.unlink()
+    print(f"a shell that ran `eval \"$({gptoss_name()} local env)\"` still points its AWS clients at {url}; "
+          f"leave it with: eval \"$({gptoss_name()} local env --unset)\"", file=sys.stderr)  # fmt: skip
     return 1 if left else 0
 
 
-def env() -> int:
-    """The exports that point the AWS clients of this shell at the local endpoint."""
+def env(unset: bool = False) -> int:
+    """The exports that point the AWS clients of this shell at the local endpoint (--unset: the unsets that undo them)."""
+    if unset:
+        print("unset " + " ".join(environment("").keys()))
+        return 0
     url = endpoint()
     print("\n".join(f"export {k}={v}" for k, v in environment(url).items()))
     return 0

@@ -23,11 +23,12 @@ class MotoServer:
     URLs by that name), `127.0.0.1` where a guest's relay needs an address.
     """
 
-    def __init__(self, log: Path, *, host: str = "localhost", timeout: float = 60) -> None:
+    def __init__(self, log: Path, *, host: str = "localhost", timeout: float = 60, extended: bool = False) -> None:
         self.port = free_port()
         self.url = f"http://{host}:{self.port}"
-        server = Path(sys.executable).parent / "moto_server"
-        self.proc = subprocess.Popen([str(server), "-H", "127.0.0.1", "-p", str(self.port)],
+        # extended: moto with what the stack needs of CloudFormation and moto lacks (cluster_ops/local_aws.py).
+        server = [sys.executable, "-m", "cluster_ops.local_aws"] if extended else [str(Path(sys.executable).parent / "moto_server")]
+        self.proc = subprocess.Popen([*server, "-H", "127.0.0.1", "-p", str(self.port)], cwd=Path(__file__).resolve().parent.parent,
                                      stdout=log.open("w"), stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)  # fmt: skip
         deadline = time.monotonic() + timeout
         while True:

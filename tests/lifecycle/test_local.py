@@ -30,7 +30,7 @@ def readme_block() -> list[str]:
 @pytest.fixture
 def moto(tmp_path: Path) -> Iterator[str]:
     """A moto server of this test's own (it outlives `make local-down`, so the test can look after it)."""
-    server = MotoServer(tmp_path / "moto.log")
+    server = MotoServer(tmp_path / "moto.log", extended=True)
     try:
         yield server.url
     finally:
@@ -39,9 +39,11 @@ def moto(tmp_path: Path) -> Iterator[str]:
 
 def test_the_readme_local_lifecycle_runs_as_written_and_leaves_nothing(moto: str, tmp_path: Path) -> None:
     lines = readme_block()
-    assert lines[0].startswith("make local") and lines[-1].startswith("make local-down"), lines
+    assert lines[0].startswith("make local") and lines[-2].startswith("make local-down"), lines
+    assert lines[-1].startswith('eval "$(.venv/bin/gptoss local env --unset)"'), lines
     # Each command as written, its exit code recorded after it; all in one shell (the eval carries).
-    script = "\n".join(f"{line}\necho \"::rc $? :: {i}\"" for i, line in enumerate(lines))
+    script = "\n".join(f"{line}\necho \"::rc $? :: {i}\"" for i, line in enumerate(lines)) + '\necho "::endpoint ${AWS_ENDPOINT_URL-none}"'
+
     env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
     env |= {"GPTOSS_LOCAL_ENDPOINT": moto, "GPTOSS_STATE_DIR": str(tmp_path / "state"), "AWS_EC2_METADATA_DISABLED": "true",
             "AWS_CONFIG_FILE": str(tmp_path / "none"), "AWS_SHARED_CREDENTIALS_FILE": str(tmp_path / "none")}  # fmt: skip
@@ -55,14 +57,19 @@ def test_the_readme_local_lifecycle_runs_as_written_and_leaves_nothing(moto: str
         said = re.search(r"# exits (\d+)", line)
         assert codes[i] == (int(said.group(1)) if said else 0), f"{line!r} exited {codes[i]}\n{out[-4000:]}"
     assert "Traceback" not in out
+    assert "::endpoint none" in r.stdout, "the shell's AWS clients point at AWS again"
     # up: the stack deployed through gptoss deploy, both identities shown with their instances, the cause named.
     assert "stack GptOssLocalStack · region us-east-2 · cluster tag gptoss:cluster=gptoss-local" in out
     assert "✅  GptOssLocalStack" in out
     assert re.search(r"prefill-0\s+│ i-[0-9a-f]{17}", out) and re.search(r"decode-0\s+│ i-[0-9a-f]{17}", out), out[-4000:]
     assert "likely cause: prefill-0, decode-0: Run Command succeeded with no output." in " ".join(out.split())
     assert "local cluster GptOssLocalStack is up in" in out
+    # diff right after up: nothing differs, in the stack or its two cells, said at once (no change set to wait for).
+    assert "makes no change sets: comparing the deployed templates with the synthesized ones" in out, out[-4000:]
+    assert out.count("There were no differences") == 3 and "Number of stacks with differences: 0" in out, out[-6000:]
     # down: destroyed through gptoss destroy; it says nothing is left ...
     assert "gptoss destroy" in out and "left in the local account: nothing" in out, out[-4000:]
+    assert 'leave it with: eval "$(.venv/bin/gptoss local env --unset)"' in out
     # ... and the account, listed here, agrees: every resource the lifecycle made is gone.
     after = inventory(aws)
     left = {k: sorted(after[k] - before[k]) for k in after if after[k] - before[k]}
@@ -96,3 +103,27 @@ def test_local_down_with_nothing_running_says_so_and_local_up_refuses_another_se
                                              "Fix: stop it, or pick a free port: GPTOSS_LOCAL_PORT=PORT make local"]  # fmt: skip
     r = subprocess.run([gptoss, "local", "up"], env=env | {"GPTOSS_LOCAL_ENDPOINT": "http://10.1.2.3:4566"}, capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "acts only on a loopback endpoint" in r.stderr, r.stderr
+
+
+def test_a_moto_this_checkout_did_not_start_is_refused_by_up_and_down(tmp_path: Path) -> None:
+    """Another checkout's `make local` on the same port: neither up nor down of this checkout acts on it."""
+    gptoss = str(Path(sys.executable).parent / "gptoss")
+    other = MotoServer(tmp_path / "other.log")
+    try:
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("AWS_", "GPTOSS_"))}
+        env |= {"GPTOSS_STATE_DIR": str(tmp_path / "mine"), "GPTOSS_LOCAL_PORT": str(other.port)}
+        import boto3
+
+        cfn = boto3.client("cloudformation", endpoint_url=other.url, region_name="us-east-2", aws_access_key_id="testing",
+                           aws_secret_access_key="testing")  # fmt: skip
+        cfn.create_stack(StackName="GptOssLocalStack", TemplateBody='{"Resources": {"T": {"Type": "AWS::SNS::Topic"}}}')
+        for action in ("up", "down"):
+            r = subprocess.run([gptoss, "local", action], env=env, capture_output=True, text=True, timeout=120)
+            assert r.returncode == 2, (action, r.stderr)
+            (line,) = r.stderr.strip().splitlines()
+            assert f"moto on http://localhost:{other.port} was not started by this checkout's `make local`" in line, line
+            assert "Fix: GPTOSS_LOCAL_PORT=PORT" in line and line.endswith(("Nothing was deployed.", "Nothing was removed.")), line
+        stacks = [s["StackName"] for s in cfn.list_stacks()["StackSummaries"] if s["StackStatus"] != "DELETE_COMPLETE"]
+        assert stacks == ["GptOssLocalStack"], "the other checkout's cluster is untouched"
+    finally:
+        other.stop()

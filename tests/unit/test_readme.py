@@ -87,6 +87,11 @@ def test_commands_that_need_aws_exist_as_written(command: str, tmp_path: Path) -
         params = [a for c in (args.context or []) for a in ("-c", c)] + (["--stack", args.stack] if args.stack else [])
         r = run(shlex.join([words[0], "plan", *params]), tmp_path)
         assert r.returncode == 0, (command, r.stderr[-2000:])
+    elif words[:2] == ["npx", "cdk"]:
+        # Run verbatim against the local AWS by tests/lifecycle/test_cdk_as_typed.py (its own list checks it reads these).
+        from tests.lifecycle.test_cdk_as_typed import readme_cdk_lines
+
+        assert command in readme_cdk_lines(), command
     else:
         assert words[0] == "make", command
         r = run(shlex.join(["make", "-n", *words[1:]]), tmp_path)
