@@ -145,12 +145,13 @@ bench-proxy: setup
 bench-ready: setup .make/vm-system
 	$(PY) -m tests.vm.bench_ready $(BENCH_ARGS)
 
-# Every recipe's layout and the production 3 + 8, as self-contained SVG (the README shows two).
+# Every recipe's layout and the production 3 + 8, as PNG (Graphviz's dot; the same bytes every time:
+# tests/unit/test_diagrams.py redraws them and compares).
 RECIPES := gptoss-120b-8k1k gptoss-120b-single gptoss-20b-single gptoss-120b-di gptoss-20b-di
 diagrams: setup
 	@mkdir -p docs/diagrams
-	@for r in $(RECIPES); do $(GPTOSS) plan -c recipe=$$r --diagram docs/diagrams/$$r.svg > /dev/null || exit 1; echo docs/diagrams/$$r.svg; done
-	@$(GPTOSS) plan -c config=examples/production-3p8d.yaml --diagram docs/diagrams/production-3p8d.svg > /dev/null && echo docs/diagrams/production-3p8d.svg
+	@for r in $(RECIPES); do $(GPTOSS) plan -c recipe=$$r --diagram docs/diagrams/$$r.png > /dev/null || exit 1; echo docs/diagrams/$$r.png; done
+	@$(GPTOSS) plan -c config=examples/production-3p8d.yaml --diagram docs/diagrams/production-3p8d.png > /dev/null && echo docs/diagrams/production-3p8d.png
 
 clean:
 	rm -rf cdk.out .make .pytest_cache .gptoss

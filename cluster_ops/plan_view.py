@@ -86,7 +86,7 @@ def summary(cfg: ClusterConfig, renders: list[NodeRender]) -> str:
     lines.append(f"  {'nodes':<20} {'role':<8} {'replicas':>8} {'cores':>7}  {'feeds':<16} {'servers':>7}")
     for role, rs in _groups(renders):
         n = rs[0].node
-        reps = f"{len(n.replicas)} each" if len(rs) > 1 and n.replicas else str(len(n.replicas))
+        reps = "-" if not n.replicas else f"{len(n.replicas)} each" if len(rs) > 1 else str(len(n.replicas))  # a decode node holds none
         lines.append(
             f"  {_span([r.node.name for r in rs]):<20} {role:<8} {reps:>8} {f'{n.used_cores}/{n.cores}':>7}  {_feeds(rs, cfg.proxy_kind == 'vllm-router'):<16} {len(rs[0].servers):>7}"
         )

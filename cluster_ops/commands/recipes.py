@@ -17,11 +17,13 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps([{"name": r.name, "reference": r.reference, "deploys": r.deploys, "stack_name": r.stack_name,
                            "default": r.name == DEFAULT_RECIPE} for r in RECIPES.values()], indent=2))  # fmt: skip
         return 0
+    # The names a user copies (the recipe, its stack) never break: they have a column of their own
+    # that does not wrap; the reference and what it deploys wrap beside them.
     t = common.table(title="recipes (-c recipe=NAME)", show_lines=True)
-    for col in ("recipe", "reference", "deploys", "stack"):
-        t.add_column(col, overflow="fold")
+    t.add_column("recipe\nstack", no_wrap=True)
+    t.add_column("reference\ndeploys", overflow="fold")
     for r in RECIPES.values():
-        t.add_row(r.name + (" (default)" if r.name == DEFAULT_RECIPE else ""), r.reference, r.deploys, r.stack_name)
+        t.add_row(f"{r.name}\n{r.stack_name}" + ("\n(default)" if r.name == DEFAULT_RECIPE else ""), f"{r.reference}\n[dim]{r.deploys}[/]")
     common.console(args).print(t)
     return 0
 

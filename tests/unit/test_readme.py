@@ -36,7 +36,9 @@ def blocks(language: str, text: str = README) -> list[list[str]]:
 
 def offline_env(tmp: Path) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
-    return env | {"AWS_EC2_METADATA_DISABLED": "true", "AWS_CONFIG_FILE": str(tmp / "none"), "AWS_SHARED_CREDENTIALS_FILE": str(tmp / "none")}
+    # TMPDIR: a command that writes a scratch file (the README's diagram) writes it in this test's own directory.
+    return env | {"AWS_EC2_METADATA_DISABLED": "true", "AWS_CONFIG_FILE": str(tmp / "none"), "AWS_SHARED_CREDENTIALS_FILE": str(tmp / "none"),
+                  "TMPDIR": str(tmp)}  # fmt: skip
 
 
 def run(command: str, tmp: Path) -> subprocess.CompletedProcess[str]:
@@ -139,3 +141,15 @@ def test_every_relative_link_of_the_readme_and_docs_names_a_file_of_the_checkout
 def test_no_number_placeholder_is_left_in_the_docs() -> None:
     for doc in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
         assert not re.findall(r"@[A-Z_]+@", doc.read_text()), doc.name
+
+
+def test_every_pointer_from_the_code_to_a_section_of_the_docs_names_one() -> None:
+    """Messages and docstrings say where to read on ("docs/design.md 'Capacity'"): each such section exists."""
+    pointers = set()
+    for package in ("clusterspec", "cluster_ops", "cluster_constructs", "stacks"):
+        for path in (ROOT / package).rglob("*.py"):
+            pointers |= set(re.findall(r"(README|docs/[a-z]+\.md) '([^']+)'", path.read_text()))
+    assert len(pointers) >= 5
+    for doc, title in sorted(pointers):
+        text = (ROOT / ("README.md" if doc == "README" else doc)).read_text()
+        assert re.search(rf"^#+ {re.escape(title)}$|^\*\*{re.escape(title)}\.\*\*", text, re.M), f"{doc} has no section '{title}'"
