@@ -50,6 +50,8 @@ def main() -> None:
     try:
         config = load_config(app.node.get_all_context())
         limits.check(config)
+        for line in config.ignored_settings():
+            print(f"note: {line}", file=sys.stderr)
     except SpecError as e:
         print(f"invalid deployment parameters:\n{e}", file=sys.stderr)
         sys.exit(1)

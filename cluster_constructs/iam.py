@@ -1,4 +1,4 @@
-"""The nodes' permissions: exactly what a node does, each statement with its reason (README 'Security').
+"""The nodes' permissions: exactly what a node does, each statement with its reason (docs/design.md 'Security defaults').
 
 What every node does is one policy, attached to every node's role (NodePolicy). What only one
 node may do is in that node's own role (NodeIdentityRole): writing its own area of the compile

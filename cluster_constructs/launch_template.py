@@ -44,7 +44,7 @@ def network_interfaces(hw: InstanceType, *, group_id: str, efa: bool = True) -> 
 def capacity_options(
     config: ClusterConfig, role: str
 ) -> tuple[ec2.CfnLaunchTemplate.CapacityReservationSpecificationProperty | None, ec2.CfnLaunchTemplate.InstanceMarketOptionsProperty | None]:
-    """The launch template's part of the role's capacity (README 'Capacity').
+    """The launch template's part of the role's capacity (docs/design.md 'Capacity').
 
     on-demand: nothing (EC2's default). odcr open: preference open (any matching open
     reservation). odcr targeted: nothing here, the group targets the reservation. capacity-block:

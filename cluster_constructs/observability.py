@@ -111,7 +111,7 @@ def dashboard_body(cfg: ClusterConfig, *, region: str, lb: tuple[str, str] | Non
     return {"widgets": widgets}
 
 
-# A router's error share that is not a dead server's few seconds in flight (README 'Router': one dead
+# A router's error share that is not a dead server's few seconds in flight (docs/benchmarks.md 'The endpoint under faults': one dead
 # prefill replica of six costs about 2 % of one interval's requests, once).
 ROUTER_ERROR_PERCENT = 5
 

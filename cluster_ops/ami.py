@@ -13,14 +13,27 @@ import json
 from pathlib import Path
 from typing import Any
 
+from cluster_ops import common
 from clusterspec.config import ClusterConfig
 from clusterspec.loading import pin_key
 
 
 def resolve(cfg: ClusterConfig, ssm: Any, ec2: Any) -> dict[str, str]:
     """The image the config's SSM parameter names today, with its name and creation date."""
+    from botocore.exceptions import ClientError
+
     parameter = cfg.ami_ssm_parameter or ""
-    ami_id = ssm.get_parameter(Name=parameter)["Parameter"]["Value"]
+    try:
+        ami_id = ssm.get_parameter(Name=parameter)["Parameter"]["Value"]
+    except ClientError as e:
+        if e.response.get("Error", {}).get("Code") != "ParameterNotFound":
+            raise
+        raise common.CliError(
+            f"no DLAMI parameter {parameter} in {cfg.region}: the Neuron DLAMIs are published only in regions that offer "
+            "Trainium, under names that change with the SDK. Fix: check the region (-c region=...), set ami_ssm_parameter to a name "
+            f"`aws ssm get-parameters-by-path --path /aws/service/neuron/dlami --recursive --region {cfg.region}` lists, "
+            "or pin an image: -c ami_id=ami-..."
+        ) from None
     images = ec2.describe_images(ImageIds=[ami_id])["Images"]
     image = images[0] if images else {}
     return {"ami_id": ami_id, "name": image.get("Name", ""), "created": image.get("CreationDate", ""), "parameter": parameter}

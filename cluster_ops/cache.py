@@ -1,7 +1,7 @@
 """Save the compile caches of a running cluster: each chosen node uploads to its own area, then
 the operator promotes those uploads to the fleet's cache, which every node restores.
 
-The promotion rule (README 'Security'): a node can write only its own identity's area
+The promotion rule (docs/design.md 'Security defaults'): a node can write only its own identity's area
 (<cache>/nodes/<node>/: its role names that prefix alone), which its replacements restore; the
 fleet's cache (<cache>/fleet/) is written here alone, with the operator's credentials, from the
 uploads of the nodes the operator's command chose, and only the files their manifests list with

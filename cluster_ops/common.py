@@ -134,8 +134,11 @@ def target_line(cfg: ClusterConfig) -> str:
 
 
 def announce(cfg: ClusterConfig) -> None:
-    """Say what the command acts on, before anything else (stderr: stdout stays the command's output)."""
+    """Say what the command acts on, before anything else (stderr: stdout stays the command's output),
+    then each setting given that another choice makes irrelevant."""
     print(target_line(cfg), file=sys.stderr, flush=True)
+    for line in cfg.ignored_settings():
+        print(f"note: {line}", file=sys.stderr)
 
 
 # ---- AWS ----------------------------------------------------------------------------------

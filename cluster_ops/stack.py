@@ -70,3 +70,32 @@ def exists(cfg: ClusterConfig) -> bool:
     except Exception:  # does not exist, or cannot be asked: nothing to record either way
         return False
     return any(s["StackStatus"] != "DELETE_COMPLETE" for s in stacks)
+
+
+def deployed_status(cfg: ClusterConfig) -> str | None:
+    """The stack's status in its region, or None when CloudFormation has no such stack. Any other
+    error (credentials, access) propagates: "not deployed" is said only when it is so."""
+    from botocore.exceptions import ClientError
+
+    try:
+        stacks = common.session(cfg).client("cloudformation").describe_stacks(StackName=cfg.stack_name)["Stacks"]
+    except ClientError as e:
+        if e.response.get("Error", {}).get("Code") == "ValidationError" and "does not exist" in e.response["Error"].get("Message", ""):
+            return None
+        raise
+    live = [s["StackStatus"] for s in stacks if s["StackStatus"] != "DELETE_COMPLETE"]
+    return live[0] if live else None
+
+
+def others_deployed(cfg: ClusterConfig) -> str:
+    """The other stacks this checkout deployed, as the --stack arguments that name them."""
+    others = sorted(k for k in common.deployed() if k != cfg.stack_name)
+    return ", ".join(f"--stack {k}" for k in others) or "none recorded"
+
+
+def not_deployed(cfg: ClusterConfig) -> common.CliError:
+    """The one line a command that needs a deployed cluster says when this one is not."""
+    return common.CliError(
+        f"{cfg.stack_name} is not deployed in {cfg.region}: there is no such stack. Fix: name the cluster that is deployed "
+        f"(from this checkout: {others_deployed(cfg)}; or -c config=FILE with its parameters), or check the region (-c region=...)."
+    )

@@ -12,7 +12,7 @@ from pydantic import Field, PrivateAttr, StrictInt, ValidationError, ValidationI
 from clusterspec import validate
 from clusterspec.base import Frozen
 from clusterspec.cells import CELL_NODES
-from clusterspec.errors import SpecError, rule_error
+from clusterspec.errors import SpecError, rule_error, show
 from clusterspec.instance_types import KNOWN_INSTANCE_TYPES, InstanceType
 from clusterspec.layout import Layout, compute_layout
 from clusterspec.sections.boot import SIGNAL_MARGIN_S, BootConfig
@@ -40,8 +40,10 @@ class ClusterConfig(Frozen):
     """Every parameter of one deployment; defaults give the tested two-node 6P1D cluster."""
 
     _layout: Layout | None = PrivateAttr(default=None)
+    # The settings the user gave (dotted, every prefix), as loading found them before the recipe's.
+    _given: frozenset[str] = PrivateAttr(default=frozenset())
 
-    recipe: RecipeName = Field("gptoss-120b-8k1k", description="The documented deployment to run (README 'Recipes').")
+    recipe: RecipeName = Field("gptoss-120b-8k1k", description="The documented deployment to run (README 'Recipes and layouts').")
     stack_name: str = Field("GptOss8k1kStack", pattern=r"^[A-Za-z][A-Za-z0-9-]{0,127}$")
     cluster_name: str = Field("gptoss-8k1k", pattern=r"^[a-z](-?[a-z0-9])*$", max_length=31)
     region: str = "us-east-2"
@@ -52,6 +54,11 @@ class ClusterConfig(Frozen):
     )
     ami_ssm_parameter: str | None = Field(DEFAULT_AMI_PARAMETER, pattern=r"^/[A-Za-z0-9_.-]+(/[A-Za-z0-9_.-]+)*$", max_length=1011)
     ami_id: str | None = Field(None, pattern=r"^ami-[0-9a-f]{8,17}$")
+    acknowledge_unpinned_ami: bool = Field(
+        False,
+        description="Keep the image unpinned on purpose (it moves with ami_ssm_parameter at every deploy): the synth's "
+        "gptoss:unpinned-ami warning is then acknowledged instead of printed.",
+    )
     root_volume_gb: int = Field(512, description="The Neuron setup guide asks for at least 512 GB; gp3 holds up to 16,384 GiB.")
     stage_timeout_s: int = Field(7200, ge=600, le=86400, description="Longest one staging attempt may take at boot.")
     capacity: CapacityConfig = Field(default_factory=CapacityConfig)
@@ -69,7 +76,7 @@ class ClusterConfig(Frozen):
         description="How long the deploy gate waits per node (CloudFormation allows 12 h at most). Default: every boot "
         "step's retry budget + stage_timeout_s + the servers' start + the signal's margin, rounded up to 5 minutes, 6 h at least.",
     )
-    boot: BootConfig = Field(default_factory=BootConfig, description="Each boot step's retry budget (README 'Boot retries').")
+    boot: BootConfig = Field(default_factory=BootConfig, description="Each boot step's retry budget (docs/node.md 'Boot retries').")
     observability: ObservabilityConfig = Field(default_factory=ObservabilityConfig)
     network: NetworkConfig = Field(default_factory=NetworkConfig)
     proxy_load_balancer: bool | None = Field(
@@ -89,7 +96,7 @@ class ClusterConfig(Frozen):
     compile_cache_bucket: bool = Field(
         True, description="With compile_cache_s3_uri unset, the stack creates the compile cache's bucket; false: no compile cache."
     )
-    healing: HealingConfig = Field(default_factory=HealingConfig, description="Replacement of lost nodes (README 'Healing').")
+    healing: HealingConfig = Field(default_factory=HealingConfig, description="Replacement of lost nodes (docs/design.md 'Healing').")
     cell_nodes: int = Field(
         CELL_NODES, ge=1, le=60,
         description="The most nodes of one role in one nested stack (a cell). Changing it moves nodes between cells, which "
@@ -180,13 +187,6 @@ class ClusterConfig(Frozen):
     def _venv(cls, v: str) -> str:
         return validate.node_path("venv_glob", v, glob=True)
 
-    @field_validator("decode_instances", "prefill_per_decode", "replicas_per_prefill_instance")
-    @classmethod
-    def _counts(cls, v: int | None, info: ValidationInfo) -> int | None:
-        if v is not None and v > 1000:
-            raise rule_error(str(info.field_name), v, "is more than any fleet one stack can hold", "lower it (plan shows the largest that fits)")
-        return v
-
     @property
     def hardware(self) -> InstanceType:
         """The instance-type table row, with the operator's overrides applied."""
@@ -260,6 +260,45 @@ class ClusterConfig(Frozen):
             replicas_per_prefill_instance=self.replicas_per_prefill_instance,
             proxy_kind=self.proxy_kind or "toy",
         )
+
+    def ignored_settings(self) -> list[str]:
+        """Settings the user gave that another of their choices makes irrelevant, one line each (plan and
+        synth say them; the value is kept, not refused: it takes effect when the other choice changes)."""
+        given = self._given
+
+        def note(key: str, value: Any, why: str) -> str:
+            return f"{key}={show(value)} has no effect: {why}"
+
+        out = []
+        cap, net, obs, heal, model = self.capacity, self.network, self.observability, self.healing, self.model
+        if cap.type == "on-demand":
+            out += [note(f"capacity.{k}", getattr(cap, k), "capacity.type is on-demand") for k in ("preference", "min_hours_left") if f"capacity.{k}" in given]
+        elif cap.type == "odcr" and "capacity.min_hours_left" in given:
+            out.append(note("capacity.min_hours_left", cap.min_hours_left, "it checks a Capacity Block; capacity.type is odcr"))
+        if not net.flow_logs and "network.flow_logs_traffic" in given:
+            out.append(note("network.flow_logs_traffic", net.flow_logs_traffic, "network.flow_logs is false"))
+        if net.egress == "none" and "network.public_subnet_cidr" in given:
+            out.append(note("network.public_subnet_cidr", net.public_subnet_cidr, "network.egress is none: no NAT gateway, no public subnet"))
+        if not obs.enabled:
+            out += [note(f"observability.{k}", getattr(obs, k), "observability.enabled is false")
+                    for k in ("interval_s", "log_retention_days", "alarm_topic_arn") if f"observability.{k}" in given]  # fmt: skip
+        if not heal.report_unhealthy:
+            out += [note(f"healing.{k}", getattr(heal, k), "healing.report_unhealthy is false")
+                    for k in ("watch_interval_s", "backoff_s", "neuron_errors") if f"healing.{k}" in given]  # fmt: skip
+        if not self.wait_for_ready and "ready_timeout_s" in given:
+            out.append(note("ready_timeout_s", self.ready_timeout_s, "wait_for_ready is false (no deploy gate)"))
+        if self.proxy_kind != "vllm-router" and "serving.proxy.router" in given:
+            what = f"the endpoint is the {'toy proxy' if self.proxy_kind == 'toy' else 'single server'}, not vLLM's router"
+            out.append(f"serving.proxy.router has no effect: {what} (serving.proxy.kind)")
+        if model.source == "huggingface" and "model.s3_uri" in given:
+            out.append(note("model.s3_uri", model.s3_uri, "model.source is huggingface"))
+        if model.source == "s3" and "model.hf_token_secret_arn" in given:
+            out.append(note("model.hf_token_secret_arn", model.hf_token_secret_arn, "model.source is s3"))
+        if self.ami_id and "acknowledge_unpinned_ami" in given:
+            out.append(note("acknowledge_unpinned_ami", self.acknowledge_unpinned_ami, f"the image is pinned ({self.ami_id})"))
+        if self.compile_cache_s3_uri and "compile_cache_bucket" in given:
+            out.append(note("compile_cache_bucket", self.compile_cache_bucket, "compile_cache_s3_uri names the compile cache"))
+        return out
 
     @property
     def compile_cache_enabled(self) -> bool:
@@ -427,7 +466,9 @@ class ClusterConfig(Frozen):
                              "give one of them (the reservation's group)")  # fmt: skip
         if self.proxy_kind == "vllm-router":
             r = self.serving.proxy.router
-            for role, chosen, servers in (("prefill", r.prefill_policy, len(self.layout.replicas)), ("decode", r.decode_policy, len(self.layout.decode_nodes))):
+            # Counted, not placed: the layout (and its own refusals, a fleet too large) comes after validation.
+            replicas = self.decode_instances * self.prefill_per_decode
+            for role, chosen, servers in (("prefill", r.prefill_policy, replicas), ("decode", r.decode_policy, self.decode_instances)):
                 if chosen == "power_of_two" and servers < 2:
                     raise rule_error(
                         f"serving.proxy.router.{role}_policy", chosen,

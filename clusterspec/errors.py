@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import difflib
 import json
+import typing
+from collections.abc import Iterable
 from typing import Any
 
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 from pydantic_core import PydanticCustomError
 
 SHOWN_CHARS = 120
@@ -60,8 +63,41 @@ _FIXES = {
 }
 
 
-def explain(exc: ValidationError, prefix: str = "") -> SpecError:
-    """Turn a pydantic ValidationError into messages with field, value, rule and fix."""
+def nearest(name: str, known: Iterable[str]) -> str:
+    """ "did you mean X" for a misspelt setting name, or where every setting is listed."""
+    close = difflib.get_close_matches(name, sorted(known), n=1, cutoff=0.6)
+    return f"did you mean {close[0]}?" if close else "docs/parameters.md lists every setting"
+
+
+def _fields_at(model: Any, loc: tuple[Any, ...]) -> set[str]:
+    """The setting names of the section at `loc` under `model` (a pydantic model class); none if unknown."""
+    for part in loc:
+        if isinstance(model, tuple):  # a mapping of sections (capacity.roles): any key, then the section
+            model = model[1]
+            continue
+        fields = getattr(model, "model_fields", {})
+        if part not in fields:
+            return set()
+        model = _section(fields[part].annotation)
+    return set(getattr(model, "model_fields", {})) if model is not None and not isinstance(model, tuple) else set()
+
+
+def _section(annotation: Any) -> Any:
+    """The model class an annotation holds (Optional unwrapped), ("dict", model) for a mapping of them, else None."""
+    candidates = (annotation,) if typing.get_origin(annotation) is dict else typing.get_args(annotation) or (annotation,)
+    for t in candidates:
+        if isinstance(t, type) and issubclass(t, BaseModel):
+            return t
+        if typing.get_origin(t) is dict:
+            value = typing.get_args(t)[1]
+            if isinstance(value, type) and issubclass(value, BaseModel):
+                return ("dict", value)
+    return None
+
+
+def explain(exc: ValidationError, prefix: str = "", model: Any = None) -> SpecError:
+    """Turn a pydantic ValidationError into messages with field, value, rule and fix (`model`: the
+    class validated, for the nearest name of a misspelt setting)."""
     messages = []
     for err in exc.errors():
         if err["type"] == "spec_rule":
@@ -71,7 +107,10 @@ def explain(exc: ValidationError, prefix: str = "") -> SpecError:
         value = err.get("input")
         shown = show(value) if not isinstance(value, dict) else "{...}"
         if err["type"] == "extra_forbidden":
-            rule, fix = "is not a known setting", f"remove `{field}` or check its spelling (see README 'Parameters')"
+            loc = tuple(p for p in err["loc"] if not str(p).startswith("function-"))
+            known = _fields_at(model, loc[:-1]) if model is not None else set()
+            hint = nearest(str(loc[-1]), known) if known else "docs/parameters.md lists every setting"
+            rule, fix = "is not a known setting", f"remove `{field}` or check its spelling ({hint})"
         elif err["type"] == "missing":
             rule, fix = "is required", f"set `{field}` in the config file or with -c"
         else:

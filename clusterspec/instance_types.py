@@ -6,18 +6,19 @@ from pydantic import BaseModel, ConfigDict, Field
 
 
 class InstanceType(BaseModel):
-    """Hardware of one instance type, with the values no public source confirms named."""
+    """Hardware of one instance type, with the values no public source confirms named (bounded: an
+    override of 10**23 devices would otherwise be laid out core by core)."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     name: str
-    vcpus: int = Field(gt=0)
-    neuron_devices: int = Field(gt=0)
-    physical_cores_per_device: int = Field(gt=0)
-    network_cards: int = Field(gt=0, description="NetworkInfo.MaximumNetworkCards")
-    efa_interfaces: int = Field(ge=0, description="NetworkInfo.EfaInfo.MaximumEfaInterfaces")
-    nvme_disks: int = Field(ge=0, description="InstanceStorageInfo.Disks[].Count")
-    nvme_disk_gb: int = Field(ge=0, description="InstanceStorageInfo.Disks[].SizeInGB")
+    vcpus: int = Field(gt=0, le=4096)
+    neuron_devices: int = Field(gt=0, le=64)
+    physical_cores_per_device: int = Field(gt=0, le=64)
+    network_cards: int = Field(gt=0, le=64, description="NetworkInfo.MaximumNetworkCards")
+    efa_interfaces: int = Field(ge=0, le=64, description="NetworkInfo.EfaInfo.MaximumEfaInterfaces")
+    nvme_disks: int = Field(ge=0, le=64, description="InstanceStorageInfo.Disks[].Count")
+    nvme_disk_gb: int = Field(ge=0, le=1000000, description="InstanceStorageInfo.Disks[].SizeInGB")
     mxfp4: bool = Field(description="The tested MXFP4 path exists only on Trainium3.")
     unpublished: tuple[str, ...] = Field(
         default=(),

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from typing import Literal
 
 from clusterspec.base import Frozen
@@ -109,6 +108,37 @@ class Layout(Frozen):
         return tuple(p for p in self.proxies if p.node == name)
 
 
+# The most instances one stack holds: the largest fleet whose plan and synth this project measures
+# (docs/benchmarks.md: 1,000 decode instances of the reference's ratio are 1,375 instances). One
+# rule for every way to ask for more (decode_instances, prefill_per_decode, few replicas per
+# prefill instance), checked before a node is placed, so a refusal takes no longer than a plan.
+MAX_NODES = 1400
+
+
+def fleet_too_large(decode_instances: int, prefill_per_decode: int, replicas_per_prefill_instance: int | None, per_node: int) -> str:
+    """The refusal of a fleet over MAX_NODES: how many instances it asked for, and the largest that fits."""
+
+    def size(d: int) -> int:
+        return d - (-d * prefill_per_decode // per_node)  # whole instances, exact for any size
+
+    lo, hi = 0, MAX_NODES
+    while lo < hi:  # the most decode instances with these ratios within MAX_NODES
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if size(mid) <= MAX_NODES else (lo, mid - 1)
+    prefill = size(decode_instances) - decode_instances
+    per = replicas_per_prefill_instance if replicas_per_prefill_instance is not None else "fill"
+    if lo:  # the decode count is what is too large for these ratios
+        head = f"decode_instances={decode_instances:,}: with prefill_per_decode={prefill_per_decode:,} and replicas_per_prefill_instance={per}"
+        fits = f"at most {lo:,} decode instances with these ratios"
+    else:  # not even one decode server's prefill fits
+        head = f"prefill_per_decode={prefill_per_decode:,}: with decode_instances={decode_instances:,} and replicas_per_prefill_instance={per}"
+        fits = "fewer prefill replicas per decode server, or more replicas per prefill instance"
+    return (
+        f"{head} ({per_node} per instance) the fleet is {decode_instances:,} decode + {prefill:,} prefill = {size(decode_instances):,} "
+        f"instances; one stack holds at most {MAX_NODES:,}. Fix: {fits}, or several stacks, each with its own stack_name and cluster_name."
+    )
+
+
 def compute_layout(
     *,
     decode_instances: int,
@@ -154,6 +184,12 @@ def compute_layout(
             "Trainium3. Fix: use a trn3 instance type, or set serving.shape.quantization to 'bf16' "
             "(an untested profile)."
         )
+    if prefill_per_decode > dec.capacity:
+        errors.append(
+            f"prefill_per_decode={prefill_per_decode:,}: a decode server holds at most {dec.capacity} sequences at a time "
+            f"(max_num_seqs {dec.max_num_seqs} x DP{dec.data_parallel}), so more prefill replicas per decode server than "
+            f"that could never all hand it a request. Fix: set prefill_per_decode <= {dec.capacity}."
+        )
     capacity = prefill_cores // per_replica if per_replica else 0
     per_node = replicas_per_prefill_instance or capacity
     if replicas_per_prefill_instance is not None and not 1 <= replicas_per_prefill_instance <= capacity:
@@ -166,7 +202,9 @@ def compute_layout(
         raise SpecError(errors)
 
     total = decode_instances * prefill_per_decode
-    prefill_count = math.ceil(total / per_node)
+    prefill_count = -(-total // per_node)
+    if decode_instances + prefill_count > MAX_NODES:
+        raise SpecError([fleet_too_large(decode_instances, prefill_per_decode, replicas_per_prefill_instance, per_node)])
     by_node: dict[int, list[Replica]] = {i: [] for i in range(prefill_count)}
     for g in range(total):
         node_index, local = divmod(g, per_node)

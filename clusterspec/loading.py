@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import re
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -13,7 +14,7 @@ from pydantic import BaseModel, ValidationError
 
 from clusterspec import strict_yaml
 from clusterspec.config import DEFAULT_AMI_PARAMETER, ClusterConfig
-from clusterspec.errors import SpecError, explain, show
+from clusterspec.errors import SpecError, explain, nearest, show
 
 _CONTEXT_KEYS = set(ClusterConfig.model_fields)
 _SECTIONS = {k for k, f in ClusterConfig.model_fields.items() if isinstance(f.default_factory, type) and issubclass(f.default_factory, BaseModel)}
@@ -74,7 +75,11 @@ def _read_file(path: str) -> dict[str, Any]:
     try:
         size = p.stat().st_size
         if size > MAX_CONFIG_BYTES:
-            raise SpecError([f"{where}: is {size:,} bytes; a config file is at most {MAX_CONFIG_BYTES:,} (the examples are under 1,000). Fix: keep only the settings you change."])
+            with p.open("rb") as f:
+                key, span = _top_level_keys(f.read(64 << 20).decode("utf-8", "replace")).largest()  # a scan, no parse
+            which = f" ({key} takes {span:,} of them)" if key else ""
+            raise SpecError([f"{where}: is {size:,} bytes{which}; a config file is at most {MAX_CONFIG_BYTES:,} (the examples are under 1,000). "
+                             "Fix: keep only the settings you change."])  # fmt: skip
         text = p.read_text(encoding="utf-8")
     except UnicodeDecodeError:
         raise SpecError([f"{where}: is not UTF-8 text. Fix: save it as UTF-8."]) from None
@@ -86,7 +91,9 @@ def _read_file(path: str) -> dict[str, Any]:
         mark = e.problem_mark
         raise SpecError([f"{where}: {e.problem} (line {mark.line + 1}, column {mark.column + 1}). Fix: {e.fix}."]) from None
     except RecursionError:
-        raise SpecError([f"{where}: nests lists or mappings too deeply to read. Fix: write the settings as README 'Parameters' shows them."]) from None
+        deep = _top_level_keys(text).too_deep
+        at = f" ({deep} nests them)" if deep else ""
+        raise SpecError([f"{where}: nests lists or mappings too deeply to read{at}. Fix: write the setting as docs/parameters.md shows it."]) from None
     except yaml.constructor.ConstructorError as e:
         raise SpecError(
             [f"{where}: uses a YAML tag a config may not use ({e.problem}). Fix: write plain values (no !! or ! tags)."]
@@ -101,8 +108,68 @@ def _read_file(path: str) -> dict[str, Any]:
         raise SpecError([f"{where}: the file must hold a mapping of settings. Fix: write `key: value` lines."])
     bad = [k for k in loaded if not isinstance(k, str)]
     if bad:
-        raise SpecError([f"{where}: key {bad[0]!r} is not a setting name. Fix: use the names in README 'Parameters'."])
+        raise SpecError([f"{where}: key {bad[0]!r} is not a setting name. Fix: use the names docs/parameters.md lists."])
     return loaded
+
+
+@dataclass
+class _Scan:
+    """Where a config file's text goes, by top-level setting: bytes per key, and the first nested too deeply."""
+
+    spans: dict[str, int]
+    too_deep: str | None
+
+    def largest(self) -> tuple[str | None, int]:
+        return max(self.spans.items(), key=lambda kv: kv[1]) if self.spans else (None, 0)
+
+
+_KEY = re.compile(r'"([A-Za-z_][A-Za-z0-9_]*)"\s*:|^([A-Za-z_][A-Za-z0-9_]*)\s*:', re.M)
+
+
+def _top_level_keys(text: str) -> _Scan:
+    """Name the setting a file's bulk or its nesting belongs to, without parsing it (the parse is what
+    failed, or what the size refuses). Brackets count depth; quoted text is skipped."""
+    spans: dict[str, int] = {}
+    depth, key, start, too_deep, i, quote = 0, None, 0, None, 0, ""
+    json_like = text.lstrip().startswith("{")
+    while i < len(text):
+        ch = text[i]
+        if quote:
+            if ch == "\\":
+                i += 1
+            elif ch == quote:
+                quote = ""
+        elif ch in "\"'":
+            if (depth == 1 if json_like else depth == 0) and (m := _KEY.match(text, i)) and m.group(1):
+                if key:
+                    spans[key] = spans.get(key, 0) + i - start
+                key, start = m.group(1), i
+            quote = ch
+        elif ch in "[{":
+            depth += 1
+            if depth > MAX_DEPTH + 1 and too_deep is None:
+                too_deep = key
+        elif ch in "]}":
+            depth -= 1
+        elif not json_like and depth == 0 and (i == 0 or text[i - 1] == "\n") and (m := _KEY.match(text, i)) and m.group(2):
+            if key:
+                spans[key] = spans.get(key, 0) + i - start
+            key, start = m.group(2), i
+        i += 1
+    if key:
+        spans[key] = spans.get(key, 0) + len(text) - start
+    return _Scan(spans, too_deep)
+
+
+def _dotted(data: dict[str, Any], prefix: str = "") -> list[str]:
+    """Every key of the settings, dotted, with each of its prefixes (serving, serving.proxy, ...)."""
+    out = []
+    for k, v in data.items():
+        key = f"{prefix}{k}"
+        out.append(key)
+        if isinstance(v, dict):
+            out += _dotted(v, f"{key}.")
+    return out
 
 
 def deep_merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
@@ -119,7 +186,7 @@ def _with_recipe(data: dict[str, Any]) -> dict[str, Any]:
 
     name = data.get("recipe", DEFAULT_RECIPE)
     if not isinstance(name, str) or name not in RECIPES:
-        raise SpecError([f"recipe={show(name)}: is not a recipe. Fix: use one of {', '.join(RECIPES)} (README 'Recipes')."])
+        raise SpecError([f"recipe={show(name)}: is not a recipe. Fix: use one of {', '.join(RECIPES)} (gptoss recipes lists them)."])
     recipe = RECIPES[name]
     serving = data.get("serving")
     if isinstance(serving, dict):
@@ -190,7 +257,7 @@ def check_text(value: Any, where: str = "", depth: int = 0) -> None:
     """
     at = where or "config"
     if depth > MAX_DEPTH:
-        raise SpecError([f"{at}: nested more than {MAX_DEPTH} levels deep; no setting is. Fix: write the setting as README 'Parameters' shows it."])
+        raise SpecError([f"{at}: nested more than {MAX_DEPTH} levels deep; no setting is. Fix: write the setting as docs/parameters.md shows it."])
     if isinstance(value, dict | list | tuple) and len(value) > MAX_ITEMS:
         raise SpecError([f"{at}: holds {len(value):,} entries; no setting takes more than {MAX_ITEMS:,}. Fix: remove the extra entries."])
     if isinstance(value, dict):
@@ -277,8 +344,8 @@ def load_config(context: dict[str, Any]) -> ClusterConfig:
         if top not in _CONTEXT_KEYS and top != "capacity_reservation_id":
             raise SpecError(
                 [
-                    f"{key}={value!r}: is not a known setting. Fix: remove -c {key} or check its spelling "
-                    f"(known: {', '.join(sorted(_CONTEXT_KEYS))})."
+                    f"{key}={show(value)}: is not a known setting. Fix: remove -c {key} or check its spelling "
+                    f"({nearest(top, _CONTEXT_KEYS)})."
                 ]
             )
         if isinstance(value, str) and any(ch in value for ch in CLI_LINE_BREAKS):
@@ -307,11 +374,13 @@ def load_config(context: dict[str, Any]) -> ClusterConfig:
         )
     check_text(data)
     check_numbers(ClusterConfig, data)
+    given = frozenset(_dotted(data))
     data = _with_recipe(data)
     _apply_pin(data, context)
     try:
         cfg = ClusterConfig.model_validate(data)
+        cfg._given = given
         cfg.layout  # noqa: B018 - validates the fleet too
     except ValidationError as e:
-        raise explain(e) from None
+        raise explain(e, model=ClusterConfig) from None
     return cfg

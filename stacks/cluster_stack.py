@@ -54,8 +54,11 @@ class GptOssClusterStack(Stack):
                 f"the image resolves from {config.ami_ssm_parameter} at every deploy: after a new DLAMI a `cdk deploy` of "
                 "this template replaces every instance, and the deploy gate cannot wait for them (it sees only what "
                 "the synth knew). Deploy with gptoss deploy (it resolves the image first, asks, and gates it), or "
-                "pin it: gptoss pin-ami (records it in cdk.context.json).",
+                "pin it: gptoss pin-ami (records it in cdk.context.json). To keep it moving on purpose: "
+                "-c acknowledge_unpinned_ami=true.",
             )
+            if config.acknowledge_unpinned_ami:
+                Annotations.of(self).acknowledge_warning("gptoss:unpinned-ami", "the operator keeps the image unpinned (acknowledge_unpinned_ami)")
         image_id = config.ami_id or CfnParameter(
             self,
             "NeuronDlamiAmi",
@@ -148,7 +151,7 @@ def _compile_cache(stack: Stack, config: ClusterConfig) -> CacheLocation | None:
 
 
 def _placement_group(stack: Stack, config: ClusterConfig) -> str | None:
-    """The cluster placement group the EFA peers launch in, by name (README 'Capacity').
+    """The cluster placement group the EFA peers launch in, by name (docs/design.md 'Capacity').
 
     A single server needs none. A Capacity Block places its instances together itself (EC2:
     "there is no need to use a cluster placement group with a Capacity Block"): none. A

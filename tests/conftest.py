@@ -9,6 +9,7 @@ import os
 import re
 import subprocess
 import sys
+import tempfile
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -24,6 +25,10 @@ os.environ["PATH"] = f"{ROOT / 'node_modules' / '.bin'}{os.pathsep}{os.environ.g
 # As app.py does: CDK's built-in CloudFormation validator off in the in-process synths (the
 # tests run cfn-lint on the templates instead); set before aws_cdk starts its runtime.
 os.environ.setdefault("CDK_VALIDATION", "false")
+# Hypothesis keeps what it learns (its example database, a cache of the code's constants) in
+# .hypothesis/ of the working directory: a directory of this run's own instead, so nothing is
+# written to the checkout and two runs on one machine share nothing.
+os.environ.setdefault("HYPOTHESIS_STORAGE_DIRECTORY", tempfile.mkdtemp(prefix="gptoss-hypothesis-"))
 
 
 def cli_env(**extra: str) -> dict[str, str]:

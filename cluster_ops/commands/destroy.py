@@ -18,7 +18,14 @@ def run(args: argparse.Namespace, extra: list[str]) -> int:
                               f"deployed from this checkout: {recorded}). Nothing was deleted.")  # fmt: skip
     cfg = common.load(args)
     common.announce(cfg)
-    print(f"account {common.account(cfg)}", file=sys.stderr)
+    account = common.account(cfg)
+    print(f"account {account}", file=sys.stderr)
+    if stack.deployed_status(cfg) is None:
+        if cfg.stack_name in common.deployed():
+            common.record(cfg, [], remove=True)  # the record outlived its stack (deleted elsewhere)
+        print(f"nothing to destroy: there is no stack {cfg.stack_name} in {cfg.region} (account {account}). If you meant another "
+              f"cluster, name it (deployed from this checkout: {stack.others_deployed(cfg)}).", file=sys.stderr)  # fmt: skip
+        return 0
     goes = what_goes(cfg)
     print(f"destroy {cfg.stack_name} in {cfg.region} deletes: {goes}", file=sys.stderr)
     if not args.yes:

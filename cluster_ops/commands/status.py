@@ -7,7 +7,8 @@ import os
 import sys
 from typing import TYPE_CHECKING, Any
 
-from cluster_ops import common
+from cluster_ops import common, stack
+from cluster_ops.remote import find_nodes
 from clusterspec.config import ClusterConfig
 
 if TYPE_CHECKING:
@@ -23,6 +24,8 @@ def run(args: argparse.Namespace) -> int:
     cfg = common.load(args)
     common.announce(cfg)
     session = common.session(cfg)
+    if not find_nodes(session.client("ec2"), cfg.cluster_name) and stack.deployed_status(cfg) is None:
+        raise stack.not_deployed(cfg)
     console = common.console(args)
     with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total} nodes"),
                   console=console, transient=True, disable=not console.is_terminal) as progress:  # fmt: skip

@@ -6,8 +6,9 @@ import argparse
 import sys
 from typing import Any
 
-from cluster_ops import common
+from cluster_ops import common, stack
 from cluster_ops.commands.status import status_table
+from cluster_ops.remote import find_nodes
 
 
 def run(args: argparse.Namespace) -> int:
@@ -20,6 +21,8 @@ def run(args: argparse.Namespace) -> int:
     common.announce(cfg)
     session = common.session(cfg)
     common.account(cfg)  # no credentials: one line before anything is shown
+    if not find_nodes(session.client("ec2"), cfg.cluster_name) and stack.deployed_status(cfg) is None:
+        raise stack.not_deployed(cfg)  # nothing will come: no wait of hours for it
     console = common.console(args)
     with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.fields[count]}"),
                   TimeElapsedColumn(), console=console, disable=not console.is_terminal) as progress:  # fmt: skip

@@ -39,6 +39,12 @@ class ExtraFlag(Frozen):
             return v
         if v == "--":
             raise rule_error("extra flag value", v, "'--' ends the wrappers' own arguments on the node", "pass the flag's real value")
+        if v == "":
+            raise rule_error("extra flag value", v, "is empty: the server's parser would take the next flag as this one's value",
+                             "give the value, or leave value out for a flag that takes none")  # fmt: skip
+        if v.startswith("-") and not re.fullmatch(r"-[0-9]+(\.[0-9]+)?", v):
+            raise rule_error("extra flag value", v, "starts with '-': the server's parser would read it as a flag of its own, not as this flag's value",
+                             "give the value itself (a negative number such as -1 is taken), or add the flag as its own extra flag")  # fmt: skip
         # A backslash starts one of systemd's C escapes on an Exec line.
         return validate.carried("extra flag value", v, extra={"\\": "a backslash"})
 
@@ -173,7 +179,7 @@ def check_extra_flags(field: str, flags: tuple[ExtraFlag, ...]) -> None:
         if any(o not in OWNED_FLAGS for o in owned):
             raise rule_error(
                 field, flag.name, f"the spec sets this flag from a typed field{as_read}; a second copy would decide which one vLLM reads",
-                "set the typed field under serving.* instead (see README 'Parameters')",
+                "set the typed field under serving.* instead (docs/parameters.md)",
             )  # fmt: skip
         if owned:
             raise rule_error(

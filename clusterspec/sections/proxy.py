@@ -18,7 +18,7 @@ RouterPolicy = Literal["random", "round_robin", "power_of_two", "cache_aware", "
 class Router(Frozen):
     """vLLM's own router (PyPI vllm-router): a pinned wheel, its routing policies and failure settings.
 
-    The defaults are what the loopback fault test measured (README 'Router'): a dead server is
+    The defaults are what the loopback fault test measured (docs/benchmarks.md 'The endpoint under faults'): a dead server is
     out of rotation within the health window (failure threshold x interval + timeout); what the
     router sent it before that fails (0.1.17 does not retry a failed handoff on another server),
     nothing after.

@@ -81,8 +81,15 @@ class Serving(Frozen):
     @field_validator("model_id")
     @classmethod
     def _model_id(cls, v: str) -> str:
-        if not re.fullmatch(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,95}/[A-Za-z0-9][A-Za-z0-9._-]{0,95}$", v) or ".." in v:
-            raise rule_error("serving.model_id", v, "is not a Hugging Face model id (org/name)", "give e.g. openai/gpt-oss-120b")
+        # huggingface_hub's own rules (validate_repo_id), which refuse the download otherwise: each part 1-96 of
+        # A-Z a-z 0-9 . _ -, not starting or ending with '-' or '.', no '--' or '..', no '.git' at the end.
+        part = r"[A-Za-z0-9_](?:[A-Za-z0-9._-]{0,94}[A-Za-z0-9_])?"
+        if not re.fullmatch(f"{part}/{part}", v) or "--" in v or ".." in v or v.endswith(".git"):
+            raise rule_error(
+                "serving.model_id", v,
+                "is not a Hugging Face model id huggingface_hub accepts (org/name: letters, digits, '.', '_', '-', neither part "
+                "starting or ending with '-' or '.', no '--' or '..', at most 96 characters each)", "give e.g. openai/gpt-oss-120b",
+            )  # fmt: skip
         return v
 
     @field_validator("examples_dir")

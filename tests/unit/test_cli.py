@@ -50,6 +50,7 @@ def account(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(common, "account", lambda cfg: "123456789012")
     monkeypatch.setattr(deploy, "resolve_image", lambda cfg, args, verb: [])
     monkeypatch.setattr(stack, "exists", lambda cfg: False)
+    monkeypatch.setattr(stack, "deployed_status", lambda cfg: "CREATE_COMPLETE")  # destroy acts on a stack that exists
 
 
 class Session:
@@ -68,6 +69,12 @@ def failing(service: str, operation: str, code: str, message: str = "") -> Any:
     stub.add_client_error(operation, code, message or code)
     stub.activate()
     return client
+
+
+@pytest.fixture
+def moto_aws() -> Iterator[None]:
+    with mock_aws():
+        yield
 
 
 # ---- one line for every AWS error -----------------------------------------------------------
@@ -178,8 +185,11 @@ def test_make_destroy_without_yes_and_without_a_terminal_refuses_naming_what_it_
     env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
     env |= {"AWS_ENDPOINT_URL": moto_url, "AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_REGION": REGION,
             "AWS_EC2_METADATA_DISABLED": "true"}  # fmt: skip
+    cfn = boto3.client("cloudformation", endpoint_url=moto_url, region_name=REGION, aws_access_key_id="testing", aws_secret_access_key="testing")
+    cfn.create_stack(StackName="GptOss8k1kProd", TemplateBody='{"Resources": {"T": {"Type": "AWS::SNS::Topic"}}}')  # a deployed cluster
     r = subprocess.run(["make", "-s", "destroy", "CDK_ARGS=-c config=examples/production-3p8d.yaml"], cwd=ROOT, capture_output=True,
                        text=True, stdin=subprocess.DEVNULL, env=env, timeout=600)  # fmt: skip
+    cfn.delete_stack(StackName="GptOss8k1kProd")
     assert r.returncode != 0
     assert "stack GptOss8k1kProd · region us-east-2 · cluster tag gptoss:cluster=gptoss-prod" in r.stderr
     assert "account 123456789012" in r.stderr
@@ -235,24 +245,24 @@ def test_deploy_names_the_stack_records_it_and_later_commands_find_it(checkout: 
 
 
 def test_a_fleet_many_times_the_expected_size_is_confirmed_before_it_bills(checkout: Path, account: None, monkeypatch: pytest.MonkeyPatch, capsys: Any) -> None:
-    """prefill_per_decode=1000 means 64 instances: plan says so, deploy asks (or refuses without a
+    """prefill_per_decode=128 means 9 instances: plan says so, deploy asks (or refuses without a
     terminal) and runs nothing unconfirmed; the 3 + 8 layout asked by decode_instances does not ask,
     and a later deploy of that stack is compared with what it had."""
     ran: list[str] = []
     monkeypatch.setattr(stack, "cdk", lambda verb, cfg, context, extra: ran.append(cfg.stack_name) or 0)
-    big = ["-c", "prefill_per_decode=1000"]
+    big = ["-c", "prefill_per_decode=128"]
     assert cli.main(["plan", *big]) == 0
     out = " ".join(capsys.readouterr().out.split())
-    assert "check the size: 64 x trn3.48xlarge is 32x the gptoss-120b-8k1k recipe's 2 for decode_instances=1" in out
+    assert "check the size: 9 x trn3.48xlarge is 4x the gptoss-120b-8k1k recipe's 2 for decode_instances=1" in out
     monkeypatch.setattr(sys, "stdin", io.StringIO(""))  # no terminal
     assert cli.main(["deploy", *big]) == 1
-    assert "refusing to deploy without confirmation: 64 x trn3.48xlarge is 32x" in capsys.readouterr().err and ran == []
-    tty = io.StringIO("63\n")
+    assert "refusing to deploy without confirmation: 9 x trn3.48xlarge is 4x" in capsys.readouterr().err and ran == []
+    tty = io.StringIO("8\n")
     tty.isatty = lambda: True  # type: ignore[method-assign]
     monkeypatch.setattr(sys, "stdin", tty)
     assert cli.main(["deploy", *big]) == 1
-    assert "not confirmed ('63' is not 64): nothing was deployed." in capsys.readouterr().err and ran == []
-    tty = io.StringIO("64\n")
+    assert "not confirmed ('8' is not 9): nothing was deployed." in capsys.readouterr().err and ran == []
+    tty = io.StringIO("9\n")
     tty.isatty = lambda: True  # type: ignore[method-assign]
     monkeypatch.setattr(sys, "stdin", tty)
     assert cli.main(["deploy", *big]) == 0 and ran == ["GptOss8k1kStack"]
@@ -287,8 +297,9 @@ def test_a_failed_deploy_is_explained_in_one_line(checkout: Path, monkeypatch: p
 
 
 @mock_aws
-def test_status_with_nothing_running_names_the_stacks_this_checkout_deployed(checkout: Path, capsys: Any) -> None:
-    os.environ.setdefault("AWS_DEFAULT_REGION", REGION)
+def test_status_with_nothing_running_names_the_stacks_this_checkout_deployed(moto_aws: None, checkout: Path, capsys: Any) -> None:
+    """The stack exists, no instance of it runs (all lost, or still launching): said, with the other clusters of this checkout."""
+    boto3.client("cloudformation", region_name=REGION).create_stack(StackName="GptOss8k1kStack", TemplateBody='{"Resources": {"T": {"Type": "AWS::SNS::Topic"}}}')
     (checkout / ".gptoss").mkdir()
     (checkout / ".gptoss/deployed.json").write_text(json.dumps({"GptOss8k1kProd": {"context": ["config=examples/production-3p8d.yaml"]}}))
     assert cli.main(["status"]) == 1
@@ -297,12 +308,6 @@ def test_status_with_nothing_running_names_the_stacks_this_checkout_deployed(che
 
 
 # ---- the pinned image ---------------------------------------------------------------------
-
-
-@pytest.fixture
-def moto_aws() -> Iterator[None]:
-    with mock_aws():
-        yield
 
 
 def test_pin_ami_records_the_image_and_the_config_uses_it(moto_aws: None, checkout: Path, capsys: Any) -> None:
@@ -408,3 +413,54 @@ def test_a_capacity_block_is_not_priced_by_the_hour() -> None:
     assert (instances.usd, instances.note) == (None, "paid up front when the block was bought")
     assert volumes.usd == 0.08 and nat.usd == 0.045
     stub.assert_no_pending_responses()
+
+
+# ---- errors with a fix -----------------------------------------------------------------------
+
+
+def test_destroy_of_a_stack_that_does_not_exist_says_there_is_nothing_to_destroy(moto_aws: None, checkout: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                               capsys: Any) -> None:  # fmt: skip
+    ran: list[str] = []
+    monkeypatch.setattr(stack, "cdk", lambda verb, cfg, context, extra: ran.append(verb) or 0)
+    common.record(load_config({"decode_instances": "1"}), ["decode_instances=1"])  # a record of another cluster, deployed from here
+    assert cli.main(["destroy", *PROD, "--yes"]) == 0
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1] == ("nothing to destroy: there is no stack GptOss8k1kProd in us-east-2 (account 123456789012). If you meant another cluster, "
+                       "name it (deployed from this checkout: --stack GptOss8k1kStack).")  # fmt: skip
+    assert ran == [], "cdk destroy never ran"
+
+
+@pytest.mark.parametrize("command", [["status"], ["wait-ready", "--timeout", "3600"]])
+def test_status_and_wait_ready_of_a_cluster_that_is_not_deployed_say_so_at_once(command: list[str], moto_aws: None, checkout: Path, capsys: Any) -> None:
+    common.record(load_config({"decode_instances": "8"}), ["decode_instances=8"])
+    started = __import__("time").monotonic()
+    assert cli.main([*command, *PROD]) == 2
+    assert __import__("time").monotonic() - started < 600, "no wait for a cluster that is not there"
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1] == (f"gptoss {command[0]}: GptOss8k1kProd is not deployed in us-east-2: there is no such stack. Fix: name the cluster that is "
+                       "deployed (from this checkout: --stack GptOss8k1kStack; or -c config=FILE with its parameters), or check the region (-c region=...).")  # fmt: skip
+
+
+@pytest.mark.parametrize("command", [["pin-ami"], ["deploy", "--yes"]])
+def test_a_dlami_parameter_the_region_does_not_have_is_one_line_with_the_fix(command: list[str], moto_aws: None, checkout: Path, capsys: Any) -> None:
+    assert cli.main([*command, "-c", "ami_ssm_parameter=/aws/service/neuron/dlami/nope/latest/image_id"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith(f"gptoss {command[0]}: no DLAMI parameter /aws/service/neuron/dlami/nope/latest/image_id in us-east-2: ")
+    assert "Fix: check the region (-c region=...), set ami_ssm_parameter to a name" in err[-1] and err[-1].endswith("or pin an image: -c ami_id=ami-...")
+    assert "Traceback" not in "\n".join(err)
+
+
+def test_settings_another_choice_makes_irrelevant_are_said_after_the_target_line(capsys: Any) -> None:
+    assert cli.main(["plan", "-c", "capacity.preference=open", "-c", "network.flow_logs=false", "-c", "network.flow_logs_traffic=ALL",
+                     "-c", "serving.proxy.router.health_check_timeout_s=3", "-c", "ami_id=ami-0123456789abcdef0",
+                     "-c", "acknowledge_unpinned_ami=true"]) == 0  # fmt: skip
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [
+        "stack GptOss8k1kStack · region us-east-2 · cluster tag gptoss:cluster=gptoss-8k1k",
+        "note: capacity.preference='open' has no effect: capacity.type is on-demand",
+        "note: network.flow_logs_traffic='ALL' has no effect: network.flow_logs is false",
+        "note: serving.proxy.router has no effect: the endpoint is the toy proxy, not vLLM's router (serving.proxy.kind)",
+        "note: acknowledge_unpinned_ami=true has no effect: the image is pinned (ami-0123456789abcdef0)",
+    ]
+    assert cli.main(["plan", "-c", "decode_instances=8", "-c", "serving.proxy.router.health_check_timeout_s=3"]) == 0
+    assert [line for line in capsys.readouterr().err.splitlines() if line.startswith("note:")] == [], "the recipe's own values are never noted"

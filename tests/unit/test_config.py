@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -35,7 +36,23 @@ BAD_INPUTS: list[tuple[str, dict[str, Any], list[str]]] = [
     row("not a number", {"decode_instances": "many"}, "decode_instances='many'", "valid integer", "set `decode_instances` to a whole number"),
     row("no decode server", {"decode_instances": "0"}, "decode_instances=0", "at least one decode server", "set decode_instances >= 1"),
     row("negative fleet", {"decode_instances": "-3"}, "decode_instances=-3", "at least one decode server", "set decode_instances >= 1"),
-    row("absurd fleet", {"decode_instances": "5000"}, "decode_instances=5000", "more than any fleet one stack can hold", "lower it"),
+    row("absurd fleet", {"decode_instances": "5000"}, "decode_instances=5,000: with prefill_per_decode=6 and replicas_per_prefill_instance=fill",
+        "= 6,875 instances; one stack holds at most 1,400", "at most 1,018 decode instances with these ratios"),
+    row("fleet of one replica per prefill instance", {"decode_instances": "300", "replicas_per_prefill_instance": "1"},
+        "decode_instances=300: with prefill_per_decode=6 and replicas_per_prefill_instance=1", "300 decode + 1,800 prefill = 2,100 instances; one stack holds at most 1,400",
+        "at most 200 decode instances with these ratios"),
+    row("more prefill replicas than the decode server has slots", {"prefill_per_decode": "1000"}, "prefill_per_decode=1,000",
+        "a decode server holds at most 128 sequences at a time", "set prefill_per_decode <= 128"),
+    row("a prefill fleet past one stack for one decode server", {"prefill_per_decode": "128", "replicas_per_prefill_instance": "1", "decode_instances": "11"},
+        "decode_instances=11: with prefill_per_decode=128", "= 1,419 instances; one stack holds at most 1,400", "at most 10 decode instances"),
+    row("an instance override past any instance", {"instance_overrides": '{"neuron_devices": 100000000000000000000000}'},
+        "instance_overrides.neuron_devices=100000000000000000000000", "less than or equal to 64", "to what AWS reports"),
+    row("a model id with a double dash", {"serving.model_id": "openai/gpt--oss"}, "serving.model_id='openai/gpt--oss'", "huggingface_hub accepts", "give e.g. openai/gpt-oss-120b"),
+    row("a model id ending in a dot", {"serving.model_id": "openai/gpt-oss."}, "serving.model_id='openai/gpt-oss.'", "huggingface_hub accepts", "give e.g. openai/gpt-oss-120b"),
+    row("an extra flag value that is a flag", {"serving.decode.extra_flags": '[{"name": "--seed", "value": "--port", "reason": "r"}]'},
+        "extra flag value='--port'", "starts with '-'", "give the value itself"),
+    row("an empty extra flag value", {"serving.decode.extra_flags": '[{"name": "--seed", "value": "", "reason": "r"}]'},
+        "extra flag value=''", "is empty", "give the value"),
     row("ratio below one", {"prefill_per_decode": "0"}, "prefill_per_decode=0", "at least one prefill replica", "set prefill_per_decode >= 1"),
     row("too many replicas on an instance", {"replicas_per_prefill_instance": "17"}, "replicas_per_prefill_instance=17", "1 to 16", "set it between 1 and 16"),
     row("no replica on an instance", {"replicas_per_prefill_instance": "0"}, "replicas_per_prefill_instance=0", "1 to 16", "set it between 1 and 16"),
@@ -462,8 +479,9 @@ def test_plan_answers_every_bad_input_with_one_message_and_exit_2(capsys: Any) -
         ("octal.yaml", "decode_instances: 01000\n", "'01000' means different things in YAML 1.1 and 1.2"),
         ("underscore.yaml", "decode_instances: 1_0\n", "'1_0' means different things in YAML 1.1 and 1.2"),
         ("onoff.yaml", "wait_for_ready: on\n", "'on' means different things in YAML 1.1 and 1.2"),
-        ("deep.yaml", "serving: " + "[" * 5000 + "]" * 5000 + "\n", "nests lists or mappings too deeply to read"),
-        ("huge.yaml", "kms_key_arns:\n" + "  - arn:aws:kms:us-east-2:123456789012:key/0123abcd-0123-4567-89ab-0123456789ab\n" * 4000, "is 320,014 bytes; a config file is at most 262,144"),
+        ("deep.yaml", "serving: " + "[" * 5000 + "]" * 5000 + "\n", "nests lists or mappings too deeply to read (serving nests them)"),
+        ("deep.json", '{"region": "us-east-2", "network": ' + "[" * 5000 + "]" * 5000 + "}", "nests lists or mappings too deeply to read (network nests them)"),
+        ("huge.yaml", "kms_key_arns:\n" + "  - arn:aws:kms:us-east-2:123456789012:key/0123abcd-0123-4567-89ab-0123456789ab\n" * 4000, "is 320,014 bytes (kms_key_arns takes 320,014 of them); a config file is at most 262,144"),
     ],
     ids=lambda v: v if isinstance(v, str) and v.endswith('.yaml') else '',
 )
@@ -484,3 +502,32 @@ def test_dotted_keys_set_nested_values_as_users_type_them() -> None:
     cfg = load_config({"network.egress": "none", "model.source": "s3", "model.s3_uri": "s3://models-bucket/gpt-oss-120b",
                        "examples.s3_uri": "s3://models-bucket/vllm-neuron", "serving.decode.max_num_seqs": "4"})  # fmt: skip
     assert (cfg.network.egress, cfg.model.source, cfg.serving.decode.max_num_seqs) == ("none", "s3", 4)
+
+
+MODEL_IDS = ["openai/gpt-oss-120b", "openai/gpt--oss", "openai/gpt-oss.", "openai/.gpt", "openai/-gpt", "openai/gpt..oss", "openai/gpt.git",
+             "org_/name_", "o/n", "a" * 96 + "/b", "a" * 97 + "/b", "openai/gpt oss", "openai/gpt/oss", "openai/café", "Qwen/Qwen3-8B",
+             "_x/y", "x/y-", "x/y_"]  # fmt: skip
+
+
+def test_a_model_id_is_accepted_exactly_when_every_huggingface_hub_release_accepts_it() -> None:
+    """The node downloads with huggingface_hub, whichever release the DLAMI's venv holds: a model id one of
+    them would refuse at boot is refused at plan. (0.36 also takes non-ASCII names and longer
+    namespaces, which the Hub itself refuses and later releases check.)"""
+    code = ("import json, sys; from huggingface_hub.utils import validate_repo_id\n"
+            "out = {}\nfor i in json.loads(sys.argv[1]):\n"
+            "    try:\n        validate_repo_id(i); out[i] = True\n    except Exception:\n        out[i] = False\nprint(json.dumps(out))")  # fmt: skip
+    hubs = []
+    for version in ("0.36.2", "1.33.0", "2.4.0"):
+        r = subprocess.run([sys.executable, "-c", code, json.dumps(MODEL_IDS)], env=os.environ | {"PYTHONPATH": str(ROOT / ".hf-clients" / version)},
+                           capture_output=True, text=True, check=True)  # fmt: skip
+        hubs.append(json.loads(r.stdout))
+    ours = {}
+    for model_id in MODEL_IDS:
+        try:
+            load_config({"serving.model_id": model_id})
+            ours[model_id] = True
+        except SpecError:
+            ours[model_id] = False
+    # The project asks for org/name (the checkpoint's whole name); the Hub alone also takes a bare name.
+    assert ours == {i: all(h[i] for h in hubs) and "/" in i for i in MODEL_IDS}
+    assert ours["openai/gpt-oss-120b"] and not ours["openai/gpt--oss"] and not ours["openai/gpt-oss."]
