@@ -100,7 +100,6 @@ def test_cdk_synth_deploy_diff_destroy_as_typed(aws: tuple[str, Path]) -> None:
         # deploy asks before IAM and security-group changes, destroy before it deletes: answered as a person would.
         r = run(line.split(), cwd=checkout, env=env, answers={"(y/n)": "y"}, timeout=600)
         outputs[verb] = r.output
-        print(f"==== {line} ({r.code}) answered {r.answered}\n" + (r.output if verb == 'diff' else r.output[-300:]))
         assert r.code == 0, f"{line} exited {r.code}:\n{r.output[-3000:]}"
         assert "Traceback" not in r.output and "No module named" not in r.output, r.output[-3000:]
         if verb in ("deploy", "destroy"):
@@ -142,3 +141,15 @@ def _remove_what_moto_cannot(url: str) -> None:
             for attachment in gateway.get("Attachments", []):
                 ec2.detach_internet_gateway(InternetGatewayId=gateway["InternetGatewayId"], VpcId=attachment["VpcId"])
             ec2.delete_internet_gateway(InternetGatewayId=gateway["InternetGatewayId"])
+
+
+def test_cdk_synth_as_typed_with_the_venv_activated_too(aws: tuple[str, Path]) -> None:
+    """`source .venv/bin/activate` first: the CDK then finds the venv's python3 itself, and app.py runs in it as is."""
+    _, checkout = aws
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("AWS_", "CDK_"))}
+    env |= {"PATH": f"{checkout / '.venv' / 'bin'}{os.pathsep}{no_venv_path()}", "VIRTUAL_ENV": str(checkout / ".venv"), "AWS_REGION": REGION,
+            "CDK_DISABLE_CLI_TELEMETRY": "true", "HOME": str(checkout.parent)}  # fmt: skip
+    r = subprocess.run(["npx", "cdk", "synth", "--quiet", "--output", str(checkout / "cdk.out.activated")], cwd=checkout, env=env,
+                       capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert (checkout / "cdk.out.activated" / f"{STACK}.template.json").exists()
