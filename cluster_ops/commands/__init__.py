@@ -18,9 +18,10 @@ from cluster_ops.commands import (
     preflight,
     recipes,
     save_cache,
+    size,
     status,
     wait_ready,
 )
 
 # The order `gptoss --help` lists them in.
-COMMANDS = (plan, recipes, preflight, pin_ami, deploy, destroy, diff, status, wait_ready, bench, save_cache, local)
+COMMANDS = (plan, recipes, preflight, pin_ami, deploy, destroy, diff, status, wait_ready, bench, size, save_cache, local)

@@ -517,3 +517,41 @@ def test_bench_stops_the_benchmark_at_its_timeout_and_shows_its_progress(aws: No
                   on_poll=lambda state, t: seen.append(state))  # fmt: skip
     assert seen == ["active · 40%|████      | 2/5 [00:10<00:15]", "active · 80%|████████  | 4/5"]
     stub.assert_no_pending_responses()
+
+
+# ---- bench --sweep --------------------------------------------------------------------------------
+
+
+def test_bench_sweep_runs_every_leg_in_one_unit_and_saves_each_result_named_by_layout_and_image(aws: None, tmp_path: Path) -> None:
+    """The legs the sweep starts on the proxy node (the reference's benchmark at each load, with the
+    layout and image as --metadata), and the files it copies back, named so runs of another layout
+    or image never mix: what gptoss size then reads."""
+    from cluster_ops.sizing import parse
+    from tests.fakes.bench_runs import Model, result
+
+    cfg = load_config({"decode_instances": "8"})
+    iid = launch(cfg, ["decode-0"])["decode-0"]
+    image = boto3.client("ec2", region_name=REGION).describe_instances(InstanceIds=[iid])["Reservations"][0]["Instances"][0]["ImageId"]
+    tag = f"gptoss-120b-8k1k-48p8d-{image}"
+    names = [f"{tag}-c{c}.json" for c in (8, 64)] + [f"{tag}-r24.json"]
+    docs = [result(Model(), leg="endpoint", prefill_replicas=48, decode_servers=8, concurrency=8, image=image),
+            result(Model(), leg="endpoint", prefill_replicas=48, decode_servers=8, concurrency=64, image=image),
+            result(Model(), leg="endpoint", prefill_replicas=48, decode_servers=8, rate=24.0, image=image)]  # fmt: skip
+    ssm, stub = stub_ssm([(iid, ""), (iid, "inactive\ndone\n3\n"), *[(iid, json.dumps(d)) for d in docs]])
+    sent: list[str] = []
+    ssm.meta.events.register("provide-client-params.ssm.SendCommand", lambda params, **kw: sent.append(params["Parameters"]["commands"][0]))
+    written = bench.sweep(cfg, boto3.client("ec2", region_name=REGION), ssm, out=tmp_path / "out", concurrencies=[8, 64], rates=[24.0],
+                          sleep=lambda s: None)  # fmt: skip
+    stub.assert_no_pending_responses()
+    assert [p.name for p in written] == names
+    start = sent[0]
+    assert "systemd-run --unit=gptoss-bench-sweep --property=User=root --property=EnvironmentFile=/etc/gptoss/bench.env -- bash -c" in start
+    for leg, concurrency in (("c8", "--max-concurrency 8 --num-prompts 80"), ("c64", "--max-concurrency 64 --num-prompts 640")):
+        assert concurrency in start and f"--result-filename {tag}-{leg}.json" in start
+    assert "vllm bench serve --request-rate 24 --backend vllm" in start and "--result-filename " + f"{tag}-r24.json" in start
+    assert start.count("--percentile-metrics ttft,tpot,itl,e2el --metric-percentiles 50,99") == 3
+    assert start.count(f"--metadata gptoss_recipe=gptoss-120b-8k1k gptoss_instance_type=trn3.48xlarge gptoss_image={image} "
+                       "gptoss_prefill_replicas=48 gptoss_decode_servers=8 gptoss_leg=endpoint") == 3  # fmt: skip
+    assert sent[2:] == [f"cat /root/gpt-oss-120b-8k1k-results/sweep/{n}" for n in names]
+    runs = [parse(str(p), p.read_text()) for p in written]
+    assert {(r.prefill_replicas, r.decode_servers, r.image) for r in runs} == {(48, 8, image)}
