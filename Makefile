@@ -82,10 +82,12 @@ VM_TOOLS := qemu-system-x86_64:qemu-system-x86 qemu-img:qemu-utils mmdebstrap:mm
 	fi
 	@touch $@
 
+# Where `make synth` writes the cloud assembly (a test points it elsewhere: two runs on one machine never share one).
+CDK_OUT ?= cdk.out
 synth: setup
-	rm -rf cdk.out
-	$(CDK) synth --no-notices --quiet $(CDK_ARGS)
-	@echo "templates:" && ls -1 $(CURDIR)/cdk.out/*.template.json
+	rm -rf $(CDK_OUT)
+	$(CDK) synth --no-notices --quiet --output $(CDK_OUT) $(CDK_ARGS)
+	@echo "templates:" && ls -1 $(abspath $(CDK_OUT))/*.template.json
 	$(GPTOSS) plan $(CDK_ARGS)
 
 plan: setup
@@ -116,8 +118,13 @@ local-down: setup
 # Test files run in parallel (a file's fixtures stay in one worker). Three workers even on two
 # cores: tests that wait on a subprocess or a timeout would leave a core idle. The 15 slowest
 # tests are printed.
+# Its report is checked like CI's VM report (scripts/check_junit.py): a skipped test fails make test,
+# and so does a whole run of fewer than MIN_TESTS (a module lost at collection).
+MIN_TESTS := 800
 test: setup
-	$(PY) -m pytest -n 3 --dist loadfile --durations=15 $(PYTEST_ARGS)
+	@report=$$(mktemp --suffix=.xml); \
+	$(PY) -m pytest -n 3 --dist loadfile --durations=15 --junitxml=$$report $(PYTEST_ARGS) && \
+	$(PY) scripts/check_junit.py $$report --expect-at-least $(if $(PYTEST_ARGS),1,$(MIN_TESTS)); rc=$$?; rm -f $$report; exit $$rc
 
 # Boots the default layout's nodes in QEMU guests from the project's own user data (tests/vm).
 # Needs root (the guest image is built with mmdebstrap --mode=root; the packages come from apt).

@@ -320,16 +320,12 @@ def recipe_synth(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 
 
 @pytest.fixture(scope="module")
-def moto_url() -> Iterator[str]:
+def moto_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """A moto server on a free loopback port (the host name `localhost`, as the CDK and the AWS CLI need)."""
-    import socket
+    from tests.local_moto import MotoServer
 
-    from moto.server import ThreadedMotoServer
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
-    server.start()
-    yield f"http://localhost:{port}"
-    server.stop()
+    server = MotoServer(tmp_path_factory.mktemp("moto") / "moto.log")
+    try:
+        yield server.url
+    finally:
+        server.stop()

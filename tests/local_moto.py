@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import socket
 import subprocess
 import sys
@@ -24,22 +25,28 @@ class MotoServer:
     """
 
     def __init__(self, log: Path, *, host: str = "localhost", timeout: float = 60, extended: bool = False) -> None:
-        self.port = free_port()
-        self.url = f"http://{host}:{self.port}"
         # extended: moto with what the stack needs of CloudFormation and moto lacks (cluster_ops/local_aws.py).
         server = [sys.executable, "-m", "cluster_ops.local_aws"] if extended else [str(Path(sys.executable).parent / "moto_server")]
-        self.proc = subprocess.Popen([*server, "-H", "127.0.0.1", "-p", str(self.port)], cwd=Path(__file__).resolve().parent.parent,
+        # Port 0: the kernel picks a free port as moto binds it, and moto says which. (A port found
+        # free and handed over later can be taken meanwhile by another run on this machine.)
+        self.proc = subprocess.Popen([*server, "-H", "127.0.0.1", "-p", "0"], cwd=Path(__file__).resolve().parent.parent,
                                      stdout=log.open("w"), stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)  # fmt: skip
         deadline = time.monotonic() + timeout
+        self.port = 0
         while True:
-            try:
-                urllib.request.urlopen(f"{self.url}/moto-api/", timeout=2)
-                return
-            except OSError:
-                if self.proc.poll() is not None or time.monotonic() > deadline:
-                    self.stop()
-                    raise AssertionError(f"moto's server did not start within {timeout:.0f} s: {log.read_text()[-2000:]}") from None
-                time.sleep(0.1)
+            if not self.port and (m := re.search(r"Running on http://127\.0\.0\.1:(\d+)", log.read_text())):
+                self.port = int(m.group(1))
+                self.url = f"http://{host}:{self.port}"
+            if self.port:
+                try:
+                    urllib.request.urlopen(f"{self.url}/moto-api/", timeout=2)
+                    return
+                except OSError:
+                    pass
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                raise AssertionError(f"moto's server did not start within {timeout:.0f} s: {log.read_text()[-2000:]}")
+            time.sleep(0.1)
 
     def stop(self) -> None:
         if self.proc.poll() is None:

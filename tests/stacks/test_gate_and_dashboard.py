@@ -222,3 +222,33 @@ def test_a_replaced_node_or_one_that_cannot_be_replaced_raises_an_alarm(default_
     assert "AWS/AutoScaling" in text and "GroupInServiceInstances" in text
     for g in of_type(t, "AWS::AutoScaling::AutoScalingGroup").values():
         assert "GroupInServiceInstances" in g["Properties"]["MetricsCollection"][0]["Metrics"]
+
+
+# Every alarm of the production layout, typed: what it watches, when it fires, and what it makes of
+# missing data. A changed threshold, period count or statistic fails here, not only in a snapshot.
+ALARMS_3P8D = {
+    # name: (namespace, metric, statistic, period s, evaluation periods, threshold, comparison, missing data)
+    "gptoss-8k1k-ServersDown": ("GptOss", "ServersDown", "Maximum", 60, 3, 1, "GreaterThanOrEqualToThreshold", "notBreaching"),
+    "gptoss-8k1k-StagingFailing": ("GptOss", "StagingFailing", "Maximum", 60, 15, 1, "GreaterThanOrEqualToThreshold", "notBreaching"),
+    "gptoss-8k1k-NodeReplaced": ("AWS/Events", "MatchedEvents", "Sum", 60, 1, 1, "GreaterThanOrEqualToThreshold", "notBreaching"),
+    "gptoss-8k1k-NodeCannotBeReplaced": ("AWS/Events", "MatchedEvents", "Sum", 60, 1, 1, "GreaterThanOrEqualToThreshold", "notBreaching"),
+    "gptoss-8k1k-RouterErrors": ("GptOss", "RouterErrorPercent", "Maximum", 60, 3, 5, "GreaterThanOrEqualToThreshold", "notBreaching"),
+}
+
+
+def test_every_alarm_watches_its_metric_with_its_threshold_periods_and_missing_data(fleet_synth: Synth) -> None:
+    alarms = {a["Properties"]["AlarmName"]: a["Properties"] for a in of_type(fleet_synth.template, "AWS::CloudWatch::Alarm").values()}
+    assert sorted(alarms) == sorted([*ALARMS_3P8D, "gptoss-8k1k-NlbUnhealthyHosts"])
+    for name, (namespace, metric, statistic, period, periods, threshold, comparison, missing) in ALARMS_3P8D.items():
+        a = alarms[name]
+        got = (a["Namespace"], a["MetricName"], a["Statistic"], a["Period"], a["EvaluationPeriods"], a["Threshold"], a["ComparisonOperator"],
+               a["TreatMissingData"])  # fmt: skip
+        assert got == (namespace, metric, statistic, period, periods, threshold, comparison, missing), name
+        assert "DatapointsToAlarm" not in a, f"{name}: every evaluated period breaches"
+    nlb = alarms["gptoss-8k1k-NlbUnhealthyHosts"]
+    assert (nlb["EvaluationPeriods"], nlb["Threshold"], nlb["ComparisonOperator"], nlb["TreatMissingData"]) == (3, 1, "GreaterThanOrEqualToThreshold", "notBreaching")
+    queries = {q["Id"]: q for q in nlb["Metrics"]}
+    assert queries["partial"]["Expression"] == "IF(h >= 1, u, 0)" and queries["partial"]["ReturnData"] is True
+    for qid, metric in (("u", "UnHealthyHostCount"), ("h", "HealthyHostCount")):
+        stat = queries[qid]["MetricStat"]
+        assert (stat["Metric"]["Namespace"], stat["Metric"]["MetricName"], stat["Period"], stat["Stat"]) == ("AWS/NetworkELB", metric, 60, "Maximum")

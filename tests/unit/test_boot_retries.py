@@ -114,9 +114,7 @@ def _reboot(n: dict[str, Any]) -> None:
 
 
 def test_nvme_formats_the_device_the_kernel_made_while_its_udev_link_lags(nvme: dict[str, Any]) -> None:
-    started = time.monotonic()
     res, calls = _nvme(nvme)
-    took = time.monotonic() - started
     assert res.returncode == 0, res.stderr
     md, mount, array = nvme["md"], nvme["mount"], nvme["env"]["GPTOSS_NVME_ARRAY"]
     assert calls == [
@@ -126,8 +124,9 @@ def test_nvme_formats_the_device_the_kernel_made_while_its_udev_link_lags(nvme: 
         f"mount -o noatime {md} {mount}",
     ]
     assert f"the kernel made {md}" in res.stdout and f"mounted {md} at {mount}" in res.stdout
-    # It waited for the kernel's device (1 s), not for the link, which is still not there.
-    assert not os.path.lexists(array) and took < 20
+    # It waited for the kernel's device (1 s), not for the link: the fake makes the link 30 s after
+    # the array, and it is still not there when the step is done (no clock of ours is read).
+    assert not os.path.lexists(array)
     res, again = _nvme(nvme)
     assert res.returncode == 0 and again == calls and "already mounted; reusing it" in res.stdout
 

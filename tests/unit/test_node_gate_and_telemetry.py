@@ -256,12 +256,11 @@ def test_a_handle_past_its_expiry_is_not_signalled_at_all(signal_node: Any, peer
 def test_the_deadline_counts_from_the_handles_signing_not_from_the_nodes_boot(signal_node: Any, peers: Any) -> None:
     """A node that boots late (its instance took a while) still reports before CloudFormation's timeout."""
     peers.completion = {"choices": [{"text": ""}], "usage": {"completion_tokens": 0}}
-    started = time.monotonic()
+    # The gate's timeout is an hour: the run ends at all (signal_node gives it a minute) because it reported in time.
     r = signal_node(timeout=3600, query=_amz(signed_ago_s=3600 - 300 - 2))  # 2 s left before timeout - margin
     assert r.returncode == 0
     (put,) = peers.puts
     assert put["doc"]["Status"] == "FAILURE" and "not ready before the deploy gate's timeout" in put["doc"]["Reason"]
-    assert time.monotonic() - started < 30
 
 
 # ---- gptoss-telemetry -------------------------------------------------------------------------------

@@ -487,9 +487,9 @@ def test_gate_starts_replica_zero_at_once_and_the_others_when_a_replica_answers(
 def test_gate_releases_the_replicas_when_the_first_one_crash_loops(gate: Any) -> None:
     dead = f"http://127.0.0.1:{_free_port()}/health"
     gate.state.write_text("ActiveState=activating\nNRestarts=2\n")
-    t0 = time.monotonic()
+    # Its timeout is 4 hours: it returns at all (the helper gives it a minute) because it released the replicas.
     r = gate("3", "14400", dead)
-    assert r.returncode == 0 and time.monotonic() - t0 < 10, "no hours-long wait for a replica that cannot come up"
+    assert r.returncode == 0, "no hours-long wait for a replica that cannot come up"
     assert "gptoss-prefill@0.service is failing (activating, restarts 2): starting without its compile cache" in r.stdout
 
 

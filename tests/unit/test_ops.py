@@ -41,9 +41,9 @@ class Session:
 
 
 @pytest.fixture
-def aws() -> Iterator[None]:
+def aws(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    monkeypatch.setenv("AWS_DEFAULT_REGION", REGION)  # for this test only: nothing leaks into the next one
     with mock_aws():
-        os.environ.setdefault("AWS_DEFAULT_REGION", REGION)
         yield
 
 

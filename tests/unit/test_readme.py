@@ -38,7 +38,7 @@ def offline_env(tmp: Path) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
     # TMPDIR: a command that writes a scratch file (the README's diagram) writes it in this test's own directory.
     return env | {"AWS_EC2_METADATA_DISABLED": "true", "AWS_CONFIG_FILE": str(tmp / "none"), "AWS_SHARED_CREDENTIALS_FILE": str(tmp / "none"),
-                  "TMPDIR": str(tmp)}  # fmt: skip
+                  "TMPDIR": str(tmp), "CDK_OUT": str(tmp / "cdk.out")}  # fmt: skip
 
 
 def run(command: str, tmp: Path) -> subprocess.CompletedProcess[str]:

@@ -141,3 +141,48 @@ def test_the_router_pool_is_one_line_per_node_and_expands_to_every_server(tmp_pa
     res = subprocess.run([str(shipped("gptoss-router-pool")), str(tmp_path / "pool"), "--", "true"], env={"PATH": "/usr/bin:/bin"},
                          capture_output=True, text=True, timeout=30)  # fmt: skip
     assert res.returncode == 1 and "not ROLE HOST FIRST LAST" in res.stderr
+
+
+# The router's whole command line for the production layout (3 prefill + 8 decode instances), typed
+# from the spec's defaults and the reference's ports (prefill replica i of a node on 8100 + i, the
+# decode server on 8200), not from the code that renders it: a changed flag or value fails here.
+ROUTER_3P8D = [
+    "/opt/gptoss/vllm-router/0.1.17-85c96bea4d57/bin/python", "/opt/gptoss/bin/gptoss-router",
+    "--host", "0.0.0.0",
+    "--port", "8000",
+    "--vllm-pd-disaggregation",
+    "--kv-connector", "nixl",
+    "--prefill-policy", "power_of_two",
+    "--decode-policy", "power_of_two",
+    "--health-check-endpoint", "/health",
+    "--health-check-interval-secs", "1",
+    "--health-check-timeout-secs", "1",
+    "--health-failure-threshold", "2",
+    "--health-success-threshold", "1",
+    "--retry-max-retries", "3",
+    "--retry-initial-backoff-ms", "20",
+    "--retry-max-backoff-ms", "500",
+    "--cb-failure-threshold", "3",
+    "--cb-timeout-duration-secs", "5",
+    "--request-timeout-secs", "1800",
+    "--worker-startup-timeout-secs", "14400",
+    "--prometheus-host", "127.0.0.1",
+    "--prometheus-port", "8029",
+]  # fmt: skip
+ROUTER_3P8D_POOL = [a for n in range(3) for i in range(16) for a in ("--prefill", f"http://prefill-{n}.gptoss.internal:{8100 + i}")] + [
+    a for d in range(8) for a in ("--decode", f"http://decode-{d}.gptoss.internal:8200")
+]
+
+
+def test_the_production_routers_command_line_is_the_typed_one_on_every_router_node() -> None:
+    plan = subprocess.run([str(ROOT / ".venv" / "bin" / "gptoss"), "plan", "-c", "config=examples/production-3p8d.yaml", "--json"],
+                          capture_output=True, text=True, cwd=ROOT, check=True)  # fmt: skip
+    nodes = json.loads(plan.stdout)["nodes"]
+    routers = {n["name"]: s for n in nodes for s in n["services"] if s["unit"] == "gptoss-proxy.service"}
+    assert sorted(routers) == sorted(f"decode-{d}" for d in range(8))
+    for name, service in routers.items():
+        assert service["argv"] == ROUTER_3P8D + ROUTER_3P8D_POOL, name
+    # The same command line, run as the node runs it, parses with the pinned router's own parser.
+    pinned = load_config({}).serving.proxy.router
+    parsed = router_parser(WHEELS_DIR / pinned.wheel, pinned.sha256).parse_args(ROUTER_3P8D[2:] + ROUTER_3P8D_POOL)
+    assert parsed.request_timeout_secs == 1800 and parsed.prefill_policy == "power_of_two"

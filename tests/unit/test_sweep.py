@@ -16,6 +16,7 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
+import pytest
 import yaml
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
@@ -118,6 +119,16 @@ def assert_carried_intact(cfg: Any, field: str, value: str, into_env: bool) -> N
         if into_env:
             seen = bash_reads(files["/etc/gptoss/cluster.env"][0])
             assert value in seen.values(), f"{r.node.name}: {field}={value!r} is not a value of cluster.env as bash reads it"
+
+
+@pytest.mark.parametrize("field", sorted(STRINGS))
+def test_each_base_value_is_accepted_and_carried_intact(field: str) -> None:
+    """The sweep's starting points are legal: a sweep that refused every value could not tell a
+    refusal from a broken loader, so each base value must load and reach the node as written."""
+    base, into_env = STRINGS[field]
+    got = outcome({field: base})
+    assert not isinstance(got, str), got
+    assert_carried_intact(got, field, base, into_env)
 
 
 @settings(SWEEP, max_examples=400)

@@ -27,6 +27,7 @@ from clusterspec.loading import load_config
 from clusterspec.paths import WHEELS_DIR
 from clusterspec.render import NodeRender, render_cluster
 from clusterspec.userdata import launch_inputs, node_digest, scripts_asset, user_data
+from tests.vm import profile
 from tests.vm.aws import ASSET_BUCKET, CACHE_BUCKET, HostAws
 from tests.vm.image import Image
 from tests.vm.machine import Vm, free_port
@@ -243,14 +244,15 @@ class VmCluster:
 
     def wait_ready(self, timeout: float) -> float:
         """Wait until every unit of the plan on every node is active and answers; seconds waited."""
-        t0 = time.monotonic()
-        last: dict[str, list[str]] = {}
-        while time.monotonic() - t0 < timeout:
-            last = self.not_ready()
-            if not last:
-                return time.monotonic() - t0
-            time.sleep(5)
-        raise AssertionError(f"not ready after {timeout:.0f}s: {json.dumps(last, indent=1)}")
+        with profile.span("ready"):
+            t0 = time.monotonic()
+            last: dict[str, list[str]] = {}
+            while time.monotonic() - t0 < timeout:
+                last = self.not_ready()
+                if not last:
+                    return time.monotonic() - t0
+                time.sleep(5)
+            raise AssertionError(f"not ready after {timeout:.0f}s: {json.dumps(last, indent=1)}")
 
     def boot_facts(self, name: str) -> dict[str, str]:
         """cloud-init's and systemd's view of the current boot."""
@@ -267,15 +269,16 @@ class VmCluster:
 
     def wait_boot_done(self, name: str, timeout: float) -> dict[str, Any]:
         """Wait until cloud-init is done and systemd's boot finished; returns the facts then."""
-        vm = self.vms[name]
-        # cloud-init writes result.json when its last stage ends: a file test, where `cloud-init
-        # status` (Python) can take a busy TCG guest longer than a poll's timeout to answer.
-        vm.wait_until("test -s /run/cloud-init/result.json && "
-                      "systemctl is-system-running | grep -Eq '^(running|degraded)$'", timeout, "boot finished")  # fmt: skip
-        facts: dict[str, Any] = self.boot_facts(name)
-        facts["cloud_init"] = json.loads(facts["cloud_init"])
-        facts["uptime"] = float(vm.ssh("cut -d' ' -f1 /proc/uptime").stdout)
-        return facts
+        with profile.span("cloud-init"):
+            vm = self.vms[name]
+            # cloud-init writes result.json when its last stage ends: a file test, where `cloud-init
+            # status` (Python) can take a busy TCG guest longer than a poll's timeout to answer.
+            vm.wait_until("test -s /run/cloud-init/result.json && "
+                          "systemctl is-system-running | grep -Eq '^(running|degraded)$'", timeout, "boot finished")  # fmt: skip
+            facts: dict[str, Any] = self.boot_facts(name)
+            facts["cloud_init"] = json.loads(facts["cloud_init"])
+            facts["uptime"] = float(vm.ssh("cut -d' ' -f1 /proc/uptime").stdout)
+            return facts
 
     def this_boot(self, name: str, records: list[dict[str, Any]]) -> list[dict[str, Any]]:
         """Only the records written during a VM's current boot."""

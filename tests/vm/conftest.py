@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import os
 import subprocess
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from tests.vm import image as vm_image
+from tests.vm import profile
 from tests.vm.cluster import VmCluster
 from tests.vm.machine import accelerator
 
@@ -73,3 +75,25 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
                     journal = "(the guest did not answer journalctl within 120 s)"
             report.sections.append((f"{vm.name} console", vm.console()[-3000:]))
             report.sections.append((f"{vm.name} journal (gptoss-*)", journal))
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
+    """Time each scenario whole (setup, which boots the cluster for the first, call and teardown) and name it for the profile."""
+    profile.current = item.name
+    started = time.monotonic()
+    yield
+    profile.wall[item.name] = time.monotonic() - started
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    """The profile of every scenario run, printed and kept beside the report (docs/verification.md)."""
+    if not profile.wall:
+        return
+    out = Path(os.environ.get("GPTOSS_VM_PROFILE", str(Path(session.config.rootpath) / ".make" / "vm-profile.json")))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    text = profile.write(out)
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    if reporter is not None:
+        reporter.write_sep("-", f"where the VM scenarios' time went (seconds/count of each kind; {out})")
+        reporter.write_line(text)

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from tests.vm import profile
 from tests.vm.image import Image
 
 NVME_DISKS = 2
@@ -184,47 +185,50 @@ class Vm:
 
     def ssh(self, command: str, *, check: bool = True, timeout: float = 300) -> subprocess.CompletedProcess[str]:
         """Run a shell command in the guest as root."""
-        cmd = [
-            "ssh", "-q", "-i", str(self.image.key), "-p", str(self.ssh_port),
-            "-o", "StrictHostKeyChecking=no", "-o", "UserKnownHostsFile=/dev/null", "-o", "BatchMode=yes",
-            "-o", "ConnectTimeout=10", "-o", "ServerAliveInterval=5", "root@127.0.0.1", command,
-        ]  # fmt: skip
-        r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
-        if check and r.returncode != 0:
-            raise AssertionError(f"{self.name}$ {command}\nexit {r.returncode}\n{r.stdout[-4000:]}\n{r.stderr[-4000:]}")
-        return r
+        with profile.span("command"):
+            cmd = [
+                "ssh", "-q", "-i", str(self.image.key), "-p", str(self.ssh_port),
+                "-o", "StrictHostKeyChecking=no", "-o", "UserKnownHostsFile=/dev/null", "-o", "BatchMode=yes",
+                "-o", "ConnectTimeout=10", "-o", "ServerAliveInterval=5", "root@127.0.0.1", command,
+            ]  # fmt: skip
+            r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+            if check and r.returncode != 0:
+                raise AssertionError(f"{self.name}$ {command}\nexit {r.returncode}\n{r.stdout[-4000:]}\n{r.stderr[-4000:]}")
+            return r
 
     def wait_ssh(self, timeout: float = 600) -> float:
         """Wait until the guest accepts the harness's SSH login; seconds since power-on."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc is not None and self.proc.poll() is not None:
-                raise AssertionError(f"{self.name}: QEMU exited ({self.proc.returncode})\n{self.console()[-3000:]}")
-            try:
-                if self.ssh("true", check=False, timeout=30).returncode == 0:
-                    return time.monotonic() - self.started_at
-            except subprocess.TimeoutExpired:
-                pass
-            time.sleep(3)
-        raise AssertionError(f"{self.name}: no SSH after {timeout:.0f}s\n{self.console()[-3000:]}")
+        with profile.span("boot"):
+            deadline = time.monotonic() + timeout
+            while time.monotonic() < deadline:
+                if self.proc is not None and self.proc.poll() is not None:
+                    raise AssertionError(f"{self.name}: QEMU exited ({self.proc.returncode})\n{self.console()[-3000:]}")
+                try:
+                    if self.ssh("true", check=False, timeout=30).returncode == 0:
+                        return time.monotonic() - self.started_at
+                except subprocess.TimeoutExpired:
+                    pass
+                time.sleep(3)
+            raise AssertionError(f"{self.name}: no SSH after {timeout:.0f}s\n{self.console()[-3000:]}")
 
     def wait_until(self, command: str, timeout: float, what: str, interval: float = 3) -> float:
         """Poll a guest command until it succeeds; seconds since power-on."""
-        deadline = time.monotonic() + timeout
-        last = ""
-        while time.monotonic() < deadline:
-            try:
-                r = self.ssh(command, check=False, timeout=min(60, max(5, deadline - time.monotonic())))
-            except subprocess.TimeoutExpired:
-                # A guest busy starting a dozen servers under TCG can be slow to answer one poll:
-                # that poll failed, the wait goes on to its own deadline.
-                last = "(the poll itself got no answer within its timeout)"
-                continue
-            if r.returncode == 0:
-                return time.monotonic() - self.started_at
-            last = r.stdout + r.stderr
-            time.sleep(interval)
-        raise AssertionError(f"{self.name}: {what} not reached after {timeout:.0f}s; last: {last}")
+        with profile.span("wait"):
+            deadline = time.monotonic() + timeout
+            last = ""
+            while time.monotonic() < deadline:
+                try:
+                    r = self.ssh(command, check=False, timeout=min(60, max(5, deadline - time.monotonic())))
+                except subprocess.TimeoutExpired:
+                    # A guest busy starting a dozen servers under TCG can be slow to answer one poll:
+                    # that poll failed, the wait goes on to its own deadline.
+                    last = "(the poll itself got no answer within its timeout)"
+                    continue
+                if r.returncode == 0:
+                    return time.monotonic() - self.started_at
+                last = r.stdout + r.stderr
+                time.sleep(interval)
+            raise AssertionError(f"{self.name}: {what} not reached after {timeout:.0f}s; last: {last}")
 
     def json(self, command: str) -> Any:
         """Run a guest command that prints JSON."""
@@ -239,19 +243,21 @@ class Vm:
         return self.ssh("cat /proc/sys/kernel/random/boot_id").stdout.strip()
 
     def wait_exit(self, timeout: float) -> None:
-        assert self.proc is not None
-        try:
-            self.proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            self.kill()
-            raise AssertionError(f"{self.name}: did not power off within {timeout:.0f}s") from None
+        with profile.span("shutdown"):
+            assert self.proc is not None
+            try:
+                self.proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                self.kill()
+                raise AssertionError(f"{self.name}: did not power off within {timeout:.0f}s") from None
 
     def shutdown(self, timeout: float = 300) -> None:
         """A clean power-off (as EC2's stop does), waiting for QEMU to exit."""
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        self.ssh("systemctl poweroff", check=False, timeout=30)
-        self.wait_exit(timeout)
+        with profile.span("shutdown"):
+            if self.proc is None or self.proc.poll() is not None:
+                return
+            self.ssh("systemctl poweroff", check=False, timeout=30)
+            self.wait_exit(timeout)
 
     def kill(self) -> None:
         """Pull the plug: no shutdown, no flush of the guest's caches."""

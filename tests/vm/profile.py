@@ -1,0 +1,71 @@
+"""Where a VM scenario's time goes: the harness's own waits and commands, by kind, per scenario.
+
+Every wait and guest command of the harness is timed (machine.py and cluster.py call `span`);
+`pytest_runtest_*` in conftest.py says which scenario is running; at the end the table is printed
+and written to vm-profile.json in the session's directory (docs/verification.md quotes it). The
+kinds: `boot` (power-on to the harness's SSH login), `cloud-init` (to the end of cloud-init and
+systemd's boot), `ready` (until every unit of the plan runs and answers: staging, the fake compile,
+the servers' start), `wait` (the scenario's other waits on a guest condition), `command` (guest
+commands run by the scenario itself), `shutdown` (reboots and power-offs), and `other` (the rest:
+the host's own work, moto, assertions).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections import defaultdict
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from threading import Lock, local
+
+KINDS = ("boot", "cloud-init", "ready", "wait", "command", "shutdown")
+_lock = Lock()
+_nested = local()
+current = "(setup)"
+seconds: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
+counts: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
+wall: dict[str, float] = {}
+
+
+@contextmanager
+def span(kind: str) -> Iterator[None]:
+    """Time a harness step as `kind` for the running scenario (the outermost span counts: a wait's
+    own polls are not counted again as commands). Steps that run in parallel (two VMs booting at
+    once) each count: a kind's seconds can exceed the scenario's wall time."""
+    outer = getattr(_nested, "depth", 0) == 0
+    _nested.depth = getattr(_nested, "depth", 0) + 1
+    started = time.monotonic()
+    try:
+        yield
+    finally:
+        _nested.depth -= 1
+        if outer:
+            with _lock:
+                seconds[current][kind] += time.monotonic() - started
+                counts[current][kind] += 1
+
+
+def table() -> list[dict[str, object]]:
+    """One row per scenario: its wall time, and the seconds and counts of each kind."""
+    rows = []
+    for test, total in wall.items():
+        row: dict[str, object] = {"scenario": test, "wall_s": round(total, 1)}
+        for kind in KINDS:
+            row[f"{kind}_s"] = round(seconds[test].get(kind, 0.0), 1)
+            row[f"{kind}_n"] = counts[test].get(kind, 0)
+        rows.append(row)
+    return rows
+
+
+def write(path: Path) -> str:
+    """Write the table as JSON; return it as text for the terminal."""
+    rows = table()
+    path.write_text(json.dumps(rows, indent=1) + "\n")
+    head = f"{'scenario':<60} {'wall':>6} " + " ".join(f"{k:>10}" for k in KINDS)
+    lines = [head]
+    for r in rows:
+        cells = " ".join(f"{r[f'{k}_s']:>6.0f}s/{r[f'{k}_n']:<2}" for k in KINDS)
+        lines.append(f"{str(r['scenario'])[:60]:<60} {r['wall_s']:>5.0f}s {cells}")
+    return "\n".join(lines)
