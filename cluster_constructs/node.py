@@ -10,7 +10,7 @@ which the group's rolling update applies by replacing exactly that node's instan
 
 from __future__ import annotations
 
-from aws_cdk import Acknowledgment, CfnAutoScalingRollingUpdate, CfnUpdatePolicy, Fn, Validations
+from aws_cdk import CfnAutoScalingRollingUpdate, CfnUpdatePolicy, Fn
 from aws_cdk import aws_autoscaling as autoscaling
 from aws_cdk import aws_ec2 as ec2
 from constructs import Construct
@@ -49,6 +49,7 @@ class ClusterNode(Construct):
         instance_profile_arn: str,
         placement_group: str | None,
         user_data: str,
+        alarm_topic_arn: str,
         target_group_arns: list[str] | None = None,
     ) -> None:
         super().__init__(scope, construct_id)
@@ -112,23 +113,13 @@ class ClusterNode(Construct):
             metrics_collection=[autoscaling.CfnAutoScalingGroup.MetricsCollectionProperty(granularity="1Minute", metrics=GROUP_METRICS)],
             # Every launch and termination of the node's instance, and a launch that failed, to the alarm topic.
             notification_configurations=[
-                autoscaling.CfnAutoScalingGroup.NotificationConfigurationProperty(topic_arn=topic, notification_types=GROUP_NOTIFICATIONS)
-            ]
-            if (topic := config.observability.alarm_topic_arn)
-            else None,
+                autoscaling.CfnAutoScalingGroup.NotificationConfigurationProperty(topic_arn=alarm_topic_arn, notification_types=GROUP_NOTIFICATIONS)
+            ],
             tags=[
                 autoscaling.CfnAutoScalingGroup.TagPropertyProperty(key="Name", value=f"{config.cluster_name}-{node.name}", propagate_at_launch=True),
                 *(autoscaling.CfnAutoScalingGroup.TagPropertyProperty(key=t["key"], value=t["value"], propagate_at_launch=True) for t in identity),
             ],
         )
-        if not config.observability.alarm_topic_arn:
-            Validations.of(self.group).acknowledge(
-                Acknowledgment(
-                    id="AwsSolutions::AwsSolutions-AS3",
-                    reason="No alarm topic is configured (observability.alarm_topic_arn); with one, the group notifies it of every "
-                    "launch, termination and failed launch. The NodeReplaced and NodeCannotBeReplaced alarms watch the same events.",
-                )
-            )
         # A new template version (the node's user data or launch inputs changed) replaces this node's
         # instance, and only this node's: terminate, then launch (a size-one group in reserved capacity
         # has no room for both). The deploy gate of the new version waits for the new instance.

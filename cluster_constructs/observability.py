@@ -116,8 +116,44 @@ def dashboard_body(cfg: ClusterConfig, *, region: str, lb: tuple[str, str] | Non
 ROUTER_ERROR_PERCENT = 5
 
 
+def alarm_period_s(cfg: ClusterConfig) -> int:
+    """An alarm period that holds at least one of a node's samples: its interval, rounded up to whole
+    minutes (CloudWatch takes periods of 10 s, 30 s or a multiple of 60 s)."""
+    return -(-cfg.observability.interval_s // 60) * 60
+
+
+def periods(window_s: int, period_s: int) -> int:
+    """How many periods cover a window (at least one)."""
+    return max(1, -(-window_s // period_s))
+
+
+def silent_window_s(cfg: ClusterConfig) -> int:
+    """How long a node may publish nothing before its NodeSilent alarm fires: a replacement's launch
+    and boot (15 minutes) plus its scripts' fetch budget (the collector starts once they are there)."""
+    return 900 + cfg.boot.unit_caps_s["gptoss-scripts.service"]
+
+
+def node_silent_alarm(scope: Construct, construct_id: str, *, config: ClusterConfig, node: str, role: str, topic: str) -> cloudwatch.CfnAlarm:
+    """A node's heartbeat alarm: NodeReporting missing is the failure (a node that stopped reporting,
+    or a replacement that never started to: its scripts could not be fetched, it never booted)."""
+    period = alarm_period_s(config)
+    window = silent_window_s(config)
+    return cloudwatch.CfnAlarm(
+        scope, construct_id, alarm_name=f"{config.cluster_name}-NodeSilent-{node}",
+        alarm_description=f"{node} has published nothing for {window // 60} minutes: its instance is gone, hung or cut off, or a "
+        "replacement never got its scripts. gptoss status shows the node; its group's activity says what happened.",
+        namespace=telemetry.NAMESPACE, metric_name="NodeReporting",
+        dimensions=[cloudwatch.CfnAlarm.DimensionProperty(name=k, value=v) for k, v in (("Cluster", config.cluster_name), ("Node", node), ("Role", role))],
+        statistic="SampleCount", period=period, evaluation_periods=periods(window, period), threshold=1,
+        comparison_operator="LessThanThreshold", treat_missing_data="breaching", alarm_actions=[topic], ok_actions=[topic],
+    )  # fmt: skip
+
+
 class FleetObservability(Construct):
-    """Log group (retention set, removed with the stack), dashboard, alarms (the nodes' rights to publish: NodePolicy)."""
+    """Log group (retention set, removed with the stack), dashboard, alarms (the nodes' rights to publish: NodePolicy).
+
+    The stack makes it after every cell, so its alarms exist once every node has served (the deploy
+    gates): a first boot is the gate's to judge. Each node's NodeSilent alarm is its cell's."""
 
     def __init__(
         self,
@@ -126,6 +162,7 @@ class FleetObservability(Construct):
         *,
         config: ClusterConfig,
         load_balancer: tuple[str, str] | None,
+        alarm_topic_arn: str,
     ) -> None:
         super().__init__(scope, construct_id)
         stack = Stack.of(self)
@@ -138,41 +175,40 @@ class FleetObservability(Construct):
         self.dashboard = cloudwatch.CfnDashboard(
             self, "Dashboard", dashboard_name=config.cluster_name, dashboard_body=stack.to_json_string(body)
         )
-        actions = [obs.alarm_topic_arn] if obs.alarm_topic_arn else None
-        period = max(60, obs.interval_s)
+        actions = [alarm_topic_arn]
+        period = alarm_period_s(config)
+        cluster_dims = [cloudwatch.CfnAlarm.DimensionProperty(name="Cluster", value=config.cluster_name)]
+        # Longer than a node within its own limits takes to serve (the deploy gate's wait): a node
+        # replaced after the deploy that has not served by then never will without someone.
+        boot_window = config.gate_timeout_s
 
-        def alarm(name: str, metric: str, threshold: float, periods: int, description: str) -> cloudwatch.CfnAlarm:
+        def alarm(name: str, metric: str, threshold: float, window_s: int, description: str, *, step: int = period) -> cloudwatch.CfnAlarm:
             return cloudwatch.CfnAlarm(
                 self, name, alarm_name=f"{config.cluster_name}-{name}", alarm_description=description,
-                namespace=telemetry.NAMESPACE, metric_name=metric, dimensions=[cloudwatch.CfnAlarm.DimensionProperty(name="Cluster", value=config.cluster_name)],
-                statistic="Maximum", period=period, evaluation_periods=periods, threshold=threshold,
+                namespace=telemetry.NAMESPACE, metric_name=metric, dimensions=cluster_dims,
+                statistic="Maximum", period=step, evaluation_periods=periods(window_s, step), threshold=threshold,
                 comparison_operator="GreaterThanOrEqualToThreshold", treat_missing_data="notBreaching", alarm_actions=actions, ok_actions=actions,
             )  # fmt: skip
 
+        # Missing data is not breaching for these: a node that publishes nothing is its NodeSilent alarm's.
         self.alarms = [
-            alarm(
-                "ServersDown",
-                "ServersDown",
-                1,
-                3,
-                "A server that answered earlier in its boot has stopped answering for 3 minutes.",
-            ),
-            alarm(
-                "StagingFailing",
-                "StagingFailing",
-                1,
-                15,
-                "Staging (checkpoint, examples, caches) has been failing on a node for 15 minutes.",
-            ),
-        ]
-        # A node identity's instance replaced (EC2's status check or the node's own report), or a
-        # replacement its group could not launch (no capacity): EventBridge matches the group's
-        # events, and an alarm watches how many the rule matched.
+            alarm("ServersDown", "ServersDown", 1, 3 * period,
+                  "A server that answered on its instance (since its boot, a restart or a reboot) has stopped answering for 3 periods."),
+            alarm("StagingFailing", "StagingFailing", 1, 15 * period,
+                  "Staging (the instance store, checkpoint, examples, caches) has been failing on a node for 15 periods."),
+            alarm("UnitsNotReady", "UnitsNotReady", 1, boot_window,
+                  f"A node's units have not all been ready for {boot_window // 3600} h {boot_window % 3600 // 60} min, longer than a node "
+                  "within its own limits takes to serve: a replacement that never serves, or a server that keeps failing. "
+                  "gptoss status names the unit.", step=max(300, period)),
+        ]  # fmt: skip
+        # A node identity's instance replaced after a failed health check (EC2's, or the node's own
+        # report), or a replacement its group could not launch (no capacity): EventBridge matches the
+        # groups' events, with the causes Auto Scaling documents, and an alarm counts the matches.
         prefixes = [{"prefix": f"{config.cluster_name}-{role}-"} for role in sorted({n.role for n in config.layout.nodes})]
         self.replaced = events.CfnRule(
             self, "NodeReplacedRule", description=f"{config.cluster_name}: a node's instance replaced after a failed health check",
             event_pattern={"source": ["aws.autoscaling"], "detail-type": ["EC2 Instance Terminate Successful"],
-                           "detail": {"AutoScalingGroupName": prefixes, "Cause": [{"wildcard": "*health*check*"}]}},
+                           "detail": {"AutoScalingGroupName": prefixes, "Cause": [{"wildcard": f"*{c}*"} for c in telemetry.REPLACED_CAUSES]}},
         )  # fmt: skip
         self.unplaced = events.CfnRule(
             self, "NodeLaunchFailedRule", description=f"{config.cluster_name}: a node's group could not launch its instance",
@@ -188,36 +224,54 @@ class FleetObservability(Construct):
             )  # fmt: skip
 
         self.alarms += [
-            matched("NodeReplaced", self.replaced, "A node's instance failed a health check (EC2's, or the node's own report) and its group replaced it; "
-                    "gptoss status shows why and how often."),
+            matched("NodeReplaced", self.replaced, "A node's instance failed a health check (EC2's status checks, or the node's own report) "
+                    "and its group replaced it; gptoss status shows why and how often."),
             matched("NodeCannotBeReplaced", self.unplaced, "A node's group could not launch an instance (no capacity in the AZ, the reservation "
                     "or the block, or a quota): the node is down until it can."),
         ]  # fmt: skip
         if config.proxy_kind == "vllm-router":
             self.alarms.append(
-                alarm(
-                    "RouterErrors",
-                    "RouterErrorPercent",
-                    ROUTER_ERROR_PERCENT,
-                    3,
-                    f"A router answered {ROUTER_ERROR_PERCENT}% or more of its requests with an error for 3 periods in a row "
-                    "(servers dying faster than its health checks take them out, or none left to route to).",
+                alarm("RouterErrors", "RouterErrorPercent", ROUTER_ERROR_PERCENT, 3 * period,
+                      f"A router answered {ROUTER_ERROR_PERCENT}% or more of its requests with an error for 3 periods in a row "
+                      "(servers dying faster than its health checks take them out, or none left to route to).")
+            )  # fmt: skip
+
+            def cluster_metric(qid: str, metric: str) -> cloudwatch.CfnAlarm.MetricDataQueryProperty:
+                return cloudwatch.CfnAlarm.MetricDataQueryProperty(
+                    id=qid, return_data=False,
+                    metric_stat=cloudwatch.CfnAlarm.MetricStatProperty(
+                        metric=cloudwatch.CfnAlarm.MetricProperty(namespace=telemetry.NAMESPACE, metric_name=metric, dimensions=cluster_dims),
+                        period=period, stat="Maximum"),
+                )  # fmt: skip
+
+            # A server every node says is ready that a router keeps out of rotation: the network between
+            # them (a security group, a name that does not resolve), not a server still loading.
+            self.alarms.append(
+                cloudwatch.CfnAlarm(
+                    self, "RouterCannotReachServers", alarm_name=f"{config.cluster_name}-RouterCannotReachServers",
+                    alarm_description="A router has kept a server out of rotation for 15 periods while every node says all its units "
+                    "are ready: the router cannot reach it (security group, name resolution, the server's port).",
+                    metrics=[cluster_metric("r", "RouterUnhealthyServers"), cluster_metric("n", "UnitsNotReady"),
+                             cloudwatch.CfnAlarm.MetricDataQueryProperty(id="unreachable", expression="IF(n == 0, r, 0)",
+                                                                          label="servers out of rotation while every unit is ready", return_data=True)],
+                    evaluation_periods=15, threshold=1, comparison_operator="GreaterThanOrEqualToThreshold", treat_missing_data="notBreaching",
+                    alarm_actions=actions, ok_actions=actions,
                 )
-            )
+            )  # fmt: skip
         if load_balancer:
             tg, nlb = load_balancer
             dims = [{"Name": "TargetGroup", "Value": tg}, {"Name": "LoadBalancer", "Value": nlb}]
 
-            def query(metric: str, qid: str) -> cloudwatch.CfnAlarm.MetricDataQueryProperty:
+            def query(metric: str, qid: str, stat: str = "Maximum") -> cloudwatch.CfnAlarm.MetricDataQueryProperty:
                 return cloudwatch.CfnAlarm.MetricDataQueryProperty(
                     id=qid, return_data=False,
                     metric_stat=cloudwatch.CfnAlarm.MetricStatProperty(
                         metric=cloudwatch.CfnAlarm.MetricProperty(namespace="AWS/NetworkELB", metric_name=metric, dimensions=[
                             cloudwatch.CfnAlarm.DimensionProperty(name=d["Name"], value=d["Value"]) for d in dims]),
-                        period=60, stat="Maximum"),
+                        period=60, stat=stat),
                 )  # fmt: skip
 
-            # A group out of rotation while others serve; a fleet still compiling (no healthy target yet) is not an alarm.
+            # A group out of rotation while others serve.
             self.alarms.append(
                 cloudwatch.CfnAlarm(
                     self, "NlbUnhealthyHosts", alarm_name=f"{config.cluster_name}-NlbUnhealthyHosts",
@@ -226,6 +280,18 @@ class FleetObservability(Construct):
                              cloudwatch.CfnAlarm.MetricDataQueryProperty(id="partial", expression="IF(h >= 1, u, 0)", label="unhealthy while others serve", return_data=True)],
                     evaluation_periods=3, threshold=1, comparison_operator="GreaterThanOrEqualToThreshold", treat_missing_data="notBreaching",
                     alarm_actions=actions, ok_actions=actions,
+                )
+            )  # fmt: skip
+            # No proxy healthy at all: the endpoint serves nobody. The load balancer's metric missing
+            # (no target registered, or no data) is the same failure.
+            self.alarms.append(
+                cloudwatch.CfnAlarm(
+                    self, "EndpointDown", alarm_name=f"{config.cluster_name}-EndpointDown",
+                    alarm_description="No proxy behind the load balancer has passed its health check for 3 minutes: the endpoint serves nobody.",
+                    namespace="AWS/NetworkELB", metric_name="HealthyHostCount",
+                    dimensions=[cloudwatch.CfnAlarm.DimensionProperty(name=d["Name"], value=d["Value"]) for d in dims],
+                    statistic="Maximum", period=60, evaluation_periods=3, threshold=1, comparison_operator="LessThanThreshold",
+                    treat_missing_data="breaching", alarm_actions=actions, ok_actions=actions,
                 )
             )  # fmt: skip
 

@@ -35,7 +35,14 @@ class ClusterOutputs(Construct):
     """The endpoint (the NLB's name, or the node that serves clients) and the SSM port-forward command."""
 
     def __init__(
-        self, scope: Construct, construct_id: str, *, config: ClusterConfig, proxy_nodes: list[str], endpoint_dns: str | None
+        self,
+        scope: Construct,
+        construct_id: str,
+        *,
+        config: ClusterConfig,
+        proxy_nodes: list[str],
+        endpoint_dns: str | None,
+        own_alarm_topic: str | None = None,
     ) -> None:
         super().__init__(scope, construct_id)
         port = endpoint_port(config)
@@ -61,3 +68,12 @@ class ClusterOutputs(Construct):
             value=forward,
             description=f"Run on a laptop with the Session Manager plugin, then use http://localhost:{port}",
         )
+        if own_alarm_topic is not None:
+            CfnOutput(scope, "AlarmTopic", value=own_alarm_topic, description="The stack's topic: every alarm and every node replacement")
+            CfnOutput(
+                scope,
+                "AlarmSubscribe",
+                value=Fn.join("", [f"aws sns subscribe --region {region} --topic-arn ", own_alarm_topic,
+                                   " --protocol email --notification-endpoint YOU@EXAMPLE.COM"]),
+                description="Subscribe an address to the alarms (it confirms by mail); or deploy with observability.alarm_emails",
+            )  # fmt: skip

@@ -12,6 +12,7 @@ from cluster_ops.remote import find_nodes, run_on_all
 from clusterspec.config import ClusterConfig
 from clusterspec.paths import BIN
 from clusterspec.render import health_checks, render_cluster
+from clusterspec.telemetry import REPLACED_CAUSES
 
 
 @dataclass(frozen=True)
@@ -88,8 +89,7 @@ class ClusterStatus:
 
 
 # A group's activity that took its instance out of service because a health check failed (EC2's,
-# or the node's own SetInstanceHealth), or a launch that did not succeed.
-_REPLACED = ("health check", "health-check")
+# or the node's own SetInstanceHealth): telemetry.REPLACED_CAUSES; or a launch that did not succeed.
 
 
 def identities(
@@ -106,7 +106,7 @@ def identities(
         if autoscaling is not None:
             pages = autoscaling.get_paginator("describe_scaling_activities").paginate(AutoScalingGroupName=holder_name(cfg.cluster_name, n.name))
             activities = [a for page in pages for a in page.get("Activities", [])]
-            terminated = [a for a in activities if a.get("Description", "").startswith("Terminating") and any(w in a.get("Cause", "") for w in _REPLACED)]
+            terminated = [a for a in activities if a.get("Description", "").startswith("Terminating") and any(w in a.get("Cause", "") for w in REPLACED_CAUSES)]
             failed = [a for a in activities if a.get("StatusCode") == "Failed" and a.get("Description", "").startswith("Launching")]
             replaced = len(terminated)
             latest = max([*terminated, *failed], key=lambda a: a["StartTime"], default=None)

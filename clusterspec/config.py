@@ -281,7 +281,9 @@ class ClusterConfig(Frozen):
             out.append(note("network.public_subnet_cidr", net.public_subnet_cidr, "network.egress is none: no NAT gateway, no public subnet"))
         if not obs.enabled:
             out += [note(f"observability.{k}", getattr(obs, k), "observability.enabled is false")
-                    for k in ("interval_s", "log_retention_days", "alarm_topic_arn") if f"observability.{k}" in given]  # fmt: skip
+                    for k in ("interval_s", "log_retention_days") if f"observability.{k}" in given]  # fmt: skip
+        if obs.alarm_topic_arn and "observability.alarm_emails" in given:
+            out.append(note("observability.alarm_emails", list(obs.alarm_emails), "observability.alarm_topic_arn names your topic; subscribe to it"))
         if not heal.report_unhealthy:
             out += [note(f"healing.{k}", getattr(heal, k), "healing.report_unhealthy is false")
                     for k in ("watch_interval_s", "backoff_s", "neuron_errors") if f"healing.{k}" in given]  # fmt: skip

@@ -28,8 +28,11 @@ BASE_BYTES = 16_000
 BASE_RESOURCES = 40
 PER_RULE_BYTES = 400
 LOAD_BALANCER_BYTES = 12_000
-OBSERVABILITY_BYTES = 16_000  # log group, dashboard body, alarms, the replacement rules
-OBSERVABILITY_RESOURCES = 10
+OBSERVABILITY_BYTES = 20_000  # log group, dashboard body, alarms, the replacement rules
+OBSERVABILITY_RESOURCES = 13
+ALARM_TOPIC_BYTES = 3_000  # the stack's own alarm topic, its policy and its two outputs
+ALARM_TOPIC_RESOURCES = 2
+PER_EMAIL_BYTES = 400  # one e-mail subscription to it
 PER_CELL_BYTES = 3_000
 # A cell: its parameters and shared policy, then per node its launch template (but its NICs), group,
 # role, instance profile and gate, and one network interface per card.
@@ -38,6 +41,7 @@ CELL_BASE_RESOURCES = 1
 PER_NODE_BYTES = 7_500
 PER_CARD_BYTES = 340
 PER_GATE_BYTES = 900  # a node's wait condition and handle (deploy gate)
+PER_SILENT_ALARM_BYTES = 1_200  # a node's NodeSilent alarm
 PER_NODE_RESOURCES = 4
 # Nodes of one shape differ only in digits; xz packs different digits into a few bytes more or
 # less. Measured over the examples and recipes (tests/unit/test_limits.py compares with every
@@ -135,24 +139,29 @@ def estimate(cfg: ClusterConfig) -> StackSize:
         size_of |= {n.name: size for n in group}
     url_growth = len(SIGNAL_URL_PLACEHOLDER) - 60 if cfg.wait_for_ready else 0
     gate_bytes, gate_resources = (PER_GATE_BYTES, 2) if cfg.wait_for_ready else (0, 0)
-    per_node = PER_NODE_BYTES + PER_CARD_BYTES * cfg.hardware.network_cards + gate_bytes
+    obs = cfg.observability
+    alarm_bytes, alarm_resources = (PER_SILENT_ALARM_BYTES, 1) if obs.enabled else (0, 0)
+    per_node = PER_NODE_BYTES + PER_CARD_BYTES * cfg.hardware.network_cards + gate_bytes + alarm_bytes
     # The template holds user data as text; CloudFormation base64-encodes it at deploy time.
     cell_sizes = tuple(
         TemplateSize(
-            c.name, len(c.nodes), CELL_BASE_RESOURCES + len(c.nodes) * (PER_NODE_RESOURCES + gate_resources),
+            c.name, len(c.nodes), CELL_BASE_RESOURCES + len(c.nodes) * (PER_NODE_RESOURCES + gate_resources + alarm_resources),
             CELL_BASE_BYTES + sum(size_of[n.name] + per_node for n in c.nodes),
         )
         for c in cells(layout, cfg.cell_nodes)
     )  # fmt: skip
     sg_rules = layout.max_replicas_per_node + 5
+    own_topic = obs.alarm_topic_arn is None
     return StackSize(
         nodes=len(layout.nodes),
-        resources=BASE_RESOURCES + len(cell_sizes) + sg_rules + (OBSERVABILITY_RESOURCES if cfg.observability.enabled else 0),
-        outputs=BASE_OUTPUTS,
+        resources=BASE_RESOURCES + len(cell_sizes) + sg_rules + (OBSERVABILITY_RESOURCES if obs.enabled else 0)
+        + ((ALARM_TOPIC_RESOURCES + len(obs.alarm_emails)) if own_topic else 0),
+        outputs=BASE_OUTPUTS + (2 if own_topic else 0),
         template_bytes=BASE_BYTES
         + PER_CELL_BYTES * len(cell_sizes)
         + PER_RULE_BYTES * sg_rules
-        + (OBSERVABILITY_BYTES if cfg.observability.enabled else 0)
+        + (OBSERVABILITY_BYTES if obs.enabled else 0)
+        + ((ALARM_TOPIC_BYTES + PER_EMAIL_BYTES * len(obs.alarm_emails)) if own_topic else 0)
         + (LOAD_BALANCER_BYTES if cfg.load_balanced else 0),
         largest_user_data=max(size_of.values()) + url_growth,
         cells=cell_sizes,

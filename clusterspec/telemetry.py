@@ -15,6 +15,17 @@ from clusterspec.layout import Node
 
 NAMESPACE = "GptOss"
 
+# The causes EC2 Auto Scaling gives when it takes an instance out of service after a failed health
+# check, as its documentation words them: the node's own report (SetInstanceHealth, "a user
+# health-check"), EC2's status checks ("an EC2 instance status checks failure"), and an instance EC2
+# found stopped or terminated ("an EC2 health check indicating it has been terminated or stopped").
+# A rolling update's or a scale-in's cause ("a difference between desired and actual capacity") is none.
+REPLACED_CAUSES = (
+    "taken out of service in response to a user health-check",
+    "taken out of service in response to an EC2 instance status check",
+    "taken out of service in response to an EC2 health check",
+)
+
 
 @dataclass(frozen=True)
 class Metric:
@@ -47,21 +58,22 @@ NODE_METRICS = (
     Metric("NeuronExecutionErrors", "Count", "node", "neuron-monitor: execution_stats.error_summary, summed"),
     Metric("EfaRxBytesPerSecond", "Bytes/Second", "node", "rate of /sys/class/infiniband/*/ports/*/hw_counters/rx_bytes"),
     Metric("EfaTxBytesPerSecond", "Bytes/Second", "node", "rate of /sys/class/infiniband/*/ports/*/hw_counters/tx_bytes"),
+    Metric("NodeReporting", "Count", "node", "1 at every publish: the node's heartbeat (its NodeSilent alarm reads it missing as breaching)"),
 )
 # vLLM's router (proxy.kind=vllm-router): its Prometheus metrics, read on 127.0.0.1:metrics_port.
 ROUTER_METRICS = (
     Metric("RouterRequestsPerSecond", "Count/Second", "router", "rate of vllm_router_pd_requests_total"),
     Metric("RouterErrorsPerSecond", "Count/Second", "router", "rate of vllm_router_pd_{prefill,decode,stream}_errors_total"),
     Metric("RouterRetriesPerSecond", "Count/Second", "router", "rate of vllm_router_retries_total"),
-    Metric("RouterUnhealthyServers", "Count", "router", "servers whose vllm_router_worker_health is 0"),
+    Metric("RouterUnhealthyServers", "Count", "router", "servers whose vllm_router_worker_health is 0 (also by Cluster alone: the worst router)"),
     Metric("RouterPendingDecode", "Count", "router", "vllm_router_pd_pending_decode_requests (the decode queue)"),
     Metric("RouterRequestMs", "Milliseconds", "router", "mean of vllm_router_pd_request_duration_seconds over the interval"),
     Metric("RouterErrorPercent", "Percent", "cluster", "errors / requests over the interval, on the worst router"),
 )
 CLUSTER_METRICS = (
-    Metric("UnitsNotReady", "Count", "cluster", "units of the plan not active or not answering, on the worst node"),
-    Metric("ServersDown", "Count", "cluster", "servers that answered earlier in this boot and no longer do"),
-    Metric("StagingFailing", "Count", "cluster", "1 while gptoss-stage.service has failed or is retrying"),
+    Metric("UnitsNotReady", "Count", "cluster", "units of the plan failed, starting, stopped or not answering (a oneshot that succeeded is done), on the worst node"),
+    Metric("ServersDown", "Count", "cluster", "servers that answered earlier on this instance (a restart or a reboot remembers) and no longer do"),
+    Metric("StagingFailing", "Count", "cluster", "1 while gptoss-stage.service or gptoss-nvme.service has failed or is retrying"),
 )
 ALL_METRICS = SERVER_METRICS + NODE_METRICS + ROUTER_METRICS + CLUSTER_METRICS
 

@@ -6,6 +6,7 @@ from aws_cdk import Acknowledgment, Annotations, CfnParameter, CfnWaitConditionH
 from aws_cdk import aws_ec2 as ec2
 from constructs import Construct
 
+from cluster_constructs.alarm_topic import AlarmTopic
 from cluster_constructs.cell import NodeCell, Shared
 from cluster_constructs.compile_cache import CompileCacheBucket
 from cluster_constructs.iam import CacheLocation
@@ -89,6 +90,9 @@ class GptOssClusterStack(Stack):
                 route_table_id=network.route_table_id,
                 cluster_group=security.group,
             )
+        # Every alarm and every group's notification goes to a topic: the operator's, else the stack's own.
+        own_topic = None if config.observability.alarm_topic_arn else AlarmTopic(self, "Alarms", config=config)
+        alarm_topic_arn = config.observability.alarm_topic_arn or own_topic.arn  # type: ignore[union-attr]
         shared = Shared(
             image_id=image_id,
             subnet_id=network.subnet_id,
@@ -102,6 +106,7 @@ class GptOssClusterStack(Stack):
             cache=cache,
             target_group_arn=balancer.target_group.target_group_arn if balancer else None,
             proxy_nodes=frozenset(proxy_names),
+            alarm_topic_arn=alarm_topic_arn,
         )
         by_name = {r.node.name: r for r in renders}
         # Every node identity in a cell (a nested stack) of its role: any fleet is one stack name, and a
@@ -111,16 +116,24 @@ class GptOssClusterStack(Stack):
             self.cells[cell.name] = NodeCell(self, cell.name, config=config, cell=cell, renders=by_name, shared=shared)
             # A first boot must not race its network: routes, NAT and endpoints exist before the groups launch.
             self.cells[cell.name].node.add_dependency(network_ready)
-        ClusterOutputs(self, "Outputs", config=config, proxy_nodes=proxy_names, endpoint_dns=balancer.dns_name if balancer else None)
+        ClusterOutputs(
+            self, "Outputs", config=config, proxy_nodes=proxy_names, endpoint_dns=balancer.dns_name if balancer else None,
+            own_alarm_topic=own_topic.arn if own_topic else None,
+        )  # fmt: skip
         if config.observability.enabled:
-            FleetObservability(
+            fleet = FleetObservability(
                 self,
                 "Observability",
                 config=config,
                 load_balancer=(balancer.target_group.target_group_full_name, balancer.nlb.load_balancer_full_name)
                 if balancer
                 else None,
+                alarm_topic_arn=alarm_topic_arn,
             )
+            # The fleet's alarms from the moment every node has served (each cell's gates passed): a
+            # first boot still compiling is the deploy gate's to judge, not an alarm.
+            for nested in self.cells.values():
+                fleet.node.add_dependency(nested)
 
         if not config.termination_protection:
             Validations.of(self).acknowledge(

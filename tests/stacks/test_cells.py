@@ -33,7 +33,14 @@ def test_two_hundred_decode_instances_are_one_stack_of_cells_each_within_the_lim
     assert len(holders) == 275
     (report,) = [r for r in big_synth["report"]["pluginReports"] if r["pluginName"] == "AwsSolutions"]
     assert report["conclusion"] == "success" and report["violations"] == []
-    r = cfn_lint(list(big_synth["paths"].values()))
+    # cfn-lint on the parent and on the first and the last cell of each role (a role's cells are one
+    # template but for the nodes' indices and names): 5 templates, not 14 (40 s of make test).
+    by_role: dict[str, list[str]] = {}
+    for key in sorted(nested, key=lambda k: (k.split("Cell")[0], int(k.split("Cell")[1].split("NestedStack")[0]))):
+        by_role.setdefault(key.split("Cell")[0], []).append(key)
+    linted = [big_synth["paths"]["big"]] + [nested[k] for keys in by_role.values() for k in {keys[0], keys[-1]}]
+    assert len(by_role) == 2 and len(linted) == 5, sorted(nested)
+    r = cfn_lint(linted)
     assert r.returncode == 0, (r.stdout + r.stderr)[:4000]
 
 

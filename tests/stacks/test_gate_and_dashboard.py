@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+import uuid
 from collections.abc import Callable
 from typing import Any
 
@@ -168,27 +169,71 @@ def test_the_dashboard_has_a_graph_per_role_and_the_load_balancer(
     assert 'Role=\\"server\\"' in single and 'Role=\\"prefill\\"' not in single and "AWS/NetworkELB" not in single
 
 
+NODES_3P8D = [*(f"prefill-{i}" for i in range(3)), *(f"decode-{i}" for i in range(8))]
+FLEET_ALARMS_3P8D = {
+    "gptoss-8k1k-ServersDown", "gptoss-8k1k-StagingFailing", "gptoss-8k1k-UnitsNotReady", "gptoss-8k1k-NlbUnhealthyHosts",
+    "gptoss-8k1k-EndpointDown", "gptoss-8k1k-RouterErrors", "gptoss-8k1k-RouterCannotReachServers", "gptoss-8k1k-NodeReplaced",
+    "gptoss-8k1k-NodeCannotBeReplaced",
+}  # fmt: skip
+
+
 def test_alarms_notify_the_operators_topic(synth_variant: Callable[..., dict[str, Any]]) -> None:
     topic = "arn:aws:sns:us-east-2:123456789012:gptoss-pager"
-    alarms = of_type(synth_variant(decode_instances=8, **{"observability.alarm_topic_arn": topic}), "AWS::CloudWatch::Alarm")
-    assert {a["Properties"]["AlarmName"] for a in alarms.values()} == {
-        "gptoss-8k1k-ServersDown",
-        "gptoss-8k1k-StagingFailing",
-        "gptoss-8k1k-NlbUnhealthyHosts",
-        "gptoss-8k1k-RouterErrors",
-        "gptoss-8k1k-NodeReplaced",
-        "gptoss-8k1k-NodeCannotBeReplaced",
-    }
+    t = synth_variant(decode_instances=8, **{"observability.alarm_topic_arn": topic})
+    alarms = of_type(t, "AWS::CloudWatch::Alarm")
+    assert {a["Properties"]["AlarmName"] for a in alarms.values()} == FLEET_ALARMS_3P8D | {f"gptoss-8k1k-NodeSilent-{n}" for n in NODES_3P8D}
+    assert not of_type(t, "AWS::SNS::Topic"), "the operator's topic, none of the stack's"
     for a in alarms.values():
-        assert a["Properties"]["AlarmActions"] == [topic]
-        assert a["Properties"]["TreatMissingData"] == "notBreaching"
-        if "Node" not in a["Properties"]["AlarmName"]:  # a replacement is an event: no "OK" to send after it
+        assert a["Properties"]["AlarmActions"] == [topic], a["Properties"]["AlarmName"]
+        if not a["Properties"]["AlarmName"].endswith(("NodeReplaced", "NodeCannotBeReplaced")):  # an event: no "OK" to send after it
             assert a["Properties"]["OKActions"] == [topic]
-    router = next(a["Properties"] for a in alarms.values() if a["Properties"]["AlarmName"].endswith("RouterErrors"))
-    assert (router["MetricName"], router["Statistic"], router["Threshold"], router["EvaluationPeriods"]) == ("RouterErrorPercent", "Maximum", 5, 3)
-    nlb = next(a for a in alarms.values() if a["Properties"]["AlarmName"].endswith("NlbUnhealthyHosts"))
-    (expr,) = [m for m in nlb["Properties"]["Metrics"] if "Expression" in m]
-    assert expr["Expression"] == "IF(h >= 1, u, 0)" and expr["ReturnData"] is True
+    for g in of_type(t, "AWS::AutoScaling::AutoScalingGroup").values():
+        (notify,) = g["Properties"]["NotificationConfigurations"]
+        assert notify["TopicARN"] == topic
+        assert notify["NotificationTypes"] == ["autoscaling:EC2_INSTANCE_LAUNCH", "autoscaling:EC2_INSTANCE_LAUNCH_ERROR",
+                                               "autoscaling:EC2_INSTANCE_TERMINATE", "autoscaling:EC2_INSTANCE_TERMINATE_ERROR"]  # fmt: skip
+
+
+def test_without_a_topic_the_stack_makes_one_says_how_to_subscribe_and_warns_while_nobody_is(
+    default_synth: Synth, synth_variant: Callable[..., dict[str, Any]]
+) -> None:
+    t = default_synth.template
+    ((topic_id, topic),) = of_type(t, "AWS::SNS::Topic").items()
+    assert topic["Properties"]["TopicName"] == "gptoss-8k1k-alarms"
+    (policy,) = of_type(t, "AWS::SNS::TopicPolicy").values()
+    statements = {st["Sid"]: st for st in policy["Properties"]["PolicyDocument"]["Statement"]}
+    assert statements["TlsOnly"]["Effect"] == "Deny" and statements["TlsOnly"]["Condition"] == {"Bool": {"aws:SecureTransport": "false"}}
+    assert sorted(statements["AlarmsAndGroups"]["Principal"]["Service"]) == ["autoscaling.amazonaws.com", "cloudwatch.amazonaws.com"]
+    # Every alarm and every group notifies it (the cells get it as a parameter of theirs).
+    alarms = of_type(t, "AWS::CloudWatch::Alarm")
+    assert {a["Properties"]["AlarmName"] for a in alarms.values()} == {
+        "gptoss-8k1k-NodeSilent-prefill-0", "gptoss-8k1k-NodeSilent-decode-0", "gptoss-8k1k-ServersDown", "gptoss-8k1k-StagingFailing",
+        "gptoss-8k1k-UnitsNotReady", "gptoss-8k1k-NodeReplaced", "gptoss-8k1k-NodeCannotBeReplaced",
+    }, "a NodeSilent alarm per node, and the fleet's (no router, no load balancer in the tested layout)"  # fmt: skip
+    for a in alarms.values():
+        assert a["Properties"]["AlarmActions"] == [{"Ref": topic_id}], a["Properties"]["AlarmName"]
+    for g in of_type(t, "AWS::AutoScaling::AutoScalingGroup").values():
+        assert g["Properties"]["NotificationConfigurations"][0]["TopicARN"] == {"Ref": topic_id}
+    outputs = t["Outputs"]
+    subscribe = json.dumps(outputs["AlarmSubscribe"]["Value"])
+    assert "aws sns subscribe --region us-east-2 --topic-arn " in subscribe and "--protocol email" in subscribe and topic_id in subscribe
+    assert outputs["AlarmTopic"]["Value"] == {"Ref": topic_id}
+    # The CLI says it at synth while nobody is subscribed.
+    assert "gptoss:nobody-paged" in default_synth.result.stderr and "observability.alarm_emails" in default_synth.result.stderr
+    # With addresses, each is subscribed (each confirms by mail) and nobody is warned.
+    with_mail = synth_variant(**{"observability.alarm_emails": ["oncall@example.com", "sre@example.com"]})
+    subs = sorted(s["Properties"]["Endpoint"] for s in of_type(with_mail, "AWS::SNS::Subscription").values())
+    assert subs == ["oncall@example.com", "sre@example.com"]
+    assert {s["Properties"]["Protocol"] for s in of_type(with_mail, "AWS::SNS::Subscription").values()} == {"email"}
+    import aws_cdk as cdk
+    from aws_cdk.assertions import Annotations, Match
+
+    from clusterspec.loading import load_config
+    from stacks.cluster_stack import GptOssClusterStack
+
+    app = cdk.App()
+    quiet = GptOssClusterStack(app, "A", config=load_config({"observability.alarm_emails": ["oncall@example.com"]}))
+    Annotations.from_stack(quiet).has_no_warning("*", Match.string_like_regexp("nobody is subscribed"))
 
 
 def test_observability_off_provisions_none_of_it(synth_variant: Callable[..., dict[str, Any]]) -> None:
@@ -200,15 +245,59 @@ def test_observability_off_provisions_none_of_it(synth_variant: Callable[..., di
     assert "cloudwatch:PutMetricData" not in json.dumps(of_type(t, "AWS::IAM::Policy"))
 
 
-def test_a_replaced_node_or_one_that_cannot_be_replaced_raises_an_alarm(default_synth: Synth) -> None:
-    """EventBridge matches the node groups' events (only this cluster's groups), an alarm watches each rule."""
+# The causes EC2 Auto Scaling's documentation gives for an instance it took out of service
+# ("View the reason for health check failures"; "Troubleshoot unhealthy instances"), and the cause of
+# a redeploy's or a scale-in's termination, which is not a failure.
+DOCUMENTED_REPLACEMENTS = (
+    "At 2022-05-14T20:11:53Z an instance was taken out of service in response to a user health-check.",
+    "At 2026-11-29T08:00:00Z an instance was taken out of service in response to an EC2 instance status checks failure.",
+    "At 2026-11-29T09:00:00Z an instance was taken out of service in response to an EC2 health check indicating it has been terminated or stopped.",
+)
+NOT_A_REPLACEMENT = (
+    "At 2026-11-28T08:00:00Z a user request update of AutoScalingGroup constraints to min: 1, max: 1, desired: 1 changing the desired capacity "
+    "from 1 to 1. At 2026-11-28T08:00:05Z an instance was taken out of service in response to a difference between desired and actual capacity, "
+    "shrinking the capacity from 1 to 0."
+)
+
+
+def test_a_replaced_node_or_one_that_cannot_be_replaced_raises_an_alarm(default_synth: Synth, moto_url: str) -> None:
+    """EventBridge matches the node groups' events (only this cluster's groups) with the causes AWS
+    documents, tested by EventBridge's matcher as moto implements it (TestEventPattern); an alarm
+    watches each rule."""
+    import boto3
+
     t = default_synth.template
     rules = {k: v["Properties"] for k, v in of_type(t, "AWS::Events::Rule").items()}
     patterns = {json.dumps(r["EventPattern"]["detail-type"]): r["EventPattern"] for r in rules.values()}
     replaced = patterns['["EC2 Instance Terminate Successful"]']
     assert replaced["source"] == ["aws.autoscaling"]
     assert replaced["detail"]["AutoScalingGroupName"] == [{"prefix": "gptoss-8k1k-decode-"}, {"prefix": "gptoss-8k1k-prefill-"}]
-    assert replaced["detail"]["Cause"] == [{"wildcard": "*health*check*"}], "a health-check replacement, not a redeploy's"
+    # The rule as the stack makes it, on moto's event bus, delivering to a queue: what arrives matched.
+    # (moto has no TestEventPattern; its bus matches patterns, wildcards included, as it delivers.)
+    def client(name: str) -> Any:
+        return boto3.client(name, endpoint_url=moto_url, region_name="us-east-2", aws_access_key_id="testing", aws_secret_access_key="testing")
+
+    events, sqs = client("events"), client("sqs")
+    bus = f"replaced-{uuid.uuid4().hex[:8]}"
+    events.create_event_bus(Name=bus)
+    queue = sqs.create_queue(QueueName=bus)["QueueUrl"]
+    arn = sqs.get_queue_attributes(QueueUrl=queue, AttributeNames=["QueueArn"])["Attributes"]["QueueArn"]
+    events.put_rule(Name="replaced", EventBusName=bus, EventPattern=json.dumps(replaced))
+    events.put_targets(Rule="replaced", EventBusName=bus, Targets=[{"Id": "q", "Arn": arn}])
+
+    def matches(group: str, cause: str) -> bool:
+        detail = {"AutoScalingGroupName": group, "Cause": cause, "StatusCode": "InProgress"}
+        events.put_events(Entries=[{"EventBusName": bus, "Source": "aws.autoscaling", "DetailType": "EC2 Instance Terminate Successful",
+                                    "Detail": json.dumps(detail)}])  # fmt: skip
+        got = sqs.receive_message(QueueUrl=queue, MaxNumberOfMessages=10, WaitTimeSeconds=0).get("Messages", [])
+        for m in got:
+            sqs.delete_message(QueueUrl=queue, ReceiptHandle=m["ReceiptHandle"])
+        return any(json.loads(m["Body"])["detail"] == detail for m in got)
+
+    for cause in DOCUMENTED_REPLACEMENTS:
+        assert matches("gptoss-8k1k-decode-0", cause), cause
+    assert not matches("gptoss-8k1k-decode-0", NOT_A_REPLACEMENT), "a redeploy's or a scale-in's termination is not a failure"
+    assert not matches("other-cluster-decode-0", DOCUMENTED_REPLACEMENTS[0]), "another cluster's group"
     failed = patterns['["EC2 Instance Launch Unsuccessful"]']
     assert failed["detail"]["AutoScalingGroupName"] == replaced["detail"]["AutoScalingGroupName"]
     alarms = {a["Properties"]["AlarmName"]: a["Properties"] for a in of_type(t, "AWS::CloudWatch::Alarm").values()}
@@ -230,21 +319,38 @@ ALARMS_3P8D = {
     # name: (namespace, metric, statistic, period s, evaluation periods, threshold, comparison, missing data)
     "gptoss-8k1k-ServersDown": ("GptOss", "ServersDown", "Maximum", 60, 3, 1, "GreaterThanOrEqualToThreshold", "notBreaching"),
     "gptoss-8k1k-StagingFailing": ("GptOss", "StagingFailing", "Maximum", 60, 15, 1, "GreaterThanOrEqualToThreshold", "notBreaching"),
+    # 83 periods of 5 minutes: the deploy gate's 24900 s, longer than a node within its limits takes to serve.
+    "gptoss-8k1k-UnitsNotReady": ("GptOss", "UnitsNotReady", "Maximum", 300, 83, 1, "GreaterThanOrEqualToThreshold", "notBreaching"),
     "gptoss-8k1k-NodeReplaced": ("AWS/Events", "MatchedEvents", "Sum", 60, 1, 1, "GreaterThanOrEqualToThreshold", "notBreaching"),
     "gptoss-8k1k-NodeCannotBeReplaced": ("AWS/Events", "MatchedEvents", "Sum", 60, 1, 1, "GreaterThanOrEqualToThreshold", "notBreaching"),
     "gptoss-8k1k-RouterErrors": ("GptOss", "RouterErrorPercent", "Maximum", 60, 3, 5, "GreaterThanOrEqualToThreshold", "notBreaching"),
+    # No healthy proxy, or no data from the load balancer at all: the endpoint is down.
+    "gptoss-8k1k-EndpointDown": ("AWS/NetworkELB", "HealthyHostCount", "Maximum", 60, 3, 1, "LessThanThreshold", "breaching"),
+} | {
+    # Each node's heartbeat: no sample for 27 minutes (a replacement's 15 minutes of launch and boot, and
+    # its scripts' fetch budget of 600 + 120 s) is a node gone silent; missing data is the failure.
+    f"gptoss-8k1k-NodeSilent-{node}": ("GptOss", "NodeReporting", "SampleCount", 60, 27, 1, "LessThanThreshold", "breaching")
+    for node in NODES_3P8D
 }
 
 
 def test_every_alarm_watches_its_metric_with_its_threshold_periods_and_missing_data(fleet_synth: Synth) -> None:
     alarms = {a["Properties"]["AlarmName"]: a["Properties"] for a in of_type(fleet_synth.template, "AWS::CloudWatch::Alarm").values()}
-    assert sorted(alarms) == sorted([*ALARMS_3P8D, "gptoss-8k1k-NlbUnhealthyHosts"])
+    assert sorted(alarms) == sorted([*ALARMS_3P8D, "gptoss-8k1k-NlbUnhealthyHosts", "gptoss-8k1k-RouterCannotReachServers"])
     for name, (namespace, metric, statistic, period, periods, threshold, comparison, missing) in ALARMS_3P8D.items():
         a = alarms[name]
         got = (a["Namespace"], a["MetricName"], a["Statistic"], a["Period"], a["EvaluationPeriods"], a["Threshold"], a["ComparisonOperator"],
                a["TreatMissingData"])  # fmt: skip
         assert got == (namespace, metric, statistic, period, periods, threshold, comparison, missing), name
         assert "DatapointsToAlarm" not in a, f"{name}: every evaluated period breaches"
+    for node in NODES_3P8D:
+        dims = {d["Name"]: d["Value"] for d in alarms[f"gptoss-8k1k-NodeSilent-{node}"]["Dimensions"]}
+        assert dims == {"Cluster": "gptoss-8k1k", "Node": node, "Role": node.split("-")[0]}, "the node's own heartbeat, as it publishes it"
+    reach = alarms["gptoss-8k1k-RouterCannotReachServers"]
+    queries = {q["Id"]: q for q in reach["Metrics"]}
+    assert queries["unreachable"]["Expression"] == "IF(n == 0, r, 0)" and queries["unreachable"]["ReturnData"] is True
+    assert {q: queries[q]["MetricStat"]["Metric"]["MetricName"] for q in ("r", "n")} == {"r": "RouterUnhealthyServers", "n": "UnitsNotReady"}
+    assert (reach["EvaluationPeriods"], reach["Threshold"], reach["TreatMissingData"]) == (15, 1, "notBreaching")
     nlb = alarms["gptoss-8k1k-NlbUnhealthyHosts"]
     assert (nlb["EvaluationPeriods"], nlb["Threshold"], nlb["ComparisonOperator"], nlb["TreatMissingData"]) == (3, 1, "GreaterThanOrEqualToThreshold", "notBreaching")
     queries = {q["Id"]: q for q in nlb["Metrics"]}

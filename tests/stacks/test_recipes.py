@@ -28,7 +28,7 @@ def test_single_instance_recipes_run_one_server_without_efa(recipe_synth: dict[s
         assert [(n["NetworkCardIndex"], n.get("InterfaceType")) for n in lt["NetworkInterfaces"]] == [(0, None)]
         assert "Placement" not in lt
         assert {r for r in _ingress(t) if r[0] == "tcp"} == {("tcp", 8000, 8000, "self")}
-        assert sorted(t["Outputs"]) == ["ServerNodes", "ServerPortForward"]
+        assert sorted(t["Outputs"]) == ["AlarmSubscribe", "AlarmTopic", "ServerNodes", "ServerPortForward"]
         assert not of_type(t, "AWS::ElasticLoadBalancingV2::LoadBalancer")
 
 

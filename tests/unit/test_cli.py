@@ -453,12 +453,14 @@ def test_a_dlami_parameter_the_region_does_not_have_is_one_line_with_the_fix(com
 def test_settings_another_choice_makes_irrelevant_are_said_after_the_target_line(capsys: Any) -> None:
     assert cli.main(["plan", "-c", "capacity.preference=open", "-c", "network.flow_logs=false", "-c", "network.flow_logs_traffic=ALL",
                      "-c", "serving.proxy.router.health_check_timeout_s=3", "-c", "ami_id=ami-0123456789abcdef0",
-                     "-c", "acknowledge_unpinned_ami=true"]) == 0  # fmt: skip
+                     "-c", "acknowledge_unpinned_ami=true", "-c", "observability.alarm_topic_arn=arn:aws:sns:us-east-2:123456789012:pager",
+                     "-c", 'observability.alarm_emails=["oncall@example.com"]']) == 0  # fmt: skip
     err = capsys.readouterr().err.strip().splitlines()
     assert err == [
         "stack GptOss8k1kStack · region us-east-2 · cluster tag gptoss:cluster=gptoss-8k1k",
         "note: capacity.preference='open' has no effect: capacity.type is on-demand",
         "note: network.flow_logs_traffic='ALL' has no effect: network.flow_logs is false",
+        "note: observability.alarm_emails=['oncall@example.com'] has no effect: observability.alarm_topic_arn names your topic; subscribe to it",
         "note: serving.proxy.router has no effect: the endpoint is the toy proxy, not vLLM's router (serving.proxy.kind)",
         "note: acknowledge_unpinned_ami=true has no effect: the image is pinned (ami-0123456789abcdef0)",
     ]

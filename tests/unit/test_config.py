@@ -127,6 +127,9 @@ BAD_INPUTS: list[tuple[str, dict[str, Any], list[str]]] = [
     row("metrics every second", {"observability.interval_s": "5"}, "observability.interval_s='5'", "greater than or equal to 10", "raise `observability.interval_s`"),
     row("alarm topic by name", {"observability.alarm_topic_arn": "pager"}, "observability.alarm_topic_arn='pager'", "should match pattern", "set `observability.alarm_topic_arn`"),
     row("alarm topic of another region", {"observability.alarm_topic_arn": "arn:aws:sns:eu-west-1:123456789012:pager"}, "observability.alarm_topic_arn='arn:aws:sns:eu-west-1", "alarms in us-east-2 notify topics of us-east-2", "give a topic of us-east-2"),
+    row("alarm e-mail without a domain", {"observability.alarm_emails": '["oncall"]'}, "observability.alarm_emails='oncall'", "is not an e-mail address", 'give addresses like "oncall@example.com"'),
+    row("alarm e-mail twice", {"observability.alarm_emails": '["a@example.com", "a@example.com"]'}, "observability.alarm_emails=", "names an address twice", "give each address once"),
+    row("alarm e-mails as one string", {"observability.alarm_emails": "a@example.com"}, "observability.alarm_emails='a@example.com'", "valid tuple", "observability.alarm_emails"),
     row("boolean as a word", {"termination_protection": "maybe"}, "termination_protection='maybe'", "valid boolean", "set `termination_protection` to true or false"),
     # -- the network
     row("IPv6 VPC", {"network": '{"vpc_cidr": "fd00::/48"}'}, "network.vpc_cidr='fd00::/48'", "is IPv6", "give an IPv4 block"),

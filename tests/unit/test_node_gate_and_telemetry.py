@@ -349,7 +349,7 @@ def test_collector_publishes_every_catalog_metric_in_a_payload_cloudwatch_accept
         f'for u; do case $u in -* | show) ;; gptoss-stage.service) cat "{stage_state}"; echo ;; *) echo ActiveState=active; echo ;; esac; done\n',
     )
     for k, v in {"GPTOSS_SYS_INFINIBAND": str(ib), "GPTOSS_NEURON_MONITOR": str(tmp_path / "neuron-monitor"),
-                 "GPTOSS_SYSTEMCTL": str(tmp_path / "systemctl")}.items():  # fmt: skip
+                 "GPTOSS_SYSTEMCTL": str(tmp_path / "systemctl"), "GPTOSS_STATE_DIR": str(tmp_path / "state")}.items():  # fmt: skip
         monkeypatch.setenv(k, v)
     mod = _collector()
     cfg = {"namespace": telemetry.NAMESPACE, "region": "us-east-2", "cluster": "c1", "node": "decode-0", "role": "decode", "interval_s": 60,
@@ -408,6 +408,89 @@ def test_collector_publishes_every_catalog_metric_in_a_payload_cloudwatch_accept
     by_name = {d["MetricName"]: {x["Name"] for x in d["Dimensions"]} for d in data}
     assert by_name["TimeToFirstTokenMs"] == {"Cluster", "Node", "Role", "Server"} and by_name["UnitsNotReady"] == {"Cluster"}
     _validate("PutMetricData", "cloudwatch", {"Namespace": telemetry.NAMESPACE, "MetricData": data})
+
+
+def _states_collector(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, units: dict[str, str], servers: list[dict[str, str]] | None = None) -> Any:
+    """A collector over units whose `systemctl show` blocks the test writes (no metrics server, no neuron-monitor)."""
+    states = tmp_path / "states.json"
+    states.write_text(json.dumps(units))
+    fake_command(
+        tmp_path, "systemctl",
+        f'python3 -c \'import json,sys; s=json.load(open("{states}")); print("\\n\\n".join(s.get(u, "ActiveState=active") for u in sys.argv[1:] if u.endswith((".service", ".timer"))))\' "$@"\n',
+    )  # fmt: skip
+    monkeypatch.setenv("GPTOSS_SYSTEMCTL", str(tmp_path / "systemctl"))
+    monkeypatch.setenv("GPTOSS_STATE_DIR", str(tmp_path / "state"))
+    mod = _collector()
+    cfg = {"namespace": telemetry.NAMESPACE, "region": "us-east-2", "cluster": "c1", "node": "prefill-0", "role": "prefill", "interval_s": 60,
+           "log_group": "/gptoss/c1", "efa": False, "neuron": False, "metrics": [m.name for m in telemetry.ALL_METRICS],
+           "servers": servers or [], "units": list(units)}  # fmt: skip
+    return mod, mod.Collector(cfg), states
+
+
+def _values(data: list[dict[str, Any]]) -> dict[str, float]:
+    return {d["MetricName"]: d["Value"] for d in data}
+
+
+def test_units_not_ready_is_zero_on_a_healthy_node_whose_oneshots_ran(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A timer's service between two runs and the signal that already reported are done, not "not
+    ready" (the metric could never be 0 before); a stopped server, a failed oneshot, a starting unit are."""
+    done = "ActiveState=inactive\nSubState=dead\nType=oneshot\nResult=success\nNRestarts=0"
+    healthy = {"gptoss-members.service": done, "gptoss-signal.service": done, "gptoss-health-watch.service": done,
+               "gptoss-decode.service": "ActiveState=active\nSubState=running\nType=exec\nResult=success\nNRestarts=0"}  # fmt: skip
+    _, c, states = _states_collector(tmp_path, monkeypatch, healthy)
+    assert _values(c.collect(1000.0))["UnitsNotReady"] == 0
+    for unit, state in (("gptoss-decode.service", "ActiveState=inactive\nSubState=dead\nType=exec\nResult=success\nNRestarts=0"),
+                        ("gptoss-signal.service", "ActiveState=failed\nSubState=failed\nType=oneshot\nResult=exit-code\nNRestarts=0"),
+                        ("gptoss-members.service", "ActiveState=activating\nSubState=start\nType=oneshot\nResult=success\nNRestarts=0")):  # fmt: skip
+        states.write_text(json.dumps(healthy | {unit: state}))
+        assert _values(c.collect(1000.0))["UnitsNotReady"] == 1, unit
+
+
+def test_staging_failing_counts_a_failed_nvme_step_under_an_inactive_stage(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    units = {"gptoss-nvme.service": "ActiveState=failed\nSubState=failed\nType=oneshot\nResult=exit-code\nNRestarts=0",
+             "gptoss-stage.service": "ActiveState=inactive\nSubState=dead\nType=oneshot\nResult=success\nNRestarts=0"}  # fmt: skip
+    _, c, _ = _states_collector(tmp_path, monkeypatch, units)
+    assert _values(c.collect(1000.0))["StagingFailing"] == 1
+
+
+def test_servers_down_remembers_what_answered_across_a_restart_of_the_collector(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), type("V", (_VllmMetrics,), {"n": 1}))
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    base = f"http://127.0.0.1:{server.server_address[1]}"
+    servers = [{"name": "prefill-0/prefill@0", "unit": "gptoss-prefill@0.service", "health_url": f"{base}/health", "metrics_url": f"{base}/metrics"}]
+    try:
+        _, first, _ = _states_collector(tmp_path, monkeypatch, {"gptoss-prefill@0.service": "ActiveState=active"}, servers)
+        assert _values(first.collect(1000.0))["ServersDown"] == 0
+    finally:
+        server.shutdown()
+        server.server_close()
+    # The collector restarts (a crash, a reboot): it still knows the server answered on this instance.
+    _, again, _ = _states_collector(tmp_path, monkeypatch, {"gptoss-prefill@0.service": "ActiveState=active"}, servers)
+    assert _values(again.collect(1060.0))["ServersDown"] == 1
+
+
+def test_the_heartbeat_is_published_with_the_nodes_dimensions(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    _, c, _ = _states_collector(tmp_path, monkeypatch, {})
+    (beat,) = [d for d in c.collect(1000.0) if d["MetricName"] == "NodeReporting"]
+    assert beat["Value"] == 1 and {x["Name"]: x["Value"] for x in beat["Dimensions"]} == {"Cluster": "c1", "Node": "prefill-0", "Role": "prefill"}
+
+
+def test_a_neuron_monitor_that_stopped_reporting_is_not_published_as_current(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    fake_command(tmp_path, "neuron-monitor", "echo '{\"neuron_runtime_data\": []}'\nsleep 30\n")
+    monkeypatch.setenv("GPTOSS_NEURON_MONITOR", str(tmp_path / "neuron-monitor"))
+    mod = _collector()
+    monitor = mod.NeuronMonitor(60)
+    try:
+        for _ in range(50):
+            if monitor.report:
+                break
+            time.sleep(0.1)
+        assert monitor.values() != {}, "a fresh report is published"
+        monitor.report_at -= 181  # its last report is three periods old: neuron-monitor hung or exited
+        assert monitor.values() == {}
+    finally:
+        assert monitor.proc is not None
+        monitor.proc.kill()
 
 
 def test_collector_ships_each_units_journal_to_its_own_stream(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -588,3 +671,13 @@ def test_staging_failing_and_status_retrying_agree(state: str, sub: str, restart
     assert (state == "failed" or _collector().retrying(st)) is failing
     problem = UnitStatus(node="n", unit="gptoss-stage.service", state=state, healthy=None, needs_health=False, sub=sub, restarts=restarts).problem
     assert problem.startswith("retrying") is (failing and state != "failed")
+
+
+def test_a_crashed_collector_does_not_fail_the_deploy_gate(signal_node: Any, peers: Any, tmp_path: Path) -> None:
+    """The telemetry collector is listed for `gptoss status` but is not what the node serves with: the gate hears SUCCESS."""
+    health = tmp_path / "etc" / "health"
+    health.write_text(health.read_text() + "gptoss-telemetry.service - -\n")
+    r = signal_node({"gptoss-telemetry.service": "ActiveState=failed\nSubState=failed\nNRestarts=3"})
+    assert r.returncode == 0, r.stderr
+    (put,) = peers.puts
+    assert put["doc"]["Status"] == "SUCCESS", put

@@ -448,9 +448,9 @@ def test_status_shows_each_identitys_instance_its_replacements_and_why(aws: None
                 "StartTime": dt.datetime(2026, 11, 30, 10, 0, tzinfo=dt.UTC), "Description": "Terminating EC2 instance: i-0aaaaaaaaaaaaaaaa",
                 "Cause": "At 2026-11-30T10:00:00Z an instance was taken out of service in response to a user health-check."}  # fmt: skip
     impaired = replaced | {"ActivityId": "a2", "StartTime": dt.datetime(2026, 11, 29, 8, 0, tzinfo=dt.UTC), "Description": "Terminating EC2 instance: i-0bbbbbbbbbbbbbbbb",
-                           "Cause": "At 2026-11-29T08:00:00Z an instance was taken out of service in response to an EC2 health check indicating it has been impaired."}  # fmt: skip
+                           "Cause": "At 2026-11-29T08:00:00Z an instance was taken out of service in response to an EC2 instance status checks failure."}  # fmt: skip
     rolling = replaced | {"ActivityId": "a3", "StartTime": dt.datetime(2026, 11, 28, 8, 0, tzinfo=dt.UTC), "Description": "Terminating EC2 instance: i-0ccccccccccccccccc",
-                          "Cause": "At 2026-11-28T08:00:00Z a user request update of AutoScalingGroup constraints ... (a redeploy's rolling update)."}  # fmt: skip
+                          "Cause": "At 2026-11-28T08:00:00Z a user request update of AutoScalingGroup constraints to min: 1, max: 1, desired: 1 changing the desired capacity from 1 to 1. At 2026-11-28T08:00:05Z an instance was taken out of service in response to a difference between desired and actual capacity, shrinking the capacity from 1 to 0."}  # fmt: skip
     no_room = {"ActivityId": "d1", "AutoScalingGroupName": "gptoss-8k1k-decode-0", "StatusCode": "Failed", "Progress": 100,
                "StartTime": dt.datetime(2026, 11, 30, 11, 0, tzinfo=dt.UTC), "Description": "Launching a new EC2 instance.  Status Reason: ...",
                "Cause": "At 2026-11-30T11:00:00Z an instance was started in response to a difference between desired and actual capacity.",

@@ -16,6 +16,7 @@ and vLLM's router from its pinned wheel.
 
 from __future__ import annotations
 
+import datetime as dt
 import re
 import time
 from typing import Any
@@ -283,7 +284,7 @@ def test_first_boot_serves_with_the_plans_commands_in_the_tested_order(cluster: 
     # Telemetry: every node's metrics and its units' logs reach CloudWatch (the cluster's moto).
     # Rates need two of the collector's samples: they appear from its second interval on.
     per_node = {"ServerUp", "RequestsRunning", "KvCacheUsagePercent", "PromptTokensPerSecond", "GenerationTokensPerSecond",
-                "EfaRxBytesPerSecond"}  # fmt: skip
+                "EfaRxBytesPerSecond", "NodeReporting"}  # fmt: skip
     cloudwatch, logs = cluster.aws.client("cloudwatch"), cluster.aws.client("logs")
     for node in NODES:
         deadline = time.monotonic() + 2 * 180 + 60  # two of the collector's intervals (observability.interval_s here)
@@ -497,12 +498,30 @@ def test_a_new_image_replaces_every_node_and_each_new_gate_hears_why_it_cannot_s
     assert cluster.deploy(ROUTED | {"ami_id": NEW_IMAGE}) == set(NODES)
     assert {n: cluster.renders[n].files for n in NODES} == bundles, "nothing a node runs changed"
     assert all(cluster.handles[n][0] != handles[n][0] for n in NODES), "a new gate for each"
+    launched = dt.datetime.now(dt.UTC)
     cluster.launch(LATER, aws={"prefill-0": False}, faults={"decode-0": {"devices": {"neuron": DEVICES["neuron"] - 1, "efa": DEVICES["efa"]}}})
     for node in NODES:
         cluster.vms[node].wait_until("tail -n 1 /var/lib/fakes/signals.jsonl | grep -q FAILURE", 600, "a failure signal")
         (signal,) = cluster.signals(node)
         assert cluster.handles[node][0] in signal["path"], "the new gate's handle"
     reason = cluster.signals("prefill-0")[0]["body"]["Reason"]
+    # The heartbeat its NodeSilent alarm reads (missing is breaching): the new prefill-0, which never got
+    # its scripts, has published none since the launch; decode-0, which cannot serve, still reports.
+    cloudwatch = cluster.aws.client("cloudwatch")
+
+    def heartbeats(node: str) -> float:
+        dims = [{"Name": "Cluster", "Value": "gptoss-8k1k"}, {"Name": "Node", "Value": node}, {"Name": "Role", "Value": node.split("-")[0]}]
+        points = cloudwatch.get_metric_statistics(Namespace="GptOss", MetricName="NodeReporting", Dimensions=dims, StartTime=launched,
+                                                  EndTime=dt.datetime.now(dt.UTC) + dt.timedelta(minutes=5), Period=60,
+                                                  Statistics=["SampleCount"])["Datapoints"]  # fmt: skip
+        return sum(p["SampleCount"] for p in points)
+
+    cluster.vms["decode-0"].wait_until("systemctl is-active --quiet gptoss-telemetry.service", 300, "decode-0's collector")
+    deadline = time.monotonic() + 2 * 180 + 60  # two of the collector's intervals
+    while heartbeats("decode-0") == 0 and time.monotonic() < deadline:
+        time.sleep(10)
+    assert heartbeats("decode-0") >= 1, "decode-0 reports (it is up, and says why it cannot serve)"
+    assert heartbeats("prefill-0") == 0, "a replacement whose scripts never came publishes no heartbeat: its NodeSilent alarm fires"
     assert reason.startswith("prefill-0: gptoss-scripts.service failed: ") and "Could not connect to the endpoint URL" in reason, reason
     body = cluster.signals("decode-0")[0]["body"]
     assert body["Reason"].startswith("decode-0: gptoss-node-check.service failed: "), body
