@@ -41,7 +41,7 @@ def node(tmp_path: Path, shipped: Shipped) -> Callable[..., subprocess.Completed
     """A node with 16 Neuron devices, 16 EFA devices and nixl in its venv; each can be taken away."""
 
     def run(*, neuron: int = 16, efa: int = 16, provider: bool = True, nixl: bool = True, egress: str = "nat",
-            expect_efa: int = 16) -> subprocess.CompletedProcess[str]:  # fmt: skip
+            expect_efa: int = 16, rdm: bool = True) -> subprocess.CompletedProcess[str]:  # fmt: skip
         dev = tmp_path / "dev"
         dev.mkdir(exist_ok=True)
         for p in dev.glob("neuron*"):
@@ -50,7 +50,9 @@ def node(tmp_path: Path, shipped: Shipped) -> Callable[..., subprocess.Completed
             (dev / f"neuron{i}").touch()
         fakes = tmp_path / "fakes"
         domains = "".join(f"provider: efa\\n    domain: rdmap{i}s0-rdm\\n" for i in range(efa))
-        fake_command(fakes, "fi_info", f'{"exit 1" if not provider else ""}\nprintf "{domains}"\n')
+        # fi_info exits 61 (FI_ENODATA) for an endpoint type no provider offers.
+        no_rdm = "" if rdm else 'case " $* " in *" FI_EP_RDM "*) echo "fi_getinfo: -61 (No data available)" >&2; exit 61;; esac'
+        fake_command(fakes, "fi_info", f'{"exit 1" if not provider else ""}\n{no_rdm}\nprintf "{domains}"\n')
         venv = tmp_path / "venv-vllm"
         (venv / "bin").mkdir(parents=True, exist_ok=True)
         state = tmp_path / "nixl-installed"
@@ -95,6 +97,13 @@ def test_node_check_refuses_a_node_whose_efa_provider_does_not_load(node: Any) -
     assert r.returncode == 1 and "libfabric's efa provider does not load" in r.stderr
 
 
+def test_node_check_names_a_failing_rdm_query_instead_of_exiting_silently(node: Any) -> None:
+    r = node(rdm=False)
+    assert r.returncode == 1, (r.returncode, r.stdout, r.stderr)
+    assert ("gptoss-node-check: EFA: fi_info -p efa -t FI_EP_RDM fails (exit 61): no reliable-datagram endpoint for NIXL's KV transfer"
+            in r.stderr)  # fmt: skip
+
+
 def test_node_check_names_missing_neuron_devices(node: Any) -> None:
     r = node(neuron=15)
     assert r.returncode == 1 and "Neuron: 15 devices in" in r.stderr and "the instance table says 16 (neuron_devices)" in r.stderr
@@ -133,16 +142,20 @@ class _Recorder(http.server.BaseHTTPRequestHandler):
         self.end_headers()
         self.wfile.write(body)
 
-    put_status = 200
+    # What the handle answers, in turn (the last one from then on): (status, S3's XML body).
+    put_answers: list[tuple[int, bytes]] = [(200, b"")]
+    completion_status = 200
 
     def do_PUT(self) -> None:
         body = self.rfile.read(int(self.headers["Content-Length"]))
         self.puts.append({"content_type": self.headers.get("Content-Type"), "doc": json.loads(body)})
-        self._reply(self.put_status)
+        answers = type(self).put_answers
+        status, xml = answers.pop(0) if len(answers) > 1 else answers[0]
+        self._reply(status, xml)
 
     def do_POST(self) -> None:
         self.rfile.read(int(self.headers["Content-Length"]))
-        self._reply(200, json.dumps(self.completion).encode())
+        self._reply(self.completion_status, json.dumps(self.completion).encode())
 
     def do_GET(self) -> None:
         self._reply(200, b"ok")
@@ -151,7 +164,7 @@ class _Recorder(http.server.BaseHTTPRequestHandler):
 @pytest.fixture
 def peers() -> Iterator[type[_Recorder]]:
     handler = type(
-        "R", (_Recorder,), {"puts": [], "completion": {"choices": [{"text": " Paris."}], "usage": {"completion_tokens": 16}}}
+        "R", (_Recorder,), {"puts": [], "put_answers": [(200, b"")], "completion": {"choices": [{"text": " Paris."}], "usage": {"completion_tokens": 16}}}
     )
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
     threading.Thread(target=server.serve_forever, daemon=True).start()
@@ -187,7 +200,7 @@ def signal_node(tmp_path: Path, peers: Any, shipped: Shipped) -> Callable[..., s
             + (f"GPTOSS_COMPLETION_URL={peers.url}/v1/completions\n" if completion else "")
         )
         env = {**os.environ, "GPTOSS_ETC": str(etc), "GPTOSS_STATE_DIR": str(tmp_path / "state"), "GPTOSS_SYSTEMCTL": str(tmp_path / "systemctl"),
-               "GPTOSS_JOURNALCTL": str(tmp_path / "journalctl"), "GPTOSS_SIGNAL_POLL_S": "0.1"}  # fmt: skip
+               "GPTOSS_JOURNALCTL": str(tmp_path / "journalctl"), "GPTOSS_SIGNAL_POLL_S": "0.1", "GPTOSS_SIGNAL_RETRY_MAX_S": "0.2"}  # fmt: skip
         return subprocess.run(
             [sys.executable, str(shipped("gptoss-signal"))], env=env, capture_output=True, text=True, timeout=60
         )
@@ -237,15 +250,68 @@ def _amz(signed_ago_s: float, expires_s: int = 86399) -> str:
     return f"X-Amz-Algorithm=AWS4-HMAC-SHA256&X-Amz-Date={stamp}&X-Amz-SignedHeaders=host&X-Amz-Expires={expires_s}&X-Amz-Signature=abc"
 
 
+# S3's answers to a PUT on a presigned URL (its REST error format): past the URL's expiry, and
+# refused by a policy (a VPC endpoint policy, an SCP, a bucket policy) while the URL is still valid.
+S3_EXPIRED = (b'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>AccessDenied</Code><Message>Request has expired</Message>'
+              b"<X-Amz-Expires>86399</X-Amz-Expires><RequestId>R1</RequestId></Error>")  # fmt: skip
+S3_DENIED = b'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>AccessDenied</Code><Message>Access Denied</Message><RequestId>R2</RequestId></Error>'
+
+
 def test_an_expired_handle_is_told_nothing_and_asked_nothing_again(signal_node: Any, peers: Any, tmp_path: Path) -> None:
-    """S3 answers 403 to a presigned URL past its expiry: log once, stop (Restart=on-failure would ask for the node's life)."""
-    peers.put_status = 403
+    """S3 answers 403 "Request has expired" to a presigned URL past its expiry: log once, stop
+    (Restart=on-failure would ask for the node's life)."""
+    peers.put_answers = [(403, S3_EXPIRED)]
     r = signal_node({"gptoss-node-check.service": "ActiveState=failed\nNRestarts=0"})
     assert r.returncode == 0, r.stderr
-    assert len(peers.puts) == 1, "one PUT: a 403 is not asked again"
-    assert "the handle answered 403" in r.stdout and "the deploy gate is over" in r.stdout
+    assert len(peers.puts) == 1, "one PUT: an expired handle is not asked again"
+    assert "the handle answered 403 AccessDenied: Request has expired" in r.stdout and "the deploy gate is over" in r.stdout
     again = signal_node({"gptoss-node-check.service": "ActiveState=failed\nNRestarts=0"})
     assert again.returncode == 0 and len(peers.puts) == 1 and "already signalled (EXPIRED" in again.stdout
+
+
+def test_a_403_that_is_not_expiry_is_named_and_tried_again_until_the_policy_lets_it_through(signal_node: Any, peers: Any) -> None:
+    """A policy that denies the wait-condition bucket is not the end of the gate: the node says what
+    refuses it at every attempt and signals as soon as the policy is fixed (here: after three refusals)."""
+    peers.put_answers = [(403, S3_DENIED), (403, S3_DENIED), (403, S3_DENIED), (200, b"")]
+    r = signal_node({"gptoss-node-check.service": "ActiveState=failed\nNRestarts=0"}, query=_amz(signed_ago_s=60))
+    assert r.returncode == 0, r.stderr
+    assert len(peers.puts) == 4 and all(p["doc"]["Status"] == "FAILURE" for p in peers.puts)
+    refused = [line for line in r.stdout.splitlines() if "the wait-condition bucket refuses this node" in line]
+    assert len(refused) == 3 and "(403 AccessDenied: Access Denied) although the handle has not expired" in refused[0]
+    assert "VPC endpoint policy" in refused[0]
+    assert "gptoss-signal: FAILURE: prefill-0: gptoss-node-check.service failed" in r.stdout
+    assert "EXPIRED" not in r.stdout
+
+
+def test_a_403_that_outlasts_the_handle_ends_when_the_handle_expires(signal_node: Any, peers: Any) -> None:
+    peers.put_answers = [(403, S3_DENIED)]
+    r = signal_node({"gptoss-node-check.service": "ActiveState=failed\nNRestarts=0"}, query=_amz(signed_ago_s=0, expires_s=3))
+    assert r.returncode == 0, r.stderr
+    assert len(peers.puts) >= 2, "tried again while the handle was valid"
+    assert r.stdout.count("the wait-condition bucket refuses this node") >= len(peers.puts) - 1, "each refusal named while the handle was valid"
+    assert r.stdout.rstrip().splitlines()[-1].endswith("the deploy gate is over; not signalling FAILURE (gptoss-node-check.service failed: "
+                                                      "last line of gptoss-node-check.service)")  # fmt: skip
+
+
+def test_an_endpoint_that_refuses_the_test_completion_fails_the_gate_in_four_tries(signal_node: Any, peers: Any) -> None:
+    """A 4xx that waiting does not change (the model name, the request) is a FAILURE with the answer, not a wait to the deadline."""
+    peers.completion_status = 404
+    peers.completion = {"error": {"message": "The model `/opt/dlami/nvme/models/gpt-oss-120b` does not exist.", "code": 404}}
+    r = signal_node()
+    assert r.returncode == 0, r.stderr
+    (put,) = peers.puts
+    assert put["doc"]["Status"] == "FAILURE"
+    assert put["doc"]["Reason"].startswith("prefill-0: every unit is ready but the endpoint refused the test completion 4 times in a row: HTTP 404: ")
+    assert "does not exist" in put["doc"]["Reason"]
+
+
+def test_a_busy_endpoint_is_waited_for_not_failed(signal_node: Any, peers: Any) -> None:
+    """429 (too many requests) passes: the gate waits for it (here until its short timeout)."""
+    peers.completion_status = 429
+    r = signal_node(timeout=121)
+    assert r.returncode == 0
+    (put,) = peers.puts
+    assert "not ready before the deploy gate's timeout: completion request failed: HTTP 429" in put["doc"]["Reason"]
 
 
 def test_a_handle_past_its_expiry_is_not_signalled_at_all(signal_node: Any, peers: Any) -> None:
