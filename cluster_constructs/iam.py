@@ -98,16 +98,18 @@ class NodePolicy(Construct):
         # Every node's scripts: the stack's asset, its one key.
         self.add(iam.PolicyStatement(actions=["s3:GetObject"], resources=[scripts_arn]))
         if config.observability.enabled:
-            # The collector: its own streams in the cluster's one log group, metrics of the cluster's namespace only.
+            # The collector: streams in the cluster's one log group (each node writes only its own: its
+            # role), metrics of the cluster's own namespace only.
             group = telemetry.log_group(config)
             group_arn = stack.format_arn(service="logs", resource="log-group", resource_name=f"{group}:*", arn_format=ArnFormat.COLON_RESOURCE_NAME)
-            self.add(iam.PolicyStatement(actions=["logs:CreateLogStream", "logs:PutLogEvents"], resources=[group_arn]))
+            self.add(iam.PolicyStatement(actions=["logs:CreateLogStream"], resources=[group_arn]))
             metrics = iam.PolicyStatement(actions=["cloudwatch:PutMetricData"], resources=["*"])
-            metrics.add_condition("StringEquals", {"cloudwatch:namespace": telemetry.NAMESPACE})
+            metrics.add_condition("StringEquals", {"cloudwatch:namespace": telemetry.namespace(config)})
             self.add(metrics)
             self.acknowledge(
                 f"AwsSolutions::AwsSolutions-IAM5[Resource::arn:<AWS::Partition>:logs:{config.region}:<AWS::AccountId>:log-group:{group}:*]",
-                "Nodes create and write their own streams (node/unit) in the cluster's one log group; no other group.",
+                "Nodes create streams in the cluster's one log group, no other group (CreateLogStream takes the group as its "
+                "resource); each node writes only its own streams (node/unit, its role's PutLogEvents).",
             )
         # Reads: the checkpoint and the examples when staged in S3, and of the compile cache only
         # what an operator promoted (fleet/): one node's upload is read by no other node.
@@ -195,6 +197,11 @@ class NodeIdentityRole(Construct):
         partition = Stack.of(self).partition
         cache_uri = cache.uri if cache else None
         statements: list[iam.PolicyStatement] = []
+        if config.observability.enabled:
+            # The collector writes this node's own streams (node/unit) only: no node writes another's log.
+            stream = f"{telemetry.log_group(config)}:log-stream:{node}/*"
+            statements.append(iam.PolicyStatement(actions=["logs:PutLogEvents"], resources=[
+                f"arn:{partition}:logs:{config.region}:{Aws.ACCOUNT_ID}:log-group:{stream}"]))  # fmt: skip
         if config.healing.report_unhealthy:
             # gptoss-health-watch: mark this node's own instance unhealthy; its group is the only one named.
             statements.append(iam.PolicyStatement(actions=["autoscaling:SetInstanceHealth"], resources=[holder_arn(config, node)]))
@@ -221,6 +228,12 @@ class NodeIdentityRole(Construct):
         )
         shared.policy.attach_to_role(self.role)
         self.profile = iam.CfnInstanceProfile(self, "Profile", roles=[self.role.role_name])
+        if config.observability.enabled:
+            self.acknowledge(
+                f"AwsSolutions::AwsSolutions-IAM5[Resource::arn:<AWS::Partition>:logs:{config.region}:<AWS::AccountId>:log-group:"
+                f"{telemetry.log_group(config)}:log-stream:{node}/*]",
+                f"Only this node's own log streams ({node}/<unit>) in the cluster's log group; no other node's.",
+            )
         if config.healing.report_unhealthy:
             self.acknowledge(
                 f"AwsSolutions::AwsSolutions-IAM5[Resource::arn:<AWS::Partition>:autoscaling:{config.region}:<AWS::AccountId>:autoScalingGroup:*:"

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 from aws_cdk import Stack
@@ -18,7 +17,7 @@ from clusterspec.config import ClusterConfig
 def _search(cfg: ClusterConfig, metric: str, role: str | None, dims: str, stat: str = "Average") -> dict[str, Any]:
     """A SEARCH over every node/server of the cluster: one widget line per server, any fleet size."""
     where = f'MetricName="{metric}" Cluster="{cfg.cluster_name}"' + (f' Role="{role}"' if role else "")
-    return {"expression": f"SEARCH('{{{telemetry.NAMESPACE},{dims}}} {where}', '{stat}', {cfg.observability.interval_s})"}
+    return {"expression": f"SEARCH('{{\"{telemetry.namespace(cfg)}\",{dims}}} {where}', '{stat}', {cfg.observability.interval_s})"}
 
 
 def _widget(
@@ -69,7 +68,7 @@ def dashboard_body(cfg: ClusterConfig, *, region: str, lb: tuple[str, str] | Non
         },
         _widget(
             "Fleet: units not ready (worst node), servers down, staging failing",
-            [[telemetry.NAMESPACE, name, "Cluster", cfg.cluster_name] for name in ("UnitsNotReady", "ServersDown", "StagingFailing")],
+            [[telemetry.namespace(cfg), name, "Cluster", cfg.cluster_name] for name in ("UnitsNotReady", "ServersDown", "StagingFailing")],
             x=0, y=2, stat="Maximum",
         ),
     ]  # fmt: skip
@@ -142,7 +141,7 @@ def node_silent_alarm(scope: Construct, construct_id: str, *, config: ClusterCon
         scope, construct_id, alarm_name=f"{config.cluster_name}-NodeSilent-{node}",
         alarm_description=f"{node} has published nothing for {window // 60} minutes: its instance is gone, hung or cut off, or a "
         "replacement never got its scripts. gptoss status shows the node; its group's activity says what happened.",
-        namespace=telemetry.NAMESPACE, metric_name="NodeReporting",
+        namespace=telemetry.namespace(config), metric_name="NodeReporting",
         dimensions=[cloudwatch.CfnAlarm.DimensionProperty(name=k, value=v) for k, v in (("Cluster", config.cluster_name), ("Node", node), ("Role", role))],
         statistic="SampleCount", period=period, evaluation_periods=periods(window, period), threshold=1,
         comparison_operator="LessThanThreshold", treat_missing_data="breaching", alarm_actions=[topic], ok_actions=[topic],
@@ -185,7 +184,7 @@ class FleetObservability(Construct):
         def alarm(name: str, metric: str, threshold: float, window_s: int, description: str, *, step: int = period) -> cloudwatch.CfnAlarm:
             return cloudwatch.CfnAlarm(
                 self, name, alarm_name=f"{config.cluster_name}-{name}", alarm_description=description,
-                namespace=telemetry.NAMESPACE, metric_name=metric, dimensions=cluster_dims,
+                namespace=telemetry.namespace(config), metric_name=metric, dimensions=cluster_dims,
                 statistic="Maximum", period=step, evaluation_periods=periods(window_s, step), threshold=threshold,
                 comparison_operator="GreaterThanOrEqualToThreshold", treat_missing_data="notBreaching", alarm_actions=actions, ok_actions=actions,
             )  # fmt: skip
@@ -240,7 +239,7 @@ class FleetObservability(Construct):
                 return cloudwatch.CfnAlarm.MetricDataQueryProperty(
                     id=qid, return_data=False,
                     metric_stat=cloudwatch.CfnAlarm.MetricStatProperty(
-                        metric=cloudwatch.CfnAlarm.MetricProperty(namespace=telemetry.NAMESPACE, metric_name=metric, dimensions=cluster_dims),
+                        metric=cloudwatch.CfnAlarm.MetricProperty(namespace=telemetry.namespace(config), metric_name=metric, dimensions=cluster_dims),
                         period=period, stat="Maximum"),
                 )  # fmt: skip
 
@@ -294,22 +293,3 @@ class FleetObservability(Construct):
                     treat_missing_data="breaching", alarm_actions=actions, ok_actions=actions,
                 )
             )  # fmt: skip
-
-    @staticmethod
-    def published_names() -> set[str]:
-        """Every metric name a node's collector publishes (the catalog)."""
-        return {m.name for m in telemetry.ALL_METRICS}
-
-    def referenced_names(self) -> set[str]:
-        """Every metric of the project's namespace the dashboard and the alarms refer to."""
-        import re
-
-        text = json.dumps(self.body)
-        # SEARCH expressions of the project's namespace (json.dumps escapes their quotes).
-        names = set(re.findall(r"\{" + telemetry.NAMESPACE + r',[^}]*\} MetricName=\\"(\w+)\\"', text))
-        for w in self.body["widgets"]:
-            for m in w.get("properties", {}).get("metrics", []):
-                if isinstance(m, list) and m and m[0] == telemetry.NAMESPACE:
-                    names.add(m[1])
-        names |= {a.metric_name for a in self.alarms if a.metric_name and a.namespace == telemetry.NAMESPACE}
-        return names

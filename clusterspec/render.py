@@ -446,7 +446,7 @@ def _render_telemetry(cfg: ClusterConfig, node: Node, out: NodeRender, bin_dir: 
     router_url = health_url("127.0.0.1", cfg.serving.proxy.router.metrics_port, "/metrics") if routed else None
     out.files[f"{ETC}/telemetry.json"] = (telemetry.node_config(cfg, node, servers, units, router_url), 0o644)
     out.files[f"{UNIT_DIR}/gptoss-telemetry.service"] = _unit(
-        "gptoss-telemetry.service", bin=bin_dir, log_group=telemetry.log_group(cfg), namespace=telemetry.NAMESPACE
+        "gptoss-telemetry.service", bin=bin_dir, log_group=telemetry.log_group(cfg), namespace=telemetry.namespace(cfg)
     )
     out.units.append("gptoss-telemetry.service")
     out.wants.append("gptoss-telemetry.service")

@@ -13,7 +13,14 @@ from dataclasses import dataclass
 from clusterspec.config import ClusterConfig
 from clusterspec.layout import Node
 
-NAMESPACE = "GptOss"
+NAMESPACE_PREFIX = "GptOss"
+
+
+def namespace(cfg: ClusterConfig) -> str:
+    """The cluster's own CloudWatch namespace: a node may publish only there (its policy's condition),
+    so no node of another cluster in the account can write what this cluster's alarms read."""
+    return f"{NAMESPACE_PREFIX}/{cfg.cluster_name}"
+
 
 # The causes EC2 Auto Scaling gives when it takes an instance out of service after a failed health
 # check, as its documentation words them: the node's own report (SetInstanceHealth, "a user
@@ -86,7 +93,7 @@ def log_group(cfg: ClusterConfig) -> str:
 def node_config(cfg: ClusterConfig, node: Node, servers: list[dict[str, str]], units: list[str], router_metrics_url: str | None = None) -> str:
     """The collector's telemetry.json for one node (`router_metrics_url` on a router's node)."""
     doc = {
-        "namespace": NAMESPACE,
+        "namespace": namespace(cfg),
         "region": cfg.region,
         "cluster": cfg.cluster_name,
         "node": node.name,

@@ -137,6 +137,17 @@ _EXTRACT = f"mkdir -p {PurePosixPath(BUNDLE).parent} {ETC} && echo \"$0\" | base
 _DEPLOY = f"printf '%s\\n' \"$@\" > {DEPLOY_ENV}"
 
 
+# The instance metadata (its user data holds the deploy gate's URL; its credentials are the node's
+# role) for root only: every unit runs as root, and any other local user is refused (AWS's own
+# recipe for limiting IMDS access: an iptables owner match). Applied at every boot, once.
+IMDS_ROOT_ONLY = (
+    "if command -v iptables >/dev/null 2>&1; then "
+    "iptables -C OUTPUT -d 169.254.169.254/32 -m owner ! --uid-owner 0 -j REJECT 2>/dev/null || "
+    "iptables -I OUTPUT 1 -d 169.254.169.254/32 -m owner ! --uid-owner 0 -j REJECT; "
+    "else echo 'gptoss: no iptables: the instance metadata stays open to every local user' >&2; fi"
+)
+
+
 def _signal_line(url: str | None) -> str:
     """The bootcmd line that writes the deploy gate's URL to a root-only file, or removes it.
 
@@ -193,6 +204,7 @@ def user_data(
             ["sh", "-c", _EXTRACT, base64.b64encode(compress(render.files)).decode()],
             ["sh", "-c", _DEPLOY, "sh", *values],
             _signal_line(signal_url),
+            IMDS_ROOT_ONLY,
             [f"{BIN}/gptoss-bootstrap"],
         ],
     }

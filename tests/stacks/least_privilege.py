@@ -162,8 +162,11 @@ def expected(cfg: ClusterConfig, node: str, scripts_key: str, router_key: str | 
         out |= {("secretsmanager:GetSecretValue", arn, none), ("secretsmanager:GetSecretValue", f"{arn}-??????", none)}
     if cfg.observability.enabled:
         group = f"/gptoss/{cfg.cluster_name}"
-        out |= {(a, f"arn:aws:logs:{cfg.region}:{ACCOUNT}:log-group:{group}:*", none) for a in ("logs:CreateLogStream", "logs:PutLogEvents")}
-        out.add(("cloudwatch:PutMetricData", "*", json.dumps({"StringEquals": {"cloudwatch:namespace": "GptOss"}})))
+        out.add(("logs:CreateLogStream", f"arn:aws:logs:{cfg.region}:{ACCOUNT}:log-group:{group}:*", none))
+        # Its own streams only (node/unit).
+        out.add(("logs:PutLogEvents", f"arn:aws:logs:{cfg.region}:{ACCOUNT}:log-group:{group}:log-stream:{node}/*", none))
+        # The cluster's own namespace: GptOss/<cluster_name>.
+        out.add(("cloudwatch:PutMetricData", "*", json.dumps({"StringEquals": {"cloudwatch:namespace": f"GptOss/{cfg.cluster_name}"}})))
     if cfg.healing.report_unhealthy:
         # Its own group, by name (the group's id is EC2's): no other node's.
         out.add(("autoscaling:SetInstanceHealth",

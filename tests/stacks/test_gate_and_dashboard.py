@@ -117,13 +117,20 @@ def test_log_group_has_the_retention_and_the_role_writes_only_there(default_synt
         for p in of_type(t, "AWS::IAM::Policy").values()
         if "Prefill0Role" in json.dumps(p["Properties"]["Roles"])
         for s in p["Properties"]["PolicyDocument"]["Statement"]
+    ] + [  # and the node's own role's inline policy (what only this node may do)
+        s
+        for k, r in of_type(t, "AWS::IAM::Role").items()
+        if k.startswith("Prefill0Role")
+        for p in r["Properties"].get("Policies", [])
+        for s in p["PolicyDocument"]["Statement"]
     ]
-    logs = [s for s in statements if any(str(a).startswith("logs:") for a in _list(s["Action"]))]
-    assert len(logs) == 1 and sorted(_list(logs[0]["Action"])) == ["logs:CreateLogStream", "logs:PutLogEvents"]
-    assert "log-group:/gptoss/gptoss-8k1k:*" in json.dumps(logs[0]["Resource"])
+    logs = {a: json.dumps(s["Resource"]) for s in statements for a in _list(s["Action"]) if str(a).startswith("logs:")}
+    assert sorted(logs) == ["logs:CreateLogStream", "logs:PutLogEvents"]
+    assert "log-group:/gptoss/gptoss-8k1k:*" in logs["logs:CreateLogStream"]
+    assert "log-group:/gptoss/gptoss-8k1k:log-stream:prefill-0/*" in logs["logs:PutLogEvents"], "its own streams, no other node's"
     metrics = [s for s in statements if "cloudwatch:PutMetricData" in _list(s["Action"])]
     assert len(metrics) == 1
-    assert metrics[0]["Condition"] == {"StringEquals": {"cloudwatch:namespace": telemetry.NAMESPACE}}
+    assert metrics[0]["Condition"] == {"StringEquals": {"cloudwatch:namespace": "GptOss/gptoss-8k1k"}}, "the cluster's own namespace"
 
 
 def _list(v: Any) -> list[Any]:
@@ -140,11 +147,14 @@ def _dashboard_text(t: dict[str, Any]) -> str:
 def _referenced(t: dict[str, Any]) -> set[str]:
     """Every metric of the project's namespace the dashboard and the alarms name."""
     text = _dashboard_text(t)
-    names = set(re.findall(r"\{" + telemetry.NAMESPACE + r',[^}]*\} MetricName=\\"(\w+)\\"', text))
-    names |= set(re.findall(rf'\["{telemetry.NAMESPACE}","(\w+)"', text))
+    names = set(re.findall(r'\{\\"GptOss/gptoss-8k1k\\",[^}]*\} MetricName=\\"(\w+)\\"', text))
+    names |= set(re.findall(r'\["GptOss/gptoss-8k1k","(\w+)"', text))
     for a in of_type(t, "AWS::CloudWatch::Alarm").values():
-        if a["Properties"].get("Namespace") == telemetry.NAMESPACE:
+        if a["Properties"].get("Namespace") == "GptOss/gptoss-8k1k":
             names.add(a["Properties"]["MetricName"])
+        for q in a["Properties"].get("Metrics", []):
+            if q.get("MetricStat", {}).get("Metric", {}).get("Namespace") == "GptOss/gptoss-8k1k":
+                names.add(q["MetricStat"]["Metric"]["MetricName"])
     return names
 
 
@@ -317,19 +327,19 @@ def test_a_replaced_node_or_one_that_cannot_be_replaced_raises_an_alarm(default_
 # missing data. A changed threshold, period count or statistic fails here, not only in a snapshot.
 ALARMS_3P8D = {
     # name: (namespace, metric, statistic, period s, evaluation periods, threshold, comparison, missing data)
-    "gptoss-8k1k-ServersDown": ("GptOss", "ServersDown", "Maximum", 60, 3, 1, "GreaterThanOrEqualToThreshold", "notBreaching"),
-    "gptoss-8k1k-StagingFailing": ("GptOss", "StagingFailing", "Maximum", 60, 15, 1, "GreaterThanOrEqualToThreshold", "notBreaching"),
+    "gptoss-8k1k-ServersDown": ("GptOss/gptoss-8k1k", "ServersDown", "Maximum", 60, 3, 1, "GreaterThanOrEqualToThreshold", "notBreaching"),
+    "gptoss-8k1k-StagingFailing": ("GptOss/gptoss-8k1k", "StagingFailing", "Maximum", 60, 15, 1, "GreaterThanOrEqualToThreshold", "notBreaching"),
     # 83 periods of 5 minutes: the deploy gate's 24900 s, longer than a node within its limits takes to serve.
-    "gptoss-8k1k-UnitsNotReady": ("GptOss", "UnitsNotReady", "Maximum", 300, 83, 1, "GreaterThanOrEqualToThreshold", "notBreaching"),
+    "gptoss-8k1k-UnitsNotReady": ("GptOss/gptoss-8k1k", "UnitsNotReady", "Maximum", 300, 83, 1, "GreaterThanOrEqualToThreshold", "notBreaching"),
     "gptoss-8k1k-NodeReplaced": ("AWS/Events", "MatchedEvents", "Sum", 60, 1, 1, "GreaterThanOrEqualToThreshold", "notBreaching"),
     "gptoss-8k1k-NodeCannotBeReplaced": ("AWS/Events", "MatchedEvents", "Sum", 60, 1, 1, "GreaterThanOrEqualToThreshold", "notBreaching"),
-    "gptoss-8k1k-RouterErrors": ("GptOss", "RouterErrorPercent", "Maximum", 60, 3, 5, "GreaterThanOrEqualToThreshold", "notBreaching"),
+    "gptoss-8k1k-RouterErrors": ("GptOss/gptoss-8k1k", "RouterErrorPercent", "Maximum", 60, 3, 5, "GreaterThanOrEqualToThreshold", "notBreaching"),
     # No healthy proxy, or no data from the load balancer at all: the endpoint is down.
     "gptoss-8k1k-EndpointDown": ("AWS/NetworkELB", "HealthyHostCount", "Maximum", 60, 3, 1, "LessThanThreshold", "breaching"),
 } | {
     # Each node's heartbeat: no sample for 27 minutes (a replacement's 15 minutes of launch and boot, and
     # its scripts' fetch budget of 600 + 120 s) is a node gone silent; missing data is the failure.
-    f"gptoss-8k1k-NodeSilent-{node}": ("GptOss", "NodeReporting", "SampleCount", 60, 27, 1, "LessThanThreshold", "breaching")
+    f"gptoss-8k1k-NodeSilent-{node}": ("GptOss/gptoss-8k1k", "NodeReporting", "SampleCount", 60, 27, 1, "LessThanThreshold", "breaching")
     for node in NODES_3P8D
 }
 

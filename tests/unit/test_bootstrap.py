@@ -237,7 +237,7 @@ def test_plan_and_user_data_agree(layout: str, tmp_path: Path, shipped: Callable
     """Each plan service is what its unit runs once systemd expands the node's env files."""
     for r in renders(layout):
         files, deploy, doc = parse_user_data(node_user_data(r))
-        assert doc["bootcmd"][3] == [f"{BIN}/gptoss-bootstrap"] and set(doc) == {"bootcmd"}, "no first-boot-only runcmd"
+        assert doc["bootcmd"][4] == [f"{BIN}/gptoss-bootstrap"] and set(doc) == {"bootcmd"}, "no first-boot-only runcmd"
         listed = files[UNITS_FILE][0].split()
         for s in r.services:
             template = re.sub(r"@\d+\.service$", "@.service", s.unit)

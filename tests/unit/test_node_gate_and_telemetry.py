@@ -20,7 +20,7 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import ModuleType
-from typing import Any
+from typing import Any, ClassVar
 
 import botocore.session
 import pytest
@@ -143,7 +143,7 @@ class _Recorder(http.server.BaseHTTPRequestHandler):
         self.wfile.write(body)
 
     # What the handle answers, in turn (the last one from then on): (status, S3's XML body).
-    put_answers: list[tuple[int, bytes]] = [(200, b"")]
+    put_answers: ClassVar[list[tuple[int, bytes]]] = [(200, b"")]
     completion_status = 200
 
     def do_PUT(self) -> None:
@@ -418,7 +418,7 @@ def test_collector_publishes_every_catalog_metric_in_a_payload_cloudwatch_accept
                  "GPTOSS_SYSTEMCTL": str(tmp_path / "systemctl"), "GPTOSS_STATE_DIR": str(tmp_path / "state")}.items():  # fmt: skip
         monkeypatch.setenv(k, v)
     mod = _collector()
-    cfg = {"namespace": telemetry.NAMESPACE, "region": "us-east-2", "cluster": "c1", "node": "decode-0", "role": "decode", "interval_s": 60,
+    cfg = {"namespace": "GptOss/c1", "region": "us-east-2", "cluster": "c1", "node": "decode-0", "role": "decode", "interval_s": 60,
            "log_group": "/gptoss/c1", "efa": True, "metrics": [m.name for m in telemetry.ALL_METRICS],
            "servers": [{"name": "decode-0/decode", "unit": "gptoss-decode.service", "health_url": f"{base}/health", "metrics_url": f"{base}/metrics"}],
            "units": ["gptoss-stage.service", "gptoss-decode.service"], "router_metrics_url": f"{base}/router-metrics"}  # fmt: skip
@@ -473,7 +473,7 @@ def test_collector_publishes_every_catalog_metric_in_a_payload_cloudwatch_accept
     assert set(values) == {m.name for m in telemetry.ALL_METRICS}
     by_name = {d["MetricName"]: {x["Name"] for x in d["Dimensions"]} for d in data}
     assert by_name["TimeToFirstTokenMs"] == {"Cluster", "Node", "Role", "Server"} and by_name["UnitsNotReady"] == {"Cluster"}
-    _validate("PutMetricData", "cloudwatch", {"Namespace": telemetry.NAMESPACE, "MetricData": data})
+    _validate("PutMetricData", "cloudwatch", {"Namespace": "GptOss/c1", "MetricData": data})
 
 
 def _states_collector(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, units: dict[str, str], servers: list[dict[str, str]] | None = None) -> Any:
@@ -487,7 +487,7 @@ def _states_collector(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, units: di
     monkeypatch.setenv("GPTOSS_SYSTEMCTL", str(tmp_path / "systemctl"))
     monkeypatch.setenv("GPTOSS_STATE_DIR", str(tmp_path / "state"))
     mod = _collector()
-    cfg = {"namespace": telemetry.NAMESPACE, "region": "us-east-2", "cluster": "c1", "node": "prefill-0", "role": "prefill", "interval_s": 60,
+    cfg = {"namespace": "GptOss/c1", "region": "us-east-2", "cluster": "c1", "node": "prefill-0", "role": "prefill", "interval_s": 60,
            "log_group": "/gptoss/c1", "efa": False, "neuron": False, "metrics": [m.name for m in telemetry.ALL_METRICS],
            "servers": servers or [], "units": list(units)}  # fmt: skip
     return mod, mod.Collector(cfg), states

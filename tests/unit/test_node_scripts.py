@@ -672,3 +672,23 @@ def test_the_health_watch_reports_its_own_instance_once_for_a_server_that_stoppe
     r = watch(looping)
     assert r.returncode == 0 and len((tmp_path / "calls.aws").read_text().splitlines()) == 1, "said once"
     server.shutdown()
+
+
+# ---- nothing phones home ----------------------------------------------------------------------------
+
+
+def test_servers_and_staging_send_no_usage_statistics_or_telemetry() -> None:
+    """vLLM reports usage to stats.vllm.ai and huggingface_hub sends telemetry unless told not to:
+    every server, prefill replica and the staging unit of every recipe run with both off."""
+    from clusterspec.loading import load_config
+    from clusterspec.render import render_cluster
+
+    servers_off = "Environment=VLLM_NO_USAGE_STATS=1 VLLM_DO_NOT_TRACK=1 DO_NOT_TRACK=1 HF_HUB_DISABLE_TELEMETRY=1"
+    for ctx in ({}, {"recipe": "gptoss-20b-single"}):
+        for r in render_cluster(load_config(ctx)):
+            units = {path.rsplit("/", 1)[-1]: text for path, (text, _) in r.files.items() if path.startswith("/etc/systemd/system/")}
+            served = [u for u in units if u in ("gptoss-decode.service", "gptoss-server.service", "gptoss-prefill@.service")]
+            assert served, r.node.name
+            for u in served:
+                assert servers_off in units[u].splitlines(), (r.node.name, u)
+            assert "Environment=HF_HUB_DISABLE_TELEMETRY=1 DO_NOT_TRACK=1" in units["gptoss-stage.service"].splitlines()

@@ -169,6 +169,11 @@ def assert_no_secret_shows(cluster: VmCluster, node: str) -> None:
     assert shown.strip() == "0", f"{node}: the signal URL or the token shows in argv, the journal or cloud-init's log"
     downloads = [r for r in cluster.this_boot(node, vm.records("hub.jsonl")) if r["complete"]]
     assert downloads and all(r["token"] for r in downloads), f"{node}: the download did not carry the token"
+    # The instance metadata (whose user data holds the URL) answers root and refuses any other local user.
+    token = "curl -sS -m 5 -X PUT -H 'X-aws-ec2-metadata-token-ttl-seconds: 60' http://169.254.169.254/latest/api/token"
+    assert vm.ssh(token).stdout.strip(), f"{node}: root reaches the instance metadata"
+    refused = vm.ssh(f"runuser -u nobody -- {token}", check=False)
+    assert refused.returncode != 0 and "refused" in refused.stderr.lower(), f"{node}: another user reaches the metadata: {refused}"
 
 
 def test_first_boot_finishes_in_minutes_while_servers_compile_even_with_imds_down_at_first(cluster: VmCluster) -> None:
@@ -289,7 +294,7 @@ def test_first_boot_serves_with_the_plans_commands_in_the_tested_order(cluster: 
     for node in NODES:
         deadline = time.monotonic() + 2 * 180 + 60  # two of the collector's intervals (observability.interval_s here)
         while True:
-            names = cloudwatch.list_metrics(Namespace="GptOss")["Metrics"]
+            names = cloudwatch.list_metrics(Namespace="GptOss/gptoss-8k1k")["Metrics"]
             published = {m["MetricName"] for m in names if {"Name": "Node", "Value": node} in m["Dimensions"]}
             if per_node <= published or time.monotonic() > deadline:
                 break
@@ -511,7 +516,7 @@ def test_a_new_image_replaces_every_node_and_each_new_gate_hears_why_it_cannot_s
 
     def heartbeats(node: str) -> float:
         dims = [{"Name": "Cluster", "Value": "gptoss-8k1k"}, {"Name": "Node", "Value": node}, {"Name": "Role", "Value": node.split("-")[0]}]
-        points = cloudwatch.get_metric_statistics(Namespace="GptOss", MetricName="NodeReporting", Dimensions=dims, StartTime=launched,
+        points = cloudwatch.get_metric_statistics(Namespace="GptOss/gptoss-8k1k", MetricName="NodeReporting", Dimensions=dims, StartTime=launched,
                                                   EndTime=dt.datetime.now(dt.UTC) + dt.timedelta(minutes=5), Period=60,
                                                   Statistics=["SampleCount"])["Datapoints"]  # fmt: skip
         return sum(p["SampleCount"] for p in points)
