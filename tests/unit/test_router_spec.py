@@ -186,3 +186,16 @@ def test_the_production_routers_command_line_is_the_typed_one_on_every_router_no
     pinned = load_config({}).serving.proxy.router
     parsed = router_parser(WHEELS_DIR / pinned.wheel, pinned.sha256).parse_args(ROUTER_3P8D[2:] + ROUTER_3P8D_POOL)
     assert parsed.request_timeout_secs == 1800 and parsed.prefill_policy == "power_of_two"
+
+
+def test_a_router_node_of_the_production_layout_snapshot(snapshot: Any) -> None:
+    """What a router node of 3 + 8 runs, file by file (its units, env files, the router's pool): a
+    safety net on top of the typed command line above (snapshots are regenerated on purpose, the
+    typed lists are not)."""
+    from syrupy.extensions.json import JSONSnapshotExtension
+
+    cfg = load_config({"config": str(ROOT / "examples" / "production-3p8d.yaml")})
+    (router,) = [r for r in render_cluster(cfg) if r.node.name == "decode-0"]
+    files = {path: text for path, (text, _) in sorted(router.files.items()) if not path.startswith("/opt/gptoss/bin/")}
+    assert "/etc/gptoss/router-pool" in files and "/etc/systemd/system/gptoss-proxy.service" in files
+    assert files == snapshot(extension_class=JSONSnapshotExtension)
