@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from aws_cdk import Acknowledgment, Names, RemovalPolicy, Validations
+from aws_cdk import Acknowledgment, Duration, Names, RemovalPolicy, Validations
 from aws_cdk import aws_s3 as s3
 from constructs import Construct
 
@@ -28,6 +28,14 @@ class CompileCacheBucket(Construct):
             enforce_ssl=True,
             object_ownership=s3.ObjectOwnership.BUCKET_OWNER_ENFORCED,
             removal_policy=RemovalPolicy.DESTROY,
+            # Versioned: a promotion or an upload that replaces a graph keeps the one before (30 days),
+            # so a bad promotion can be rolled back and nothing a node overwrites is lost at once.
+            versioned=True,
+            lifecycle_rules=[
+                s3.LifecycleRule(
+                    noncurrent_version_expiration=Duration.days(30), abort_incomplete_multipart_upload_after=Duration.days(7)
+                )
+            ],
         )
         cfn = self.bucket.node.default_child
         assert isinstance(cfn, s3.CfnBucket)

@@ -11,6 +11,7 @@ the sizes the manifests give. Nodes restore a file only when its sha256 matches 
 from __future__ import annotations
 
 import datetime as dt
+import hashlib
 import json
 import time
 from collections.abc import Callable
@@ -49,11 +50,21 @@ def location(cfg: ClusterConfig, cfn: Any) -> str:
     return f"s3://{buckets[0]}"
 
 
+def _sha256_of(s3: Any, bucket: str, key: str) -> tuple[str, str]:
+    """An object's sha256 (read through once) and its ETag."""
+    obj = s3.get_object(Bucket=bucket, Key=key)
+    h = hashlib.sha256()
+    for chunk in iter(lambda: obj["Body"].read(1 << 20), b""):
+        h.update(chunk)
+    return h.hexdigest(), obj["ETag"]
+
+
 def promote(cfg: ClusterConfig, s3: Any, uri: str, nodes: list[str], *, now: Callable[[], dt.datetime] = lambda: dt.datetime.now(dt.UTC)) -> dict[str, Any]:
     """Make the uploads of `nodes` (their own areas of the cache at `uri`) the fleet's compile cache; return its manifest."""
     bucket, fleet = _split(cache_fleet_uri(uri))
     merged: dict[str, dict[str, Any]] = {}
     source: dict[str, str] = {}
+    etags: dict[str, str] = {}
     provenance = {}
     areas = {name: _split(cache_node_uri(uri, name))[1] + "/" for name in nodes}
     for name in sorted(nodes):
@@ -72,13 +83,26 @@ def promote(cfg: ClusterConfig, s3: Any, uri: str, nodes: list[str], *, now: Cal
             size = s3.head_object(Bucket=bucket, Key=uploaded[rel])["ContentLength"]
             if size != entry.get("size"):
                 raise CacheError(f"{name}: {rel} has {size} bytes in S3, its manifest says {entry.get('size')}")
-            if rel in merged and merged[rel]["sha256"] != entry.get("sha256"):
+            # The content, not the node's word for it: what the fleet will load is read and hashed here,
+            # and copied below only if it is still that object (its ETag), whatever the node does meanwhile.
+            digest, etag = _sha256_of(s3, bucket, uploaded[rel])
+            if digest != entry.get("sha256"):
+                raise CacheError(f"{name}: {rel} in S3 has sha256 {digest[:12]}..., its manifest says {str(entry.get('sha256'))[:12]}...: "
+                                 "the upload was changed after its manifest was made; nothing was promoted")  # fmt: skip
+            if rel in merged and merged[rel]["sha256"] != digest:
                 raise CacheError(f"{rel} differs between {source[rel]} and {name}: promote one of them (--node)")
-            merged[rel] = {"sha256": entry["sha256"], "size": size}
-            source.setdefault(rel, name)
+            merged[rel] = {"sha256": digest, "size": size}
+            if rel not in source:
+                source[rel], etags[rel] = name, etag
         provenance[name] = {"upload": f"s3://{bucket}/{area}", "files": len(doc.get("files", {}))}
     for rel, name in sorted(source.items()):
-        s3.copy({"Bucket": bucket, "Key": f"{areas[name]}files/{rel}"}, bucket, f"{fleet}/files/{rel}")
+        try:
+            s3.copy({"Bucket": bucket, "Key": f"{areas[name]}files/{rel}"}, bucket, f"{fleet}/files/{rel}", ExtraArgs={"CopySourceIfMatch": etags[rel]})
+        except s3.exceptions.ClientError as e:
+            if e.response.get("Error", {}).get("Code") not in ("PreconditionFailed", "412"):
+                raise
+            raise CacheError(f"{name}: {rel} changed in S3 while it was promoted; nothing new is loaded (the fleet's manifest is "
+                             "unchanged): run save-cache again") from None  # fmt: skip
     manifest = {"files": merged, "promoted_from": provenance, "promoted_at": now().strftime("%Y-%m-%dT%H:%M:%SZ")}
     # The manifest last: until it is written, nodes restore the previous promotion.
     s3.put_object(Bucket=bucket, Key=f"{fleet}/manifest.json", Body=json.dumps(manifest, indent=1, sort_keys=True).encode())

@@ -86,12 +86,13 @@ def empty_cache_bucket(cfg: ClusterConfig) -> None:
         return
     s3 = common.session(cfg).client("s3")
     deleted = 0
-    for page in s3.get_paginator("list_objects_v2").paginate(Bucket=bucket):
-        keys = [{"Key": o["Key"]} for o in page.get("Contents", [])]
+    # The bucket is versioned: every version and delete marker goes, or the bucket is not empty.
+    for page in s3.get_paginator("list_object_versions").paginate(Bucket=bucket):
+        keys = [{"Key": o["Key"], "VersionId": o["VersionId"]} for o in page.get("Versions", []) + page.get("DeleteMarkers", [])]
         if keys:
             s3.delete_objects(Bucket=bucket, Delete={"Objects": keys, "Quiet": True})
             deleted += len(keys)
-    print(f"emptied the compile cache bucket {bucket} ({deleted} objects) so that CloudFormation can delete it", file=sys.stderr)
+    print(f"emptied the compile cache bucket {bucket} ({deleted} object versions) so that CloudFormation can delete it", file=sys.stderr)
 
 
 def register(sub: Any) -> None:

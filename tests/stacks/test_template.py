@@ -515,3 +515,14 @@ def test_template_snapshot(default_synth: Synth, snapshot: Any) -> None:
     from syrupy.extensions.json import JSONSnapshotExtension
 
     assert normalized(default_synth.template) == snapshot(extension_class=JSONSnapshotExtension)
+
+
+def test_the_compile_cache_bucket_is_private_encrypted_and_keeps_replaced_graphs_for_30_days(default_synth: Synth) -> None:
+    (bucket,) = [b["Properties"] for b in default_synth.resources("AWS::S3::Bucket").values()]
+    assert bucket["VersioningConfiguration"] == {"Status": "Enabled"}, "a bad promotion can be rolled back"
+    (rule,) = bucket["LifecycleConfiguration"]["Rules"]
+    assert rule["NoncurrentVersionExpiration"] == {"NoncurrentDays": 30} and rule["Status"] == "Enabled"
+    assert rule["AbortIncompleteMultipartUpload"] == {"DaysAfterInitiation": 7}
+    assert bucket["PublicAccessBlockConfiguration"] == {"BlockPublicAcls": True, "BlockPublicPolicy": True, "IgnorePublicAcls": True,
+                                                         "RestrictPublicBuckets": True}  # fmt: skip
+    assert bucket["BucketEncryption"]["ServerSideEncryptionConfiguration"][0]["ServerSideEncryptionByDefault"] == {"SSEAlgorithm": "AES256"}

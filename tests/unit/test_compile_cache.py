@@ -220,3 +220,34 @@ def test_promotion_refuses_an_upload_that_is_not_whole(cloud: dict[str, Any], tm
     with pytest.raises(cache.CacheError, match=r"decode-1: .* has no manifest\.json \(no upload yet"):
         cache.promote(CFG, s3, CACHE, ["decode-1"])
     assert "Contents" not in s3.list_objects_v2(Bucket=BUCKET, Prefix="neuron/2.33/fleet/"), "nothing promoted"
+
+
+def test_promotion_refuses_an_upload_whose_content_is_not_what_its_manifest_says(cloud: dict[str, Any], tmp_path: Path, shipped: Shipped) -> None:
+    """A node (compromised, or confused) changes a graph after its manifest was made, keeping the size:
+    promotion reads the content, refuses it, and promotes nothing."""
+    _save(shipped, cloud["node"]("prefill-0", "i-0aaaaaaaaaaaaaaaa", _compiled(tmp_path / "a", PREFILL)))
+    s3 = cloud["s3"]
+    rel = "neuron-compile-cache/neuronxcc-2.33/MODULE_prefill/model.neff"
+    s3.put_object(Bucket=BUCKET, Key=f"neuron/2.33/nodes/prefill-0/files/{rel}", Body=b"X" * len(PREFILL[rel]))
+    with pytest.raises(cache.CacheError, match=re.escape(f"prefill-0: {rel} in S3 has sha256 ")) as refused:
+        cache.promote(CFG, s3, CACHE, ["prefill-0"])
+    assert "the upload was changed after its manifest was made; nothing was promoted" in str(refused.value)
+    assert "Contents" not in s3.list_objects_v2(Bucket=BUCKET, Prefix="neuron/2.33/fleet/"), "nothing promoted"
+
+
+def test_a_replacement_never_takes_its_own_copy_over_the_fleets(cloud: dict[str, Any], tmp_path: Path, shipped: Shipped) -> None:
+    """The fleet's graph and the node's own saved copy at the same path: the fleet's is what loads."""
+    _save(shipped, cloud["node"]("prefill-0", "i-0aaaaaaaaaaaaaaaa", _compiled(tmp_path / "a", PREFILL)))
+    cache.promote(CFG, cloud["s3"], CACHE, ["prefill-0"])
+    # Later the same identity saves a different graph at the same path (its own area, its own manifest).
+    rel = "neuron-compile-cache/neuronxcc-2.33/MODULE_prefill/model.neff"
+    own = PREFILL | {rel: b"this node's own, not promoted" * 10, "vllm/own-only.json": b"[]"}
+    _save(shipped, cloud["node"]("prefill-0", "i-0dddddddddddddddd", _compiled(tmp_path / "b", own)))
+    res = _stage_new_node(cloud, tmp_path / "new", shipped, "prefill-0", "i-0eeeeeeeeeeeeeeee")
+    restored = _restored(tmp_path / "new" / "cache")
+    assert restored[rel] == PREFILL[rel], "the fleet's graph, not the node's own copy"
+    assert restored["vllm/own-only.json"] == b"[]", "what only the node saved is still restored"
+    lines = res.stdout.splitlines()
+    own_at = next(i for i, x in enumerate(lines) if "compile cache restored from" in x and "nodes/prefill-0" in x)
+    fleet_at = next(i for i, x in enumerate(lines) if "compile cache restored from" in x and "/fleet" in x)
+    assert own_at < fleet_at, "the node's own first, then the fleet's over it"

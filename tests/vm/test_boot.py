@@ -45,6 +45,9 @@ BASE = {"ami_id": IMAGE, "boot": {"scripts_fetch_s": 240}, "observability": {"in
 # (tests/vm/guest/rootfs/etc/systemd/system.conf.d/90-fakes.conf).
 NEVER_IN_A_SERVER = {"GPTOSS_SIGNAL_URL", "HF_TOKEN", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN"}
 GUEST_KNOBS = {"GPTOSS_POLL_S", "GPTOSS_BACKOFF_BASE_S", "GPTOSS_SIGNAL_POLL_S"}
+# Set by the server and replica units themselves (not a serving setting, so not in the plan): vLLM's
+# usage statistics and the Hub's telemetry are off in every server (vLLM docs, "Usage Stats Collection").
+NO_TELEMETRY = {"VLLM_NO_USAGE_STATS": "1", "VLLM_DO_NOT_TRACK": "1", "DO_NOT_TRACK": "1", "HF_HUB_DISABLE_TELEMETRY": "1"}
 SERVABLE = {"config.json", "model.safetensors.index.json", "tokenizer.json", *(f"model-{i:05d}-of-00014.safetensors" for i in range(15))}
 # The redeploy to vLLM's router, with odd but legal values in decode's environment and flags: the
 # real systemd, bash and the exec chain must hand each one to the server exactly as written.
@@ -119,7 +122,9 @@ def assert_runs_the_plan(cluster: VmCluster) -> None:
             # (90-fakes.conf); never a secret, and no project setting the plan does not show.
             extra = set(rec["env"]) - set(s.environment)
             assert not extra & NEVER_IN_A_SERVER, f"{node} {unit}: {sorted(extra & NEVER_IN_A_SERVER)} in a server's environment"
-            project = {k for k in extra if k.startswith(("GPTOSS_", "VLLM_", "NEURON_"))} - GUEST_KNOBS - {"GPTOSS_PHASE_FILE"}
+            telemetry = {k: rec["env"].get(k) for k in NO_TELEMETRY}
+            assert telemetry == NO_TELEMETRY, f"{node} {unit}: usage statistics or telemetry not off: {telemetry}"
+            project = {k for k in extra if k.startswith(("GPTOSS_", "VLLM_", "NEURON_"))} - GUEST_KNOBS - {"GPTOSS_PHASE_FILE"} - set(NO_TELEMETRY)
             assert project == set(), f"{node} {unit}: settings outside the plan: {sorted(project)}"
 
 
