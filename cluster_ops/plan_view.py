@@ -78,6 +78,7 @@ def summary(cfg: ClusterConfig, renders: list[NodeRender]) -> str:
         what = f"vLLM router {s.proxy.router.version}" if cfg.proxy_kind == "vllm-router" else "the examples' toy proxy"
         lines.append(f"  proxy: {what} on {_span(names) if len(names) > 1 else names[0]}")
         lines.append(f"    why: {cfg.proxy_kind_reason} (serving.proxy.kind)")
+    lines += pin_lines(cfg)
     lines.append(f"  idle cores: {sum(n.idle_cores for n in layout.nodes)}")
     fleet_cells = cells(layout, cfg.cell_nodes)
     per_role = ", ".join(f"{role} {sum(1 for c in fleet_cells if c.role == role)}" for role in dict.fromkeys(c.role for c in fleet_cells))
@@ -104,6 +105,29 @@ def summary(cfg: ClusterConfig, renders: list[NodeRender]) -> str:
     return "\n".join(lines)
 
 
+def pins(cfg: ClusterConfig) -> dict[str, str | None]:
+    """What a node runs that is fetched at boot, and what pins it (None: unpinned)."""
+    out: dict[str, str | None] = {
+        "model": f"s3:{cfg.model.s3_uri}" if cfg.model.source == "s3" else cfg.serving.model_id,
+        "model_revision": cfg.model.revision if cfg.model.source == "huggingface" else f"the copy in {cfg.model.s3_uri}",
+    }
+    if cfg.serving.disaggregated:
+        out["examples"] = f"s3:{cfg.examples.s3_uri}" if cfg.examples.s3_uri else f"{cfg.examples.repo_url}@{cfg.examples.ref}"
+        out["examples_commit"] = f"the copy in {cfg.examples.s3_uri}" if cfg.examples.s3_uri else cfg.examples.pinned_commit
+        out["nixl"] = cfg.nixl.version or "the image's"
+    return out
+
+
+def pin_lines(cfg: ClusterConfig) -> list[str]:
+    """The summary's lines on what is pinned."""
+    p = pins(cfg)
+    lines = [f"  model: {p['model']} at {p['model_revision']}" if p["model_revision"] else f"  model: {p['model']}, unpinned (set model.revision)"]
+    if "examples" in p:
+        lines.append(f"  examples: {cfg.examples.ref} at {p['examples_commit']}" if p["examples_commit"] else f"  examples: {cfg.examples.ref}, commit unpinned (set examples.commit)")
+        lines.append(f"  NIXL: {cfg.nixl.version} (nixl.requirements, hash-checked)" if cfg.nixl.version else "  NIXL: the image's")
+    return lines
+
+
 def plan_document(cfg: ClusterConfig, renders: list[NodeRender]) -> dict[str, Any]:
     """`plan --json`: everything the summary and the detail tables show."""
     from cluster_ops import cost
@@ -126,6 +150,7 @@ def plan_document(cfg: ClusterConfig, renders: list[NodeRender]) -> dict[str, An
         "availability_zone": cfg.availability_zone,
         "cluster_tag": {"gptoss:cluster": cfg.cluster_name},
         "recipe": cfg.recipe,
+        "pins": pins(cfg),
         "instance_type": cfg.instance_type,
         "capacity": cfg.capacity.model_dump(exclude_defaults=True) or {"type": "on-demand"},
         "ami": {"id": cfg.ami_id} if cfg.ami_id else {"ssm_parameter": cfg.ami_ssm_parameter, "pinned": False},

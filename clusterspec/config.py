@@ -22,7 +22,7 @@ from clusterspec.sections.network import NetworkConfig
 from clusterspec.sections.observability import ObservabilityConfig
 from clusterspec.sections.proxy import ProxyKind
 from clusterspec.sections.serving import Serving
-from clusterspec.sections.sources import SECRET_ARN, ExamplesSource, ModelSource
+from clusterspec.sections.sources import SECRET_ARN, ExamplesSource, ModelSource, NixlSource
 
 DEFAULT_AMI_PARAMETER = "/aws/service/neuron/dlami/multi-framework/ubuntu-24.04/latest/image_id"
 
@@ -88,6 +88,7 @@ class ClusterConfig(Frozen):
     proxy_ingress_prefix_list_id: str | None = Field(None, pattern=r"^pl-[0-9a-f]{8,17}$")
     model: ModelSource = Field(default_factory=ModelSource)
     examples: ExamplesSource = Field(default_factory=ExamplesSource)
+    nixl: NixlSource = Field(default_factory=NixlSource)
     compile_cache_s3_uri: str | None = Field(
         None,
         description="Where nodes save their compiled graphs and restore them from. Unset: a bucket the stack creates "
@@ -294,6 +295,10 @@ class ClusterConfig(Frozen):
             out.append(f"serving.proxy.router has no effect: {what} (serving.proxy.kind)")
         if model.source == "huggingface" and "model.s3_uri" in given:
             out.append(note("model.s3_uri", model.s3_uri, "model.source is huggingface"))
+        if not self.serving.disaggregated and "nixl.requirements" in given:
+            out.append(note("nixl.requirements", list(self.nixl.requirements), "a single-instance recipe runs no NIXL"))
+        if self.examples.s3_uri and "examples.commit" in given:
+            out.append(note("examples.commit", self.examples.commit, "examples.s3_uri is the copy the nodes take"))
         if model.source == "s3" and "model.hf_token_secret_arn" in given:
             out.append(note("model.hf_token_secret_arn", model.hf_token_secret_arn, "model.source is s3"))
         if self.ami_id and "acknowledge_unpinned_ami" in given:
@@ -445,6 +450,12 @@ class ClusterConfig(Frozen):
                         "stage the checkpoint and the examples in S3 (model.source='s3', model.s3_uri, "
                         "examples.s3_uri), or use network.egress='nat'",
                     )
+            if self.nixl.requirements and self.serving.disaggregated:
+                raise rule_error(
+                    "nixl.requirements", list(self.nixl.requirements),
+                    "with network.egress='none' a node cannot reach PyPI to install the pinned NIXL",
+                    "use a DLAMI whose vLLM venv has NIXL and unset nixl.requirements, or use network.egress='nat'",
+                )  # fmt: skip
             if self.network.ssm_endpoints is False and not self.network.existing:
                 raise rule_error(
                     "network.ssm_endpoints", False,

@@ -137,11 +137,13 @@ def cluster_env(cfg: ClusterConfig, node: Node) -> dict[str, str]:
         "GPTOSS_MODEL_SOURCE": cfg.model.source,
         "GPTOSS_MODEL_ID": s.model_id,
         "GPTOSS_MODEL_S3_URI": cfg.model.s3_uri or "",
+        "GPTOSS_MODEL_REVISION": cfg.model.revision or "",
         "GPTOSS_MODEL_SHARDS": str(cfg.model.expected_shards),
         "GPTOSS_HF_TOKEN_SECRET_ARN": cfg.model.hf_token_secret_arn or "",
         "GPTOSS_EXAMPLES_DIR": EXAMPLES_DIR,
         "GPTOSS_EXAMPLES_REPO": cfg.examples.repo_url,
         "GPTOSS_EXAMPLES_REF": cfg.examples.ref,
+        "GPTOSS_EXAMPLES_COMMIT": cfg.examples.pinned_commit or "",
         "GPTOSS_EXAMPLES_S3_URI": cfg.examples.s3_uri or "",
         # The examples' files this recipe runs (none for a single-instance recipe: nothing is fetched).
         "GPTOSS_PROXY_SCRIPT": s.proxy.script if s.disaggregated else "",
@@ -160,6 +162,9 @@ def cluster_env(cfg: ClusterConfig, node: Node) -> dict[str, str]:
         "GPTOSS_EXPECT_NEURON": str(cfg.hardware.neuron_devices),
         "GPTOSS_EXPECT_EFA": str(cfg.hardware.efa_interfaces if s.disaggregated else 0),
         "GPTOSS_EGRESS": cfg.network.egress,
+        # The NIXL a DI node installs when its image lacks that version (pip lines joined by ';').
+        "GPTOSS_NIXL_VERSION": (cfg.nixl.version or "") if s.disaggregated else "",
+        "GPTOSS_NIXL_REQUIREMENTS": ";".join(cfg.nixl.requirements) if s.disaggregated else "",
         "GPTOSS_READY_TIMEOUT_S": str(cfg.gate_timeout_s),
         "GPTOSS_SIGNAL_MARGIN_S": str(SIGNAL_MARGIN_S),
         "GPTOSS_STAGE_ATTEMPTS": str(cfg.boot.stage_attempts),

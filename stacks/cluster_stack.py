@@ -60,6 +60,19 @@ class GptOssClusterStack(Stack):
             )
             if config.acknowledge_unpinned_ami:
                 Annotations.of(self).acknowledge_warning("gptoss:unpinned-ami", "the operator keeps the image unpinned (acknowledge_unpinned_ami)")
+        if config.model.source == "huggingface" and config.model.revision is None:
+            Annotations.of(self).add_warning_v2(
+                "gptoss:unpinned-model",
+                f"model.revision is unset: each node downloads {config.serving.model_id} as the Hub's main is on the day it "
+                "boots, so a node replaced after an upstream change serves another checkpoint than its peers. Pin it: "
+                "-c model.revision=<40-character commit id>.",
+            )
+        if config.serving.disaggregated and config.examples.s3_uri is None and config.examples.pinned_commit is None:
+            Annotations.of(self).add_warning_v2(
+                "gptoss:unpinned-examples",
+                f"examples.commit is unset: nodes take the commit tag {config.examples.ref} points at on the day they boot. "
+                "Pin it: -c examples.commit=<git rev-parse the tag>, and a node refuses a tag that moved.",
+            )
         image_id = config.ami_id or CfnParameter(
             self,
             "NeuronDlamiAmi",

@@ -9,6 +9,11 @@ guest image runs it for the node's staging script (HF_ENDPOINT points the librar
 Fault injection, for the staging tests: with FAIL_FILE naming a file, the first FAIL_TIMES
 downloads of that file send half of it and then close the connection.
 
+History (tests only): ROOT is the repositories' main at COMMIT; `revisions` maps an older
+commit to another folder of the same layout. A revision that is neither main, COMMIT nor one of
+those is not found. With `ignore_revision` the Hub answers every revision with main (a changed
+upstream that a pinned node must refuse).
+
     python3 hub.py --root DIR [--port 0] [--fail-file F --fail-times N] [--ready-file PATH]
 """
 
@@ -29,8 +34,13 @@ COMMIT = "0123456789abcdef0123456789abcdef01234567"
 class Hub:
     """Repositories on disk, and the requests the server has seen."""
 
-    def __init__(self, root: Path, fail_file: str | None = None, fail_times: int = 0, on_download: Any = None) -> None:
+    def __init__(
+        self, root: Path, fail_file: str | None = None, fail_times: int = 0, on_download: Any = None,
+        revisions: dict[str, Path] | None = None, ignore_revision: bool = False,
+    ) -> None:  # fmt: skip
         self.root = root
+        self.revisions = revisions or {}
+        self.ignore_revision = ignore_revision
         self.fail_file = fail_file
         self.fail_left = fail_times
         self.lock = threading.Lock()
@@ -38,11 +48,18 @@ class Hub:
         # on_download(file, complete, the request's Authorization header or None)
         self.on_download = on_download or (lambda name, complete, auth: None)
 
-    def repo(self, repo_id: str) -> Path | None:
-        path = (self.root / repo_id).resolve()
-        if self.root.resolve() not in path.parents or not path.is_dir():
+    def repo(self, repo_id: str, revision: str = "main") -> tuple[Path, str] | None:
+        """The folder of REPO_ID at REVISION and the commit it is, or None."""
+        if self.ignore_revision or revision in ("main", COMMIT):
+            root, commit = self.root, COMMIT
+        elif revision in self.revisions:
+            root, commit = self.revisions[revision], revision
+        else:
             return None
-        return path
+        path = (root / repo_id).resolve()
+        if root.resolve() not in path.parents or not path.is_dir():
+            return None
+        return path, commit
 
     def files(self, repo: Path) -> list[Path]:
         return sorted(p for p in repo.rglob("*") if p.is_file())
@@ -66,12 +83,12 @@ class Handler(http.server.BaseHTTPRequestHandler):
     def log_message(self, format: str, *args: Any) -> None:
         """Quiet: the tests read what was downloaded from Hub.downloads."""
 
-    def _json(self, doc: Any, status: int = 200) -> None:
+    def _json(self, doc: Any, commit: str, status: int = 200) -> None:
         body = json.dumps(doc).encode()
         self.send_response(status)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(body)))
-        self.send_header("X-Repo-Commit", COMMIT)
+        self.send_header("X-Repo-Commit", commit)
         self.end_headers()
         self.wfile.write(body)
 
@@ -98,19 +115,21 @@ class Handler(http.server.BaseHTTPRequestHandler):
         _, parts = self._route()
         # /api/models/{org}/{name}[/revision/{rev}] and /api/models/{org}/{name}/tree/{rev}[/{path}]
         if parts[:2] == ["api", "models"] and len(parts) >= 4:
-            repo = self.hub.repo("/".join(parts[2:4]))
-            if repo is None:
-                return self._not_found()
             rest = parts[4:]
+            found = self.hub.repo("/".join(parts[2:4]), rest[1] if len(rest) >= 2 and rest[0] in ("revision", "tree") else "main")
+            if found is None:
+                return self._not_found()
+            repo, commit = found
             if not rest or rest[0] == "revision":
                 return self._json(
                     {
                         "id": "/".join(parts[2:4]),
                         "modelId": "/".join(parts[2:4]),
-                        "sha": COMMIT,
+                        "sha": commit,
                         "private": False,
                         "siblings": [{"rfilename": str(p.relative_to(repo))} for p in self.hub.files(repo)],
-                    }
+                    },
+                    commit,
                 )
             if rest[0] == "tree":
                 sub = "/".join(rest[2:])
@@ -120,13 +139,13 @@ class Handler(http.server.BaseHTTPRequestHandler):
                     if sub and not rel.startswith(sub + "/"):
                         continue
                     entries.append({"type": "file", "path": rel, "size": p.stat().st_size, "oid": _etag(p)[:40]})
-                return self._json(entries)
+                return self._json(entries, commit)
             return self._not_found()
         # /{org}/{name}/resolve/{rev}/{file...}
         if len(parts) >= 5 and parts[2] == "resolve":
-            repo = self.hub.repo("/".join(parts[:2]))
+            found = self.hub.repo("/".join(parts[:2]), parts[3])
             name = "/".join(parts[4:])
-            target = repo / name if repo else None
+            target = found[0] / name if found else None
             if target is None or not target.is_file():
                 return self._not_found()
             data = target.read_bytes()
@@ -139,7 +158,7 @@ class Handler(http.server.BaseHTTPRequestHandler):
             self.send_header("Content-Type", "application/octet-stream")
             self.send_header("Content-Length", str(len(data) - start))
             self.send_header("ETag", f'"{_etag(target)}"')
-            self.send_header("X-Repo-Commit", COMMIT)
+            self.send_header("X-Repo-Commit", found[1] if found else COMMIT)
             self.send_header("Accept-Ranges", "bytes")
             if start:
                 self.send_header("Content-Range", f"bytes {start}-{len(data) - 1}/{len(data)}")

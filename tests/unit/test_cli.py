@@ -373,6 +373,31 @@ def test_an_unpinned_stack_warns_at_synth_and_a_pinned_one_does_not() -> None:
     Annotations.from_stack(pinned).has_no_warning("*", Match.string_like_regexp("pin-ami"))
 
 
+
+def test_an_unpinned_model_and_examples_warn_at_synth_and_pinned_ones_do_not() -> None:
+    """The checkpoint and the examples are fetched at boot: unset commits are said at synth, and in the plan."""
+    import aws_cdk as cdk
+    from aws_cdk.assertions import Annotations, Match
+
+    from cluster_ops.plan_view import pin_lines
+    from stacks.cluster_stack import GptOssClusterStack
+
+    app = cdk.App()
+    unpinned_cfg = load_config({})
+    pinned_cfg = load_config({"model.revision": "1" * 40, "examples.commit": "2" * 40})
+    unpinned = GptOssClusterStack(app, "A", config=unpinned_cfg)
+    pinned = GptOssClusterStack(app, "B", config=pinned_cfg)
+    Annotations.from_stack(unpinned).has_warning("*", Match.string_like_regexp("model.revision is unset: each node downloads openai/gpt-oss-120b as the Hub's main"))
+    Annotations.from_stack(unpinned).has_warning("*", Match.string_like_regexp("examples.commit is unset: nodes take the commit tag release-2.33 points at"))
+    Annotations.from_stack(pinned).has_no_warning("*", Match.string_like_regexp("is unset"))
+    assert pin_lines(unpinned_cfg) == [
+        "  model: openai/gpt-oss-120b, unpinned (set model.revision)",
+        "  examples: release-2.33, commit unpinned (set examples.commit)",
+        "  NIXL: the image's",
+    ]
+    assert pin_lines(pinned_cfg)[:2] == [f"  model: openai/gpt-oss-120b at {'1' * 40}", f"  examples: release-2.33 at {'2' * 40}"]
+
+
 # ---- cost ----------------------------------------------------------------------------------
 
 

@@ -8,6 +8,7 @@ PutMetricData and PutLogEvents.
 
 from __future__ import annotations
 
+import hashlib
 import http.server
 import importlib.machinery
 import importlib.util
@@ -17,6 +18,7 @@ import subprocess
 import sys
 import threading
 import time
+import zipfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import ModuleType
@@ -27,7 +29,9 @@ import pytest
 from botocore.validate import validate_parameters
 
 from clusterspec import telemetry
+from clusterspec.loading import load_config
 from clusterspec.paths import USERDATA_DIR
+from clusterspec.render import cluster_env
 from tests.conftest import fake_command
 
 Shipped = Callable[[str], Path]
@@ -73,6 +77,7 @@ def node(tmp_path: Path, shipped: Shipped) -> Callable[..., subprocess.Completed
         return subprocess.run([str(shipped("gptoss-node-check"))], env=env, capture_output=True, text=True, timeout=60)
 
     run.tmp = tmp_path  # type: ignore[attr-defined]
+    run.shipped = shipped("gptoss-node-check")  # type: ignore[attr-defined]
     return run
 
 
@@ -82,7 +87,7 @@ def test_node_check_passes_on_a_complete_node(node: Any) -> None:
     assert (
         "Neuron: 16 devices" in r.stdout
         and "EFA: 16 devices, libfabric efa provider loads" in r.stdout
-        and "NIXL importable" in r.stdout
+        and "NIXL of unknown version importable in" in r.stdout and "(the image's)" in r.stdout
     )
 
 
@@ -109,13 +114,76 @@ def test_node_check_names_missing_neuron_devices(node: Any) -> None:
     assert r.returncode == 1 and "Neuron: 15 devices in" in r.stderr and "the instance table says 16 (neuron_devices)" in r.stderr
 
 
-def test_node_check_installs_nixl_when_it_can_and_names_the_fix_when_it_cannot(node: Any) -> None:
-    r = node(nixl=False, egress="nat")
+def test_node_check_never_installs_an_unpinned_nixl(node: Any) -> None:
+    """The venv lacks NIXL and nothing pins one: the node names the two fixes and runs no pip, egress or not."""
+    for egress in ("nat", "none"):
+        r = node(nixl=False, egress=egress)
+        assert r.returncode == 1
+        assert "NIXL is not importable" in r.stderr and "use a DLAMI whose vLLM venv has nixl, or pin one with nixl.requirements" in r.stderr
+    assert not (node.tmp / "pip.log").exists()
+
+
+def _wheel(folder: Path, version: str, body: str) -> Path:
+    """A real wheel of a package named nixl (pure Python), as pip takes it from an index."""
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"nixl-{version}-py3-none-any.whl"
+    info = f"nixl-{version}.dist-info"
+    files = {
+        "nixl/__init__.py": body,
+        f"{info}/METADATA": f"Metadata-Version: 2.1\nName: nixl\nVersion: {version}\n",
+        f"{info}/WHEEL": "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n",
+    }
+    with zipfile.ZipFile(path, "w") as z:
+        for name, text in files.items():
+            z.writestr(name, text)
+        z.writestr(f"{info}/RECORD", "".join(f"{n},,\n" for n in files) + f"{info}/RECORD,,\n")
+    return path
+
+
+def test_a_pinned_nixl_is_installed_with_its_hash_checked_and_a_changed_upstream_file_is_refused(node: Any, tmp_path: Path) -> None:
+    """Real pip in a real venv, from a local index folder: the pinned version installs over the image's;
+    a file of the same name and version whose bytes changed upstream is refused and nothing changes."""
+    venv = tmp_path / "real-venv"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
+    index = tmp_path / "index"
+    _wheel(tmp_path / "image", "0.9.0", "IMAGE = True\n")
+    subprocess.run([str(venv / "bin/python3"), "-m", "pip", "install", "-q", "--no-index", str(tmp_path / "image/nixl-0.9.0-py3-none-any.whl")],
+                   check=True, timeout=120)  # fmt: skip
+    pinned = _wheel(index, "1.5.1", "PINNED = True\n")
+    pinned_bytes = pinned.read_bytes()
+    line = f"nixl==1.5.1 --hash=sha256:{hashlib.sha256(pinned_bytes).hexdigest()}"
+    cfg = load_config({"nixl.requirements": [line]})
+    node_env = cluster_env(cfg, cfg.layout.nodes[0])
+    assert node_env["GPTOSS_NIXL_VERSION"] == "1.5.1" and node_env["GPTOSS_NIXL_REQUIREMENTS"] == line
+
+    def check() -> subprocess.CompletedProcess[str]:
+        node()  # the devices and the fake venv
+        (tmp_path / "cluster.env").write_text(
+            f"GPTOSS_VENV_GLOB={venv}\nGPTOSS_EXPECT_NEURON=16\nGPTOSS_EXPECT_EFA=16\nGPTOSS_EGRESS=nat\n"
+            f"GPTOSS_NIXL_VERSION=1.5.1\nGPTOSS_NIXL_REQUIREMENTS='{line}'\n"
+        )
+        env = {**os.environ, "GPTOSS_CLUSTER_ENV": str(tmp_path / "cluster.env"), "GPTOSS_FI_INFO": str(tmp_path / "fakes/fi_info"),
+               "GPTOSS_DEV_DIR": str(tmp_path / "dev"), "GPTOSS_CHECK_TIMEOUT_S": "1", "GPTOSS_POLL_S": "0.2",
+               "PIP_NO_INDEX": "1", "PIP_FIND_LINKS": str(index), "PIP_DISABLE_PIP_VERSION_CHECK": "1"}  # fmt: skip
+        return subprocess.run([str(node.shipped)], env=env, capture_output=True, text=True, timeout=300)
+
+    imported = [str(venv / "bin/python3"), "-c", "import nixl, importlib.metadata as m; print(m.version('nixl'), sorted(vars(nixl)))"]
+    # Upstream replaced the file of 1.5.1 (same name, other bytes): refused, the image's NIXL stays.
+    _wheel(index, "1.5.1", "TAMPERED = True\n")
+    r = check()
+    assert r.returncode == 1 and "pip refused or failed the pinned NIXL requirements" in r.stderr and "THESE PACKAGES DO NOT MATCH THE HASHES" in r.stderr
+    assert subprocess.run(imported, capture_output=True, text=True).stdout.startswith("0.9.0 ")
+    # The pinned file itself: installed over the image's 0.9.0, and what the venv imports is it.
+    pinned.write_bytes(pinned_bytes)
+    r = check()
     assert r.returncode == 0, r.stderr
-    assert "installing it" in r.stdout and (node.tmp / "pip.log").read_text().strip() == "pip -m pip install --quiet nixl"
-    r = node(nixl=False, egress="none")
-    assert r.returncode == 1
-    assert "NIXL is not importable" in r.stderr and "use a DLAMI whose vLLM venv has nixl, or network.egress=nat" in r.stderr
+    assert "NIXL 1.5.1 is pinned and" in r.stdout and "has 0.9.0: installing the pinned requirements" in r.stdout
+    assert "NIXL 1.5.1 importable in" in r.stdout and "(pinned, installed)" in r.stdout
+    out = subprocess.run(imported, capture_output=True, text=True).stdout
+    assert out.startswith("1.5.1 ") and "PINNED" in out
+    # A second boot finds it in place: no install.
+    r = check()
+    assert r.returncode == 0 and "(pinned)" in r.stdout and "installing" not in r.stdout
 
 
 def test_a_single_instance_node_needs_no_efa_and_no_nixl(node: Any) -> None:
@@ -285,7 +353,8 @@ def test_a_403_that_is_not_expiry_is_named_and_tried_again_until_the_policy_lets
 
 def test_a_403_that_outlasts_the_handle_ends_when_the_handle_expires(signal_node: Any, peers: Any) -> None:
     peers.put_answers = [(403, S3_DENIED)]
-    r = signal_node({"gptoss-node-check.service": "ActiveState=failed\nNRestarts=0"}, query=_amz(signed_ago_s=0, expires_s=3))
+    # 12 s of validity: room for a slow start on a busy machine, and for many 0.2 s retries after it.
+    r = signal_node({"gptoss-node-check.service": "ActiveState=failed\nNRestarts=0"}, query=_amz(signed_ago_s=0, expires_s=12))
     assert r.returncode == 0, r.stderr
     assert len(peers.puts) >= 2, "tried again while the handle was valid"
     assert r.stdout.count("the wait-condition bucket refuses this node") >= len(peers.puts) - 1, "each refusal named while the handle was valid"

@@ -339,3 +339,94 @@ def test_examples_are_fetched_at_the_pinned_ref_and_a_new_ref_restages_them(arti
     _set(artifacts_env, GPTOSS_EXAMPLES_REF="next-ref")
     assert _run(artifacts_env).returncode == 0
     assert (dest / "LATER").exists() and (dest / ".gptoss-source").read_text().strip() == f"git:{repo}@next-ref"
+
+
+# ---- pins: the model by Hub commit, the examples by git commit ----------------------------------
+
+OLD = "fedcba9876543210fedcba9876543210fedcba98"
+
+
+@pytest.fixture
+def moved_hub(artifacts_env: dict[str, str], tmp_path: Path) -> Callable[..., tuple[hub.Hub, Path, Path]]:
+    """A Hub whose main (hub.COMMIT) changed a shard since the commit OLD: (hub, main's repo, OLD's repo)."""
+    started = []
+
+    def start(**faults: object) -> tuple[hub.Hub, Path, Path]:
+        main = Path(artifacts_env["S3"]) / "models"
+        old = tmp_path / "hub-at-old"
+        hub.make_checkpoint(old / "openai" / "gpt-oss-120b", 3)
+        hub.write_safetensors(main / "gpt-oss-120b" / SHARDS[0], {"layer0.weight": 4096})  # upstream re-published a shard
+        server, state = hub.serve(main, revisions={OLD: old}, **faults)  # type: ignore[arg-type]
+        (main / "openai").mkdir(exist_ok=True)
+        os.symlink(main / "gpt-oss-120b", main / "openai" / "gpt-oss-120b")
+        artifacts_env["HF_ENDPOINT"] = f"http://127.0.0.1:{server.server_address[1]}"
+        started.append(server)
+        return state, main / "gpt-oss-120b", old / "openai" / "gpt-oss-120b"
+
+    yield start  # type: ignore[misc]
+    for s in started:
+        s.shutdown()
+
+
+@pytest.mark.parametrize("version", ["0.36.2", "2.4.0"])
+def test_a_pinned_model_revision_is_what_a_node_stages_after_upstream_moved(
+    artifacts_env: dict[str, str], moved_hub: Callable[..., tuple[hub.Hub, Path, Path]], version: str
+) -> None:
+    """A node replaced after the Hub's main changed still stages the pinned commit, and seals it."""
+    _, main, old = moved_hub()
+    _hf_venv(artifacts_env, version)
+    _set(artifacts_env, GPTOSS_MODEL_REVISION=OLD)
+    res = _run(artifacts_env)
+    assert res.returncode == 0, res.stdout + res.stderr
+    model = Path(artifacts_env["ROOT"]) / "nvme/models/gpt-oss-120b"
+    assert (model / SHARDS[0]).read_bytes() == (old / SHARDS[0]).read_bytes() != (main / SHARDS[0]).read_bytes()
+    assert json.loads((model / ".gptoss-complete").read_text())["source"] == f"huggingface:openai/gpt-oss-120b@{OLD}"
+    # The operator moves the pin to main's commit: the node restages (its copy is of another commit).
+    _set(artifacts_env, GPTOSS_MODEL_REVISION=hub.COMMIT)
+    res = _run(artifacts_env)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert (model / SHARDS[0]).read_bytes() == (main / SHARDS[0]).read_bytes()
+    assert json.loads((model / ".gptoss-complete").read_text())["source"] == f"huggingface:openai/gpt-oss-120b@{hub.COMMIT}"
+
+
+def test_a_hub_that_answers_with_another_commit_is_refused(
+    artifacts_env: dict[str, str], moved_hub: Callable[..., tuple[hub.Hub, Path, Path]]
+) -> None:
+    """The Hub serves main whatever revision is asked: nothing is sealed, nothing is served, and the log says why."""
+    moved_hub(ignore_revision=True)
+    _hf_venv(artifacts_env, "1.33.0")
+    _set(artifacts_env, GPTOSS_MODEL_REVISION=OLD)
+    res = _run(artifacts_env)
+    assert res.returncode != 0
+    assert f"refused (the Hub answered with another commit): {SHARDS[0]}: from {hub.COMMIT}, not the pinned {OLD}" in res.stderr
+    root = Path(artifacts_env["ROOT"])
+    assert not (root / "nvme/models/gpt-oss-120b").exists() and not (root / "run/staged").exists()
+
+
+def test_examples_whose_tag_moved_off_the_pinned_commit_are_refused(artifacts_env: dict[str, str], tmp_path: Path) -> None:
+    """The tag is re-pointed upstream at a later commit: a node pinned to the first refuses it, by name."""
+    repo = tmp_path / "vllm-neuron-upstream"
+    shutil.copytree(Path(artifacts_env["S3"]) / "models/vllm-neuron", repo)
+    git = ["git", "-C", str(repo), "-c", "user.name=t", "-c", "user.email=t@example.invalid"]
+    subprocess.run(["git", "init", "-q", str(repo)], check=True)
+    subprocess.run([*git, "add", "-A"], check=True)
+    subprocess.run([*git, "commit", "-qm", "release"], check=True)
+    subprocess.run([*git, "tag", "test-ref"], check=True)
+    pinned = subprocess.run([*git, "rev-parse", "HEAD"], check=True, capture_output=True, text=True).stdout.strip()
+    _set(artifacts_env, GPTOSS_EXAMPLES_S3_URI="", GPTOSS_EXAMPLES_REPO=str(repo), GPTOSS_EXAMPLES_COMMIT=pinned)
+    res = _run(artifacts_env)
+    assert res.returncode == 0, res.stdout + res.stderr
+    dest = Path(artifacts_env["ROOT"]) / "opt/vllm-neuron"
+    assert (dest / ".gptoss-source").read_text().strip() == f"git:{repo}@test-ref#{pinned}"
+    assert f"examples at test-ref: commit {pinned}" in res.stdout
+    # Upstream moves the tag; a new node (nothing on its disk) must not take the new commit.
+    (repo / "LATER").write_text("not what the fleet runs")
+    subprocess.run([*git, "add", "-A"], check=True)
+    subprocess.run([*git, "commit", "-qm", "later"], check=True)
+    subprocess.run([*git, "tag", "-f", "test-ref"], check=True, capture_output=True)
+    moved = subprocess.run([*git, "rev-parse", "HEAD"], check=True, capture_output=True, text=True).stdout.strip()
+    shutil.rmtree(dest)
+    res = _run(artifacts_env)
+    assert res.returncode != 0
+    assert f"refused: test-ref of {repo} is now commit {moved}, not the pinned {pinned} (the tag moved upstream)" in res.stdout
+    assert not dest.exists() and not Path(str(dest) + ".partial").exists()
