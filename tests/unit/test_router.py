@@ -490,6 +490,10 @@ def test_the_toy_proxys_members_wait_for_its_group_and_restart_it_when_one_is_re
     fleet = Ec2Fleet(ec2)
     fleet.launch("decode-1", FLEET_IPS["decode-1"])
     fleet.launch("prefill-0", FLEET_IPS["prefill-0"])  # another group's: never waited for
+    # The timer's first sync can run before the proxy's start wrote the file: it restarts nothing.
+    res = _members(shipped, env, "sync")
+    assert res.returncode == 0 and "is not written yet" in res.stdout and not (tmp_path / "systemctl.log").exists(), res.stdout + res.stderr
+    assert not (tmp_path / "members.env").exists()
     # The proxy's start waits for its group (prefill-1 holds decode-1's replicas); it appears while the script asks.
     proc = subprocess.Popen([str(shipped("gptoss-members")), "write"], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     assert proc.stdout is not None
