@@ -70,6 +70,13 @@ class ProxyLoadBalancer(Construct):
             cross_zone_enabled=False,
         )
         listener = self.nlb.add_listener("Proxy", port=port, protocol=elbv2.Protocol.TCP)
+        # A TCP flow the NLB sees idle for its idle timeout (350 s by default) is cut; a request may run
+        # for the router's request timeout (1,800 s by default) before its first byte: the listener waits
+        # that long and 30 s more (at most the NLB's 6,000 s).
+        idle_s = min(6000, max(350, config.serving.proxy.router.request_timeout_s + 30))
+        cfn_listener = listener.node.default_child
+        assert isinstance(cfn_listener, elbv2.CfnListener)
+        cfn_listener.add_property_override("ListenerAttributes", [{"Key": "tcp.idle_timeout.seconds", "Value": str(idle_s)}])
         # No fixed targets: each proxy node's Auto Scaling group registers whichever instance holds the
         # node now (a replacement joins, the instance it replaces leaves).
         self.target_group = elbv2.NetworkTargetGroup(

@@ -62,6 +62,8 @@ def test_one_internal_endpoint_over_every_proxy(fleet_synth: Synth) -> None:
     assert lb["Properties"]["Scheme"] == "internal" and lb["Properties"]["Type"] == "network"
     _, listener = one(t, "AWS::ElasticLoadBalancingV2::Listener")
     assert listener["Properties"]["Port"] == 8000
+    # The router may take 1,800 s on one request (request_timeout_s): the NLB must not cut it at its 350 s default.
+    assert listener["Properties"]["ListenerAttributes"] == [{"Key": "tcp.idle_timeout.seconds", "Value": "1830"}]
     _, tg = one(t, "AWS::ElasticLoadBalancingV2::TargetGroup")
     p = tg["Properties"]
     # The check is the router's readiness (one prefill and one decode server answer), on its own port.
