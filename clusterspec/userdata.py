@@ -142,8 +142,8 @@ _DEPLOY = f"printf '%s\\n' \"$@\" > {DEPLOY_ENV}"
 # recipe for limiting IMDS access: an iptables owner match). Applied at every boot, once.
 IMDS_ROOT_ONLY = (
     "if command -v iptables >/dev/null 2>&1; then "
-    "iptables -C OUTPUT -d 169.254.169.254/32 -m owner ! --uid-owner 0 -j REJECT 2>/dev/null || "
-    "iptables -I OUTPUT 1 -d 169.254.169.254/32 -m owner ! --uid-owner 0 -j REJECT; "
+    "iptables -C OUTPUT -d 169.254.169.254/32 -p tcp --syn -m owner ! --uid-owner 0 -j REJECT --reject-with tcp-reset 2>/dev/null || "
+    "iptables -I OUTPUT 1 -d 169.254.169.254/32 -p tcp --syn -m owner ! --uid-owner 0 -j REJECT --reject-with tcp-reset; "
     "else echo 'gptoss: no iptables: the instance metadata stays open to every local user' >&2; fi"
 )
 
