@@ -19,7 +19,7 @@ DEPLOY_ARGS ?=
 YES ?=
 NODE_MAJOR := 22
 
-.PHONY: setup synth plan local local-down test test-vm vm-root lint bootstrap deploy destroy diff bench-scale bench-synth bench-ready bench-proxy diagrams clean
+.PHONY: setup synth plan local local-down test test-vm vm-root lint bootstrap deploy destroy diff bench-scale bench-synth bench-rollout bench-ready bench-proxy diagrams clean
 
 setup: .make/python .make/node .make/system .make/hf-clients .make/aws-cli .make/router-wheel
 
@@ -140,6 +140,10 @@ bench-scale: setup
 
 bench-synth: setup
 	$(PY) scripts/bench_synth.py $(BENCH_ARGS)
+
+# What each kind of change replaces, per role, on the default and the 3+8 fleet (the deploy's own comparison; offline).
+bench-rollout: setup
+	$(PY) scripts/bench_rollout.py
 
 vm-root:
 	@[ "$$(id -u)" = 0 ] || { echo "make test-vm: the VM scenarios need root (the guest image is built with mmdebstrap --mode=root); run it as root"; exit 2; }

@@ -108,24 +108,33 @@ def summary(cfg: ClusterConfig, renders: list[NodeRender]) -> str:
 def pins(cfg: ClusterConfig) -> dict[str, str | None]:
     """What a node runs that is fetched at boot, and what pins it (None: unpinned)."""
     out: dict[str, str | None] = {
-        "model": f"s3:{cfg.model.s3_uri}" if cfg.model.source == "s3" else cfg.serving.model_id,
+        "model": cfg.model.s3_uri if cfg.model.source == "s3" else cfg.serving.model_id,
         "model_revision": cfg.model.revision if cfg.model.source == "huggingface" else f"the copy in {cfg.model.s3_uri}",
     }
     if cfg.serving.disaggregated:
-        out["examples"] = f"s3:{cfg.examples.s3_uri}" if cfg.examples.s3_uri else f"{cfg.examples.repo_url}@{cfg.examples.ref}"
+        out["examples"] = cfg.examples.s3_uri or f"{cfg.examples.repo_url}@{cfg.examples.ref}"
         out["examples_commit"] = f"the copy in {cfg.examples.s3_uri}" if cfg.examples.s3_uri else cfg.examples.pinned_commit
         out["nixl"] = cfg.nixl.version or "the image's"
     return out
 
 
 def pin_lines(cfg: ClusterConfig) -> list[str]:
-    """The summary's lines on what is pinned."""
+    """The summary's lines on what is pinned (wrapped at 80 columns)."""
+    import textwrap
+
     p = pins(cfg)
-    lines = [f"  model: {p['model']} at {p['model_revision']}" if p["model_revision"] else f"  model: {p['model']}, unpinned (set model.revision)"]
+    if cfg.model.source == "s3":
+        lines = [f"model: {p['model']} (the copy there)"]
+    else:
+        lines = [f"model: {p['model']} at {p['model_revision']}" if p["model_revision"] else f"model: {p['model']}, unpinned (set model.revision)"]
     if "examples" in p:
-        lines.append(f"  examples: {cfg.examples.ref} at {p['examples_commit']}" if p["examples_commit"] else f"  examples: {cfg.examples.ref}, commit unpinned (set examples.commit)")
-        lines.append(f"  NIXL: {cfg.nixl.version} (nixl.requirements, hash-checked)" if cfg.nixl.version else "  NIXL: the image's")
-    return lines
+        if cfg.examples.s3_uri:
+            lines.append(f"examples: {p['examples']} (the copy there)")
+        else:
+            commit = p["examples_commit"]
+            lines.append(f"examples: {cfg.examples.ref} at {commit}" if commit else f"examples: {cfg.examples.ref}, commit unpinned (set examples.commit)")
+        lines.append(f"NIXL: {cfg.nixl.version} (nixl.requirements, hash-checked)" if cfg.nixl.version else "NIXL: the image's")
+    return [w for line in lines for w in textwrap.wrap(line, 78, initial_indent="  ", subsequent_indent="    ")]
 
 
 def plan_document(cfg: ClusterConfig, renders: list[NodeRender]) -> dict[str, Any]:

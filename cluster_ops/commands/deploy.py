@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import argparse
 import sys
+import tempfile
+from pathlib import Path
 from typing import Any
 
-from cluster_ops import common, stack
+from cluster_ops import common, rollout, stack
 from cluster_ops.growth import fleet_growth
 from clusterspec.config import ClusterConfig
 
@@ -34,7 +36,13 @@ def run(args: argparse.Namespace, extra: list[str]) -> int:
             raise common.CliError(f"not confirmed ({answer!r} is not {nodes}): nothing was deployed.", 1)
     context = common.context_args(args)
     image = resolve_image(cfg, args, "deploy")
-    code = stack.cdk("deploy", cfg, context + image, extra)
+    with tempfile.TemporaryDirectory(prefix="gptoss-assembly-") as assembly:
+        # Synthesized once: what the rollout is computed from is what is deployed (cdk deploy --app DIR).
+        r = rollout.preview(cfg, context + image, Path(assembly))
+        rollout.say(cfg, r)
+        if r is not None:
+            rollout.confirm(cfg, r, yes=args.yes)
+        code = stack.cdk("deploy", cfg, context + image, ["--app", assembly, *extra])
     # Recorded once the stack exists: a deploy refused before anything was made leaves no record.
     if code == 0 or stack.exists(cfg):
         common.record(cfg, context, image=image[0].split("=", 1)[1] if image else cfg.ami_id)

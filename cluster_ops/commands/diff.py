@@ -5,10 +5,12 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import tempfile
+from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
-from cluster_ops import common, stack
+from cluster_ops import common, rollout, stack
 from cluster_ops.commands import deploy
 
 
@@ -23,7 +25,12 @@ def run(args: argparse.Namespace, extra: list[str]) -> int:
         print(f"the local AWS at {endpoint} makes no change sets: comparing the deployed templates with the synthesized ones "
               "(cdk diff --method=template)", file=sys.stderr)  # fmt: skip
         extra = [*extra, "--method=template"]
-    return stack.cdk("diff", cfg, common.context_args(args) + deploy.resolve_image(cfg, args, "diff"), extra)
+    context = common.context_args(args) + deploy.resolve_image(cfg, args, "diff")
+    with tempfile.TemporaryDirectory(prefix="gptoss-assembly-") as assembly:
+        r = rollout.preview(cfg, context, Path(assembly))
+        code = stack.cdk("diff", cfg, context, ["--app", assembly, *extra])
+        rollout.say(cfg, r)
+    return code
 
 
 def register(sub: Any) -> None:

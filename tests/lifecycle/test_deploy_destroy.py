@@ -416,6 +416,15 @@ def test_single_instance_recipe_with_the_stacks_own_cache_bucket_deploys_and_is_
         (bucket,) = [b for b in seen["created"]["buckets"]]
         assert seen["nodes"]["server-0"]["deploy"]["GPTOSS_COMPILE_CACHE_URI"] == f"s3://{bucket}"
         local_aws.client("s3").put_object(Bucket=bucket, Key="nodes/server-0/manifest.json", Body=b"{}")
+        # `gptoss diff` before a change: the deployed stack and its cell read back from CloudFormation
+        # (get_template of each) and compared node by node with the new synth; nothing is deployed.
+        ctx = ["-c", "recipe=gptoss-20b-single", "-c", "compile_cache_s3_uri=null"]
+        same = local_aws.gptoss("diff", *ctx).stderr
+        assert "this deploy replaces no instance (1 running node keeps its own)" in same, same[-3000:]
+        changed = local_aws.gptoss("diff", *ctx, "-c", "boot.devices_s=240").stderr
+        assert ("this deploy replaces the instances of 1 of the 1 running nodes, all at the same time "
+                "(each node's group terminates its instance, then launches the new one): server-0") in changed, changed[-3000:]  # fmt: skip
+        assert "server: 1 batch, at most 1 of 1 out, minimum serving server 0/1" in changed, changed[-3000:]
 
     seen = deploy_check_destroy(
         local_aws, "recipe=gptoss-20b-single", "compile_cache_s3_uri=null", stack="GptOss20bSingleStack", cluster="gptoss-20b-single",

@@ -232,8 +232,12 @@ def test_deploy_names_the_stack_records_it_and_later_commands_find_it(checkout: 
     ran: list[tuple[str, str, list[str], list[str]]] = []
     monkeypatch.setattr(stack, "cdk", lambda verb, cfg, context, extra: ran.append((verb, cfg.stack_name, context, extra)) or 0)
     assert cli.main(["deploy", *PROD, "--require-approval", "never"]) == 0
-    assert ran == [("deploy", "GptOss8k1kProd", ["config=examples/production-3p8d.yaml"], ["--require-approval", "never"])]
+    # Synthesized once into an assembly, which the deploy then deploys as it is (what the rollout was computed from).
+    (synth, deploy_call) = ran
+    assert synth[:3] == ("synth", "GptOss8k1kProd", ["config=examples/production-3p8d.yaml"]) and synth[3][:2] == ["--quiet", "--output"]
+    assert deploy_call == ("deploy", "GptOss8k1kProd", ["config=examples/production-3p8d.yaml"], ["--app", synth[3][2], "--require-approval", "never"])
     err = capsys.readouterr().err
+    assert "GptOss8k1kProd is not deployed: a deploy launches all 11 nodes" in err
     assert err.splitlines()[0].startswith("stack GptOss8k1kProd")
     assert "billed by the hour once deployed: 11 x trn3.48xlarge (on-demand)" in err
     # Later commands can name the cluster by its stack alone.
@@ -249,7 +253,7 @@ def test_a_fleet_many_times_the_expected_size_is_confirmed_before_it_bills(check
     terminal) and runs nothing unconfirmed; the 3 + 8 layout asked by decode_instances does not ask,
     and a later deploy of that stack is compared with what it had."""
     ran: list[str] = []
-    monkeypatch.setattr(stack, "cdk", lambda verb, cfg, context, extra: ran.append(cfg.stack_name) or 0)
+    monkeypatch.setattr(stack, "cdk", lambda verb, cfg, context, extra: (verb == "deploy" and ran.append(cfg.stack_name)) or 0)
     big = ["-c", "prefill_per_decode=128"]
     assert cli.main(["plan", *big]) == 0
     out = " ".join(capsys.readouterr().out.split())
@@ -276,7 +280,7 @@ def test_a_fleet_many_times_the_expected_size_is_confirmed_before_it_bills(check
 
 
 def test_a_failed_deploy_is_explained_in_one_line(checkout: Path, monkeypatch: pytest.MonkeyPatch, capsys: Any) -> None:
-    monkeypatch.setattr(stack, "cdk", lambda verb, cfg, context, extra: 1)
+    monkeypatch.setattr(stack, "cdk", lambda verb, cfg, context, extra: 0 if verb == "synth" else 1)
     cfn = boto3.client("cloudformation", region_name=REGION, aws_access_key_id="x", aws_secret_access_key="x")
     stub = Stubber(cfn)
     now = dt.datetime(2026, 11, 30, tzinfo=dt.UTC)
@@ -344,7 +348,7 @@ def test_an_unpinned_deploy_passes_the_image_it_resolved_and_a_new_one_asks_firs
     first, second = [i["ImageId"] for i in ec2.describe_images(Owners=["amazon"])["Images"][:2]]
     ssm.put_parameter(Name="/test/dlami", Value=first, Type="String")
     ran: list[list[str]] = []
-    monkeypatch.setattr(stack, "cdk", lambda verb, cfg, context, extra: ran.append(context) or 0)
+    monkeypatch.setattr(stack, "cdk", lambda verb, cfg, context, extra: (verb == "deploy" and ran.append(context)) or 0)
     monkeypatch.setattr(sys, "stdin", io.StringIO(""))  # no terminal
     args = ["deploy", "-c", "ami_ssm_parameter=/test/dlami"]
     assert cli.main(args) == 0
