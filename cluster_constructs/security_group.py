@@ -63,6 +63,10 @@ class ClusterSecurityGroup(Construct):
             port = ec2.Port.tcp(rule.first) if rule.first == rule.last else ec2.Port.tcp_range(rule.first, rule.last)
             sg.add_ingress_rule(sg, port, rule.description)
         proxy = ec2.Port.tcp(endpoint_port(config))
+        if config.load_balanced:
+            # Behind the NLB the operator network reaches the NLB only (its own group): a node's
+            # proxy port opened to it as well would be a way around the NLB to any one router.
+            return
         if config.proxy_ingress_cidr:
             sg.add_ingress_rule(ec2.Peer.ipv4(config.proxy_ingress_cidr), proxy, "proxy, from the operator network")
         if config.proxy_ingress_prefix_list_id:

@@ -78,6 +78,7 @@ def test_paths_through_the_load_balancer(synth_variant: Any, kind: str, health_p
     assert allowed(t, nlb, cluster, health_port), f"NLB health check -> {health_port}"
     # The operator network reaches the NLB, and nothing else of the cluster but the endpoint.
     assert allowed(t, OPERATOR, nlb, 8000)
+    assert not allowed(t, OPERATOR, cluster, 8000), "the operator network reaches the proxies only through the NLB"
     assert not allowed(t, OPERATOR, cluster, 8100) and not allowed(t, OPERATOR, cluster, 8200)
     # Routers and proxies reach every server of the fleet, on any node.
     for port in (8100, 8115, 8200):
