@@ -143,6 +143,7 @@ def router_argv(cfg: ClusterConfig, *, bin_dir: str) -> list[str]:
         "--request-timeout-secs", str(r.request_timeout_s),
         # Servers compile for hours; the router health-checks them meanwhile and serves with those that answer.
         "--worker-startup-timeout-secs", str(s.engine_ready_timeout_s),
+        "--worker-startup-check-interval", str(r.worker_startup_check_interval_s),
         "--prometheus-host", "127.0.0.1",
         "--prometheus-port", str(r.metrics_port),
     ]  # fmt: skip

@@ -335,8 +335,11 @@ def _render_proxy(cfg: ClusterConfig, node: Node, proxy: ProxyPlacement, out: No
         decode_server=proxy.decode_server,
         env_files=[DEPLOY_ENV, f"-{MEMBERS_ENV}"],
         exec_start=_exec(argv),
+        # It holds no state: its own short back-off (serving.proxy.restart_backoff_s), not the servers'.
+        backoff_s=s.proxy.restart_backoff_s,
+        backoff_max_s=s.proxy.restart_backoff_max_s,
         # A start waits for its back-off, then for the members (gptoss-members: up to 600 s).
-        start_timeout_s=BACKOFF_MAX_S + 660,
+        start_timeout_s=s.proxy.restart_backoff_max_s + 660,
         **_limits(cfg),
     )
     out.services.append(
@@ -387,8 +390,10 @@ def _render_router(cfg: ClusterConfig, node: Node, proxy: ProxyPlacement, out: N
         decode=len(proxy.decode_servers),
         env_files=[DEPLOY_ENV],
         exec_start=_exec(argv),
+        backoff_s=s.proxy.restart_backoff_s,
+        backoff_max_s=s.proxy.restart_backoff_max_s,
         # A start waits for its back-off, then for one answer from EC2 (gptoss-members hosts).
-        start_timeout_s=BACKOFF_MAX_S + 180,
+        start_timeout_s=s.proxy.restart_backoff_max_s + 180,
         stop_timeout_s=r.request_timeout_s + 30,
         restart_sec=RESTART_SEC,
     )

@@ -45,12 +45,21 @@ class Router(Frozen):
     health_check_timeout_s: int = Field(1, ge=1, le=60, description="A /health answer slower than this counts as a failure.")
     health_failure_threshold: int = Field(2, ge=1, le=20, description="Failed checks in a row that take a server out of rotation.")
     health_success_threshold: int = Field(1, ge=1, le=20, description="Passed checks in a row that bring it back.")
-    retry_max_retries: int = Field(3, ge=0, le=10, description="A request that failed to reach a server is sent again, to another.")
+    retry_max_retries: int = Field(
+        3, ge=1, le=10,
+        description="Attempts per request, the first included: a request that failed to reach a server is sent again, "
+        "to another (the pinned router's --disable-retries is 'equivalent to setting retry_max_retries=1'; 0 is no value it takes).",
+    )  # fmt: skip
     retry_initial_backoff_ms: int = Field(20, ge=1, le=10000, description="First pause before a retry.")
     retry_max_backoff_ms: int = Field(500, ge=1, le=60000, description="Longest pause between retries.")
     cb_failure_threshold: int = Field(3, ge=1, le=100, description="Failures in a row that open a server's circuit breaker.")
     cb_timeout_s: int = Field(5, ge=1, le=600, description="How long an open breaker keeps the server out before one trial request.")
     request_timeout_s: int = Field(1800, ge=10, le=86400, description="The longest one request may take end to end.")
+    worker_startup_check_interval_s: int = Field(
+        1, ge=1, le=300,
+        description="How often a starting router looks for its servers (the router's default, 30 s, kept a restarted "
+        "router out of service for 30 s with every server up).",
+    )  # fmt: skip
     metrics_port: int = Field(8029, ge=1024, le=65535, description="Prometheus metrics, on 127.0.0.1 (the node's collector reads them).")
     extra_flags: tuple[ExtraFlag, ...] = Field(
         (), description="Router flags the spec does not model; checked against the pinned router's own parser at plan time."
@@ -100,6 +109,12 @@ class Proxy(Frozen):
         "examples/vllm_neuron/vllm/disaggregated_inference/toy_proxy_server.py",
         description="Path of the proxy inside the vLLM Neuron repository.",
     )
+    restart_backoff_s: int = Field(
+        1, ge=1, le=600,
+        description="A proxy or router that exits is started again after this, doubling while it keeps failing (it holds "
+        "no state: not the servers' 60 s that guard a compile).",
+    )  # fmt: skip
+    restart_backoff_max_s: int = Field(30, ge=1, le=3600, description="The longest pause between two restarts of a proxy or router.")
 
     @field_validator("script")
     @classmethod
@@ -119,3 +134,12 @@ class Proxy(Frozen):
         except ValueError:
             raise rule_error("serving.proxy.bind_host", v, "must be an IPv4 address", "use 0.0.0.0 (other nodes and the load balancer reach the proxy)") from None
         return v
+
+    @model_validator(mode="after")
+    def _backoff(self) -> Proxy:
+        if self.restart_backoff_max_s < self.restart_backoff_s:
+            raise rule_error(
+                "serving.proxy.restart_backoff_max_s", self.restart_backoff_max_s,
+                f"is below restart_backoff_s={self.restart_backoff_s}", "raise it or lower restart_backoff_s",
+            )  # fmt: skip
+        return self

@@ -97,9 +97,13 @@ def test_long_waits_are_in_the_main_process_not_in_start_jobs() -> None:
         pre = re.findall(r"^ExecStartPre=(.*)$", text, re.M)
         # The toy proxy also reads its group's addresses from EC2 (bounded: 600 s) before it starts.
         members = ["/opt/gptoss/bin/gptoss-members write"] if name == "gptoss-proxy.service" else []
-        assert pre == ["/opt/gptoss/bin/gptoss-backoff %n", *members], f"{name}: only the restart back-off may run before the start"
-        # The start job may last as long as the longest back-off (and the members' wait), and no longer.
-        assert int(re.search(r"TimeoutStartSec=(\d+)", text).group(1)) == 960 + 600 * len(members), name  # type: ignore[union-attr]
+        # A proxy holds no state: its own back-off, 1 s doubling to 30 s (serving.proxy.restart_backoff_s, _max_s).
+        backoff = "/opt/gptoss/bin/gptoss-backoff %n" + (" 1 30" if members else "")
+        assert pre == [backoff, *members], f"{name}: only the restart back-off may run before the start"
+        # The start job may last as long as the longest back-off (and the members' wait), and no longer: a
+        # server's back-off reaches 900 s, a proxy's 30 s (it holds no state: serving.proxy.restart_backoff_max_s).
+        timeout = int(re.search(r"TimeoutStartSec=(\d+)", text).group(1))  # type: ignore[union-attr]
+        assert timeout == (30 + 60 + 600 if members else 900 + 60), name
     # The servers wait for this boot's staging, the replicas for the first one, the proxy for its group.
     assert "gptoss-exec decode /opt/gptoss/bin/gptoss-prepare-schedule --" in units["gptoss-decode.service"]
     assert "gptoss-exec prefill_%i /opt/gptoss/bin/gptoss-prefill-gate %i 14400 gptoss-prefill@0.service" in units["gptoss-prefill@.service"]

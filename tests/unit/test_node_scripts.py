@@ -388,20 +388,20 @@ def test_a_scripts_fetch_that_gives_up_answers_the_gate_itself_naming_the_cause(
 
 
 @pytest.fixture
-def backoff(tmp_path: Path, shipped: Shipped) -> Callable[[int, int], str]:
-    """Run the back-off as systemd would before a start: (NRestarts now, clock) -> seconds slept."""
+def backoff(tmp_path: Path, shipped: Shipped) -> Callable[..., str]:
+    """Run the back-off as systemd would before a start: (NRestarts now, clock, *the unit's BASE MAX) -> seconds slept."""
     state = tmp_path / "state"
     state.mkdir()
     systemctl = fake_command(tmp_path, "systemctl", f'cat "{state}/restarts"\n')
     sleeper = fake_command(tmp_path, "sleep", f'echo "$1" >"{state}/slept"\n')
     clock = fake_command(tmp_path, "clock", f'cat "{state}/now"\n')
 
-    def run(restarts: int, now: int) -> str:
+    def run(restarts: int, now: int, *limits: str) -> str:
         (state / "restarts").write_text(f"{restarts}\n")
         (state / "now").write_text(f"{now}\n")
         (state / "slept").unlink(missing_ok=True)
         res = subprocess.run(
-            [str(shipped("gptoss-backoff")), "gptoss-decode.service"],
+            [str(shipped("gptoss-backoff")), "gptoss-decode.service", *limits],
             env={**os.environ, "GPTOSS_SYSTEMCTL": str(systemctl), "GPTOSS_SLEEP": str(sleeper), "GPTOSS_CLOCK": str(clock),
                  "GPTOSS_RUN_DIR": str(tmp_path / "run")},
             capture_output=True, text=True,
@@ -417,6 +417,13 @@ def test_backoff_doubles_up_to_its_cap_and_never_delays_a_first_start(backoff: C
     assert backoff(0, t) == ""
     waits = [backoff(n, t + 10 * n) for n in range(1, 8)]
     assert waits == ["60", "120", "240", "480", "900", "900", "900"]
+
+
+def test_a_proxys_backoff_is_its_own_one_second_doubling_to_thirty(backoff: Callable[..., str]) -> None:
+    """The proxy and router units pass 1 30 (serving.proxy.restart_backoff_s, _max_s): a router that crashed is back in seconds."""
+    t = 1_000_000
+    assert backoff(0, t, "1", "30") == ""
+    assert [backoff(n, t + 10 * n, "1", "30") for n in range(1, 8)] == ["1", "2", "4", "8", "16", "30", "30"]
 
 
 def test_backoff_starts_over_after_an_hour_of_running(backoff: Callable[[int, int], str]) -> None:

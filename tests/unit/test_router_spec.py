@@ -166,6 +166,7 @@ ROUTER_3P8D = [
     "--cb-timeout-duration-secs", "5",
     "--request-timeout-secs", "1800",
     "--worker-startup-timeout-secs", "14400",
+    "--worker-startup-check-interval", "1",
     "--prometheus-host", "127.0.0.1",
     "--prometheus-port", "8029",
 ]  # fmt: skip
