@@ -138,6 +138,7 @@ def test_staging_seals_the_checkpoint_and_a_second_boot_downloads_nothing(artifa
     assert set(sealed["files"]) == SERVABLE and all(sealed["files"][f] == (model / f).stat().st_size for f in SERVABLE)
     assert not (root / "nvme/models/gpt-oss-120b.partial").exists()
     assert not (model / "original").exists() and not (model / "metal").exists()
+    assert {p.name for p in model.iterdir()} == SERVABLE | {".gptoss-complete"}, "the servable files and the seal, nothing else"
     assert (root / "opt/vllm-neuron/.gptoss-source").read_text().strip() == "s3:s3://models/vllm-neuron"
     assert (root / "run/staged").exists(), "the servers' go-ahead"
     assert (Path(artifacts_env["HOME"]) / ".cache/neuron_libtorch").resolve() == root / "nvme/cache/neuron_libtorch"
