@@ -29,13 +29,14 @@ Template = dict[str, Any]
 GROUP_LAUNCH_PROPERTIES = ("VPCZoneIdentifier", "PlacementGroup", "MixedInstancesPolicy", "LaunchConfigurationName")
 
 
-def _substitute(value: Any, params: Mapping[str, Any]) -> Any:
+def substitute(value: Any, params: Mapping[str, Any]) -> Any:
+    """VALUE with every {"Ref": P} of a parameter P in PARAMS replaced by its value (a cell as its parent passes it)."""
     if isinstance(value, dict):
         if set(value) == {"Ref"} and value["Ref"] in params:
             return params[value["Ref"]]
-        return {k: _substitute(v, params) for k, v in value.items()}
+        return {k: substitute(v, params) for k, v in value.items()}
     if isinstance(value, list):
-        return [_substitute(v, params) for v in value]
+        return [substitute(v, params) for v in value]
     return value
 
 
@@ -50,7 +51,7 @@ def flatten(parent: Template, nested: Callable[[str], Template | None]) -> dict[
             continue
         params = res.get("Properties", {}).get("Parameters", {})
         for clid, cres in child.get("Resources", {}).items():
-            out[f"{lid}/{clid}"] = _substitute(cres, params)
+            out[f"{lid}/{clid}"] = substitute(cres, params)
     return out
 
 

@@ -17,6 +17,8 @@ from typing import Any
 
 import pytest
 
+from cluster_ops.rollout import substitute
+
 ROOT = Path(__file__).resolve().parent.parent
 CDK = ROOT / "node_modules" / ".bin" / "cdk"
 STACK = "GptOss8k1kStack"
@@ -44,16 +46,6 @@ def cli_env(**extra: str) -> dict[str, str]:
     return env
 
 
-def _substitute(value: Any, params: dict[str, Any]) -> Any:
-    if isinstance(value, dict):
-        if set(value) == {"Ref"} and value["Ref"] in params:
-            return params[value["Ref"]]
-        return {k: _substitute(v, params) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_substitute(v, params) for v in value]
-    return value
-
-
 def flatten(parent: dict[str, Any], nested: Callable[[str, dict[str, Any]], dict[str, Any]]) -> dict[str, Any]:
     """The parent template with every cell's resources in it, as one template reads: a cell's
     parameters replaced by what the parent passes it, and its resources created after what the
@@ -69,7 +61,7 @@ def flatten(parent: dict[str, Any], nested: Callable[[str, dict[str, Any]], dict
             if cres["Type"] == "AWS::CDK::Metadata":
                 continue
             assert clid not in out["Resources"], f"{clid} is in two templates"
-            flat = _substitute(cres, params)
+            flat = substitute(cres, params)
             flat["DependsOn"] = sorted({*(flat.get("DependsOn") or []), *([after] if isinstance(after, str) else after)})
             out["Resources"][clid] = flat
     return out

@@ -318,8 +318,8 @@ def test_a_hub_that_keeps_failing_leaves_no_checkpoint_and_no_go_ahead(artifacts
     assert not (root / "nvme/models/gpt-oss-120b").exists() and not (root / "run/staged").exists()
 
 
-def test_examples_are_fetched_at_the_pinned_ref_and_a_new_ref_restages_them(artifacts_env: dict[str, str], tmp_path: Path) -> None:
-    """A real git repository with a tag and a later commit: the node checks out the tagged one."""
+def _upstream(artifacts_env: dict[str, str], tmp_path: Path) -> tuple[Path, list[str]]:
+    """A real git repository of the examples with one commit tagged test-ref: (its path, git -C it)."""
     repo = tmp_path / "vllm-neuron-upstream"
     shutil.copytree(Path(artifacts_env["S3"]) / "models/vllm-neuron", repo)
     git = ["git", "-C", str(repo), "-c", "user.name=t", "-c", "user.email=t@example.invalid"]
@@ -327,6 +327,12 @@ def test_examples_are_fetched_at_the_pinned_ref_and_a_new_ref_restages_them(arti
     subprocess.run([*git, "add", "-A"], check=True)
     subprocess.run([*git, "commit", "-qm", "release"], check=True)
     subprocess.run([*git, "tag", "test-ref"], check=True)
+    return repo, git
+
+
+def test_examples_are_fetched_at_the_pinned_ref_and_a_new_ref_restages_them(artifacts_env: dict[str, str], tmp_path: Path) -> None:
+    """A real git repository with a tag and a later commit: the node checks out the tagged one."""
+    repo, git = _upstream(artifacts_env, tmp_path)
     (repo / "LATER").write_text("in the next release")
     subprocess.run([*git, "add", "-A"], check=True)
     subprocess.run([*git, "commit", "-qm", "later"], check=True)
@@ -406,13 +412,7 @@ def test_a_hub_that_answers_with_another_commit_is_refused(
 
 def test_examples_whose_tag_moved_off_the_pinned_commit_are_refused(artifacts_env: dict[str, str], tmp_path: Path) -> None:
     """The tag is re-pointed upstream at a later commit: a node pinned to the first refuses it, by name."""
-    repo = tmp_path / "vllm-neuron-upstream"
-    shutil.copytree(Path(artifacts_env["S3"]) / "models/vllm-neuron", repo)
-    git = ["git", "-C", str(repo), "-c", "user.name=t", "-c", "user.email=t@example.invalid"]
-    subprocess.run(["git", "init", "-q", str(repo)], check=True)
-    subprocess.run([*git, "add", "-A"], check=True)
-    subprocess.run([*git, "commit", "-qm", "release"], check=True)
-    subprocess.run([*git, "tag", "test-ref"], check=True)
+    repo, git = _upstream(artifacts_env, tmp_path)
     pinned = subprocess.run([*git, "rev-parse", "HEAD"], check=True, capture_output=True, text=True).stdout.strip()
     _set(artifacts_env, GPTOSS_EXAMPLES_S3_URI="", GPTOSS_EXAMPLES_REPO=str(repo), GPTOSS_EXAMPLES_COMMIT=pinned)
     res = _run(artifacts_env)
