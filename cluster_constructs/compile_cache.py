@@ -11,8 +11,8 @@ from clusterspec.config import ClusterConfig
 
 
 class CompileCacheBucket(Construct):
-    """A private, encrypted bucket of the stack's own: nodes/<node>/ (each node identity's uploads) and
-    fleet/ (what an operator promotes).
+    """A private, encrypted bucket of the stack's own: nodes/<node>/<toolchain key>/ (each node identity's
+    uploads) and fleet/<toolchain key>/ (what an operator promotes).
 
     Deleted with the stack: CloudFormation deletes only an empty bucket, so `gptoss destroy`
     empties it first (a plain `cdk destroy` of a bucket that holds caches stops at it, and says so).

@@ -3,9 +3,11 @@ the operator promotes those uploads to the fleet's cache, which every node resto
 
 The promotion rule (docs/design.md 'Security defaults'): a node can write only its own identity's area
 (<cache>/nodes/<node>/: its role names that prefix alone), which its replacements restore; the
-fleet's cache (<cache>/fleet/) is written here alone, with the operator's credentials, from the
+fleet's cache (<cache>/fleet/<toolchain key>/) is written here alone, with the operator's credentials, from the
 uploads of the nodes the operator's command chose, and only the files their manifests list with
 the sizes the manifests give. Nodes restore a file only when its sha256 matches the manifest.
+Everything sits under the key of the toolchain that compiled it (instance type, compiler and tracing
+libraries, as the node's gptoss-cache-manifest computes it): a node restores only its own key's.
 """
 
 from __future__ import annotations
@@ -59,20 +61,32 @@ def _sha256_of(s3: Any, bucket: str, key: str) -> tuple[str, str]:
     return h.hexdigest(), obj["ETag"]
 
 
+def _latest_upload(s3: Any, bucket: str, node_area: str, name: str) -> str:
+    """The prefix of a node identity's latest whole upload: <node area><toolchain key>/ whose manifest is newest."""
+    pages = s3.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=node_area)
+    found = [o for page in pages for o in page.get("Contents", []) if o["Key"].removeprefix(node_area).count("/") == 1 and o["Key"].endswith("/manifest.json")]
+    if not found:
+        raise CacheError(f"{name}: s3://{bucket}/{node_area} holds no upload with a manifest.json (none yet, or one cut short): run save-cache again")
+    return max(found, key=lambda o: (o["LastModified"], o["Key"]))["Key"].removesuffix("manifest.json")
+
+
 def promote(cfg: ClusterConfig, s3: Any, uri: str, nodes: list[str], *, now: Callable[[], dt.datetime] = lambda: dt.datetime.now(dt.UTC)) -> dict[str, Any]:
     """Make the uploads of `nodes` (their own areas of the cache at `uri`) the fleet's compile cache; return its manifest."""
-    bucket, fleet = _split(cache_fleet_uri(uri))
+    bucket, _ = _split(uri)
+    areas = {name: _latest_upload(s3, bucket, _split(cache_node_uri(uri, name))[1] + "/", name) for name in nodes}
+    keys = {name: area.rstrip("/").rpartition("/")[2] for name, area in areas.items()}
+    if len(set(keys.values())) > 1:
+        raise CacheError("the chosen nodes run different toolchains (" + ", ".join(f"{n}: {k}" for n, k in sorted(keys.items()))
+                         + "): graphs of one toolchain are promoted at a time; choose nodes of one image (--node)")  # fmt: skip
+    key = next(iter(keys.values()))
+    fleet = _split(cache_fleet_uri(uri, key))[1]
     merged: dict[str, dict[str, Any]] = {}
     source: dict[str, str] = {}
     etags: dict[str, str] = {}
     provenance = {}
-    areas = {name: _split(cache_node_uri(uri, name))[1] + "/" for name in nodes}
     for name in sorted(nodes):
         area = areas[name]
-        try:
-            doc = json.loads(s3.get_object(Bucket=bucket, Key=f"{area}manifest.json")["Body"].read())
-        except s3.exceptions.NoSuchKey:
-            raise CacheError(f"{name}: s3://{bucket}/{area} has no manifest.json (no upload yet, or one cut short): run save-cache again") from None
+        doc = json.loads(s3.get_object(Bucket=bucket, Key=f"{area}manifest.json")["Body"].read())
         uploaded = {k.removeprefix(f"{area}files/"): k for k in _keys(s3, bucket, f"{area}files/")}
         for rel, entry in sorted(doc.get("files", {}).items()):
             parts = PurePosixPath(rel).parts
@@ -103,7 +117,7 @@ def promote(cfg: ClusterConfig, s3: Any, uri: str, nodes: list[str], *, now: Cal
                 raise
             raise CacheError(f"{name}: {rel} changed in S3 while it was promoted; nothing new is loaded (the fleet's manifest is "
                              "unchanged): run save-cache again") from None  # fmt: skip
-    manifest = {"files": merged, "promoted_from": provenance, "promoted_at": now().strftime("%Y-%m-%dT%H:%M:%SZ")}
+    manifest = {"files": merged, "toolchain": key, "promoted_from": provenance, "promoted_at": now().strftime("%Y-%m-%dT%H:%M:%SZ")}
     # The manifest last: until it is written, nodes restore the previous promotion.
     s3.put_object(Bucket=bucket, Key=f"{fleet}/manifest.json", Body=json.dumps(manifest, indent=1, sort_keys=True).encode())
     stale = [k for k in _keys(s3, bucket, f"{fleet}/files/") if k.removeprefix(f"{fleet}/files/") not in merged]

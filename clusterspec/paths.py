@@ -31,13 +31,14 @@ UNITS_FILE = f"{ETC}/units"
 NODE_TARGET = "gptoss-node.target"
 
 
-def cache_fleet_uri(compile_cache_s3_uri: str) -> str:
-    """The fleet's compile cache (files/ and manifest.json): written only by an operator's promotion."""
-    return f"{compile_cache_s3_uri.rstrip('/')}/fleet"
+def cache_fleet_uri(compile_cache_s3_uri: str, toolchain: str | None = None) -> str:
+    """The fleet's compile caches, one per toolchain key (files/ and manifest.json): written only by an operator's promotion."""
+    fleet = f"{compile_cache_s3_uri.rstrip('/')}/fleet"
+    return f"{fleet}/{toolchain}" if toolchain else fleet
 
 
 def cache_nodes_uri(compile_cache_s3_uri: str) -> str:
-    """Where nodes upload their compile caches: nodes/<node>/, each node identity its own area."""
+    """Where nodes upload their compile caches: nodes/<node>/<toolchain key>/, each node identity its own area."""
     return f"{compile_cache_s3_uri.rstrip('/')}/nodes"
 
 

@@ -154,6 +154,7 @@ def cluster_env(cfg: ClusterConfig, node: Node) -> dict[str, str]:
         "MEGAKERNEL_SCOPE": s.decode.megakernel_scope,
         "GPTOSS_CACHE_DIR": f"{cfg.nvme_mount}/cache",
         "GPTOSS_VENV_GLOB": cfg.venv_glob,
+        "GPTOSS_INSTANCE_TYPE": cfg.instance_type,
         "GPTOSS_RESULTS_DIR": cfg.results_dir,
         "GPTOSS_LOG_DIR": f"{cfg.results_dir}/logs",
         "GPTOSS_RESULTS_S3_URI": cfg.results_s3_uri or "",

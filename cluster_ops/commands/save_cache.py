@@ -23,7 +23,7 @@ def run(args: argparse.Namespace) -> int:
     except cache.CacheError as e:
         raise common.CliError(f"save-cache failed: {e}", 1) from None
     print(f"promoted {len(manifest['files'])} files from {', '.join(sorted(manifest['promoted_from']))} to "
-          f"{cache_fleet_uri(uri)}; nodes restore what its manifest verifies before compiling")  # fmt: skip
+          f"{cache_fleet_uri(uri, manifest['toolchain'])}; nodes of this toolchain restore what its manifest verifies before compiling")  # fmt: skip
     return 0
 
 

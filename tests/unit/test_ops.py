@@ -381,7 +381,7 @@ def test_save_cache_uploads_from_one_node_of_each_role_then_promotes_their_uploa
     s3.create_bucket(Bucket="bucket", CreateBucketConfiguration={"LocationConstraint": REGION})
     # What gptoss-save-cache leaves in each node identity's own area (tests/unit/test_compile_cache.py runs it for real).
     for name, data in (("prefill-0", b"prefill graph"), ("decode-0", b"decode graph"), ("decode-1", b"other")):
-        area = f"neuron-cache/nodes/{name}/"
+        area = f"neuron-cache/nodes/{name}/trn3.48xlarge-0123456789abcdef/"
         s3.put_object(Bucket="bucket", Key=f"{area}files/{name}.neff", Body=data)
         doc = {"files": {f"{name}.neff": {"sha256": hashlib.sha256(data).hexdigest(), "size": len(data)}}}
         s3.put_object(Bucket="bucket", Key=f"{area}manifest.json", Body=json.dumps(doc).encode())
@@ -391,10 +391,11 @@ def test_save_cache_uploads_from_one_node_of_each_role_then_promotes_their_uploa
     stub.assert_no_pending_responses()
     assert uri == "s3://bucket/neuron-cache"
     assert sorted(manifest["files"]) == ["decode-0.neff", "prefill-0.neff"], "decode-1 was not chosen"
-    assert {n: p["upload"] for n, p in manifest["promoted_from"].items()} == {n: f"s3://bucket/neuron-cache/nodes/{n}/" for n in ("prefill-0", "decode-0")}
-    body = s3.get_object(Bucket="bucket", Key="neuron-cache/fleet/files/decode-0.neff")["Body"].read()
-    assert body == b"decode graph"
-    assert json.loads(s3.get_object(Bucket="bucket", Key="neuron-cache/fleet/manifest.json")["Body"].read()) == manifest
+    assert {n: p["upload"] for n, p in manifest["promoted_from"].items()} == {
+        n: f"s3://bucket/neuron-cache/nodes/{n}/trn3.48xlarge-0123456789abcdef/" for n in ("prefill-0", "decode-0")}  # fmt: skip
+    fleet = "neuron-cache/fleet/trn3.48xlarge-0123456789abcdef"
+    assert s3.get_object(Bucket="bucket", Key=f"{fleet}/files/decode-0.neff")["Body"].read() == b"decode graph"
+    assert json.loads(s3.get_object(Bucket="bucket", Key=f"{fleet}/manifest.json")["Body"].read()) == manifest
 
 
 def test_save_cache_refuses_two_uploads_that_disagree(aws: None) -> None:
@@ -404,7 +405,7 @@ def test_save_cache_refuses_two_uploads_that_disagree(aws: None) -> None:
     s3 = boto3.client("s3", region_name=REGION)
     s3.create_bucket(Bucket="bucket", CreateBucketConfiguration={"LocationConstraint": REGION})
     for name, data in (("decode-0", b"one"), ("decode-1", b"two")):
-        area = f"neuron-cache/nodes/{name}/"
+        area = f"neuron-cache/nodes/{name}/trn3.48xlarge-0123456789abcdef/"
         s3.put_object(Bucket="bucket", Key=f"{area}files/same.neff", Body=data)
         doc = {"files": {"same.neff": {"sha256": hashlib.sha256(data).hexdigest(), "size": 3}}}
         s3.put_object(Bucket="bucket", Key=f"{area}manifest.json", Body=json.dumps(doc).encode())
