@@ -41,7 +41,7 @@ class CompileCacheBucket(Construct):
         assert isinstance(cfn, s3.CfnBucket)
         # The nodes' policies are in the cells (nested stacks), where the bucket's name is a parameter CDK
         # names after the bucket's unique id: cdk-nag writes it so in a finding's id.
-        self.location = CacheLocation(uri=f"s3://{self.bucket.bucket_name}", nag=f"s3://<referenceto{Names.unique_id(cfn)}Ref>")
+        self.location = CacheLocation(uri=f"s3://{self.bucket.bucket_name}", nag=f"s3://<referenceto{Names.unique_id(cfn)}Ref>", own=True)
         Validations.of(self).acknowledge(
             Acknowledgment(
                 id="AwsSolutions::AwsSolutions-S1",

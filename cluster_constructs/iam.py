@@ -57,6 +57,13 @@ def secret_resources(arn: str) -> list[str]:
     return [arn, f"{arn}-??????"]
 
 
+def in_account(statement: iam.PolicyStatement) -> iam.PolicyStatement:
+    """`statement`, holding only while the bucket belongs to this account (s3:ResourceAccount): a bucket
+    of the stack's that is deleted and re-created by someone else under its name is not trusted."""
+    statement.add_condition("StringEquals", {"s3:ResourceAccount": Aws.ACCOUNT_ID})
+    return statement
+
+
 def _objects(uri: str) -> str:
     """`bucket/prefix/*`: every object under an s3:// location."""
     bucket, prefix = _bucket_prefix(uri)
@@ -70,6 +77,8 @@ class CacheLocation:
 
     uri: str
     nag: str
+    # The stack's own bucket: every grant on it also requires that the bucket is this account's.
+    own: bool = False
 
     def nag_form(self, text: str) -> str:
         """`text` with the URI's bucket as cdk-nag writes it."""
@@ -96,7 +105,7 @@ class NodePolicy(Construct):
         # The SSM agent: no resource-level permissions to narrow (see SSM_AGENT_ACTIONS).
         self.add(iam.PolicyStatement(actions=list(SSM_AGENT_ACTIONS), resources=["*"]))
         # Every node's scripts: the stack's asset, its one key.
-        self.add(iam.PolicyStatement(actions=["s3:GetObject"], resources=[scripts_arn]))
+        self.add(in_account(iam.PolicyStatement(actions=["s3:GetObject"], resources=[scripts_arn])))
         if config.observability.enabled:
             # The collector: streams in the cluster's one log group (each node writes only its own: its
             # role), metrics of the cluster's own namespace only.
@@ -116,8 +125,8 @@ class NodePolicy(Construct):
         self.reads = [config.model.s3_uri if config.model.source == "s3" else None, config.examples.s3_uri]
         for uri in filter(None, self.reads):
             self.read_prefix(partition, uri)
-        if cache_uri:
-            self.read_prefix(partition, f"{cache_uri}/fleet")
+        if cache:
+            self.read_prefix(partition, f"{cache.uri}/fleet", own=cache.own)
         # Writes: benchmark results.
         self.writes = [config.results_s3_uri]
         for uri in filter(None, self.writes):
@@ -168,14 +177,16 @@ class NodePolicy(Construct):
         """A cdk-nag finding of this policy, acknowledged where it arises."""
         Validations.of(self).acknowledge(Acknowledgment(id=finding, reason=reason))
 
-    def read_prefix(self, partition: str, uri: str) -> None:
-        """GetObject under an s3:// location, and ListBucket only with that prefix."""
+    def read_prefix(self, partition: str, uri: str, *, own: bool = False) -> None:
+        """GetObject under an s3:// location, and ListBucket only with that prefix (and, for a bucket of
+        the stack's, only while it is this account's)."""
         bucket, prefix = _bucket_prefix(uri)
-        self.add(iam.PolicyStatement(actions=["s3:GetObject"], resources=[f"arn:{partition}:s3:::{_objects(uri)}"]))
+        read = iam.PolicyStatement(actions=["s3:GetObject"], resources=[f"arn:{partition}:s3:::{_objects(uri)}"])
         listing = iam.PolicyStatement(actions=["s3:ListBucket"], resources=[f"arn:{partition}:s3:::{bucket}"])
         if prefix:
             listing.add_condition("StringLike", {"s3:prefix": [prefix, f"{prefix}/*"]})
-        self.add(listing)
+        for statement in (read, listing):
+            self.add(in_account(statement) if own else statement)
 
 
 class NodeIdentityRole(Construct):
@@ -209,16 +220,16 @@ class NodeIdentityRole(Construct):
             # This identity's own area of the compile cache: what it saves, what its replacements restore.
             own = f"{cache_uri}/nodes/{node}"
             bucket, prefix = _bucket_prefix(own)
-            statements.append(iam.PolicyStatement(actions=["s3:DeleteObject", "s3:GetObject", "s3:PutObject"], resources=[f"arn:{partition}:s3:::{_objects(own)}"]))
+            area = iam.PolicyStatement(actions=["s3:DeleteObject", "s3:GetObject", "s3:PutObject"], resources=[f"arn:{partition}:s3:::{_objects(own)}"])
             listing = iam.PolicyStatement(actions=["s3:ListBucket"], resources=[f"arn:{partition}:s3:::{bucket}"])
             listing.add_condition("StringLike", {"s3:prefix": [prefix, f"{prefix}/*"]})
-            statements.append(listing)
+            statements += [in_account(area), in_account(listing)] if cache and cache.own else [area, listing]
         if reads_members:
             # gptoss-members: the fleet's running instances by tag (EC2 has no narrower resource for Describe*).
             statements.append(iam.PolicyStatement(actions=["ec2:DescribeInstances"], resources=["*"]))
         if router_object_arn:
             # The router's pinned wheel (the stack's asset), by its exact ARN.
-            statements.append(iam.PolicyStatement(actions=["s3:GetObject"], resources=[router_object_arn]))
+            statements.append(in_account(iam.PolicyStatement(actions=["s3:GetObject"], resources=[router_object_arn])))
         self.role = iam.Role(
             self,
             "Role",

@@ -2,13 +2,25 @@
 
 from __future__ import annotations
 
-from aws_cdk import Acknowledgment, CfnResource, RemovalPolicy, Stack, Tags, Validations
+import json
+
+from aws_cdk import Acknowledgment, Aws, CfnResource, RemovalPolicy, Stack, Tags, Validations
 from aws_cdk import aws_ec2 as ec2
 from aws_cdk import aws_iam as iam
 from aws_cdk import aws_logs as logs
 from constructs import Construct
 
 from clusterspec.config import ClusterConfig
+
+# The interface endpoints given a policy (services that take one); ssmmessages and ec2messages, the
+# Session Manager and Run Command channels, keep the default (their support is not verified here).
+ENDPOINT_POLICY_SERVICES = frozenset({"ssm", "ec2", "autoscaling", "logs", "monitoring"})
+
+
+def ssm_agent_buckets(region: str) -> list[str]:
+    """AWS-owned buckets the SSM agent reads on Linux (docs: "SSM Agent communications with AWS managed S3 buckets")."""
+    return [f"aws-ssm-{region}", f"amazon-ssm-{region}", f"amazon-ssm-packages-{region}", f"{region}-birdwatcher-prod",
+            f"aws-ssm-distributor-file-{region}", f"aws-ssm-document-attachments-{region}", f"patch-baseline-snapshot-{region}"]  # fmt: skip
 
 
 class ClusterNetwork(Construct):
@@ -38,8 +50,9 @@ class ClusterNetwork(Construct):
             self.vpc_id, self.subnet_id = net.vpc_id, net.subnet_id
         else:
             self._new_vpc(config)
+        self.s3_gateway: ec2.CfnVPCEndpoint | None = None
         if net.s3_gateway_endpoint and self.route_table_id:
-            s3_gateway = ec2.CfnVPCEndpoint(
+            self.s3_gateway = s3_gateway = ec2.CfnVPCEndpoint(
                 self,
                 "S3Gateway",
                 vpc_id=self.vpc_id,
@@ -118,6 +131,40 @@ class ClusterNetwork(Construct):
                 log_group_name=group.log_group_name,
                 deliver_logs_permission_arn=role.role_arn,
             )
+
+    def restrict_endpoints(self, *, buckets: list[str]) -> None:
+        """Endpoint policies for a network without a route out (egress 'none'), where the endpoints are the
+        nodes' only way to AWS: nothing but this account's principals, and through S3 nothing but the
+        cluster's buckets, the deploy gate's signal and the SSM agent's buckets (a node's credentials,
+        or anyone's brought onto it, cannot move data to another account's bucket or service)."""
+        region, partition = Stack.of(self).region, Aws.PARTITION
+        if self.s3_gateway is not None:
+            stack = Stack.of(self)
+            unique = list({json.dumps(stack.resolve(b), sort_keys=True): b for b in buckets}.values())  # the asset bucket once
+            ours = [arn for b in unique for arn in (f"arn:{partition}:s3:::{b}", f"arn:{partition}:s3:::{b}/*")]
+            self.s3_gateway.policy_document = iam.PolicyDocument(statements=[
+                iam.PolicyStatement(
+                    sid="TheClustersBucketsWithThisAccountsCredentials", principals=[iam.AnyPrincipal()],
+                    actions=["s3:GetObject", "s3:PutObject", "s3:DeleteObject", "s3:ListBucket"], resources=ours,
+                    conditions={"StringEquals": {"aws:PrincipalAccount": Aws.ACCOUNT_ID}},
+                ),
+                # The deploy gate's handle: a URL CloudFormation presigned for its own bucket.
+                iam.PolicyStatement(
+                    sid="TheDeployGatesSignal", principals=[iam.AnyPrincipal()], actions=["s3:PutObject"],
+                    resources=[f"arn:{partition}:s3:::cloudformation-waitcondition-{region}/*"],
+                ),
+                # AWS's buckets the SSM agent reads on Linux (its updates, documents, packages).
+                iam.PolicyStatement(
+                    sid="TheSsmAgentsBuckets", principals=[iam.AnyPrincipal()], actions=["s3:GetObject"],
+                    resources=[f"arn:{partition}:s3:::{b}/*" for b in ssm_agent_buckets(region)],
+                ),
+            ])  # fmt: skip
+        for endpoint in self.interface_endpoints:
+            if (endpoint.service_name or "").rpartition(".")[2] in ENDPOINT_POLICY_SERVICES:
+                endpoint.policy_document = iam.PolicyDocument(statements=[iam.PolicyStatement(
+                    sid="ThisAccountsPrincipals", principals=[iam.AnyPrincipal()], actions=["*"], resources=["*"],
+                    conditions={"StringEquals": {"aws:PrincipalAccount": Aws.ACCOUNT_ID}},
+                )])  # fmt: skip
 
     def add_interface_endpoints(self, services: tuple[str, ...], *, security_group_id: str) -> None:
         """Interface endpoints (SSM; CloudWatch Logs and metrics) when the nodes have no route out (egress 'none')."""

@@ -57,8 +57,13 @@ class ClusterSecurityGroup(Construct):
         sg = self.group
         sg.add_ingress_rule(sg, ec2.Port.all_traffic(), "EFA: all traffic from the cluster itself")
         sg.add_egress_rule(sg, ec2.Port.all_traffic(), "EFA: all traffic to the cluster itself")
-        # Staging (S3, Hugging Face, git) and the SSM agent speak HTTPS only.
-        sg.add_egress_rule(ec2.Peer.any_ipv4(), ec2.Port.tcp(443), "HTTPS: S3, SSM, model and examples downloads")
+        # Staging (S3, Hugging Face, git) and the SSM agent speak HTTPS only. Without a route out
+        # (egress none) the interface endpoints are in this group (the rule above), so HTTPS needs
+        # to reach S3 alone: its prefix list when the operator names it (preflight finds it).
+        if config.network.s3_prefix_list_id:
+            sg.add_egress_rule(ec2.Peer.prefix_list(config.network.s3_prefix_list_id), ec2.Port.tcp(443), "HTTPS: S3 (gateway endpoint) only")
+        else:
+            sg.add_egress_rule(ec2.Peer.any_ipv4(), ec2.Port.tcp(443), "HTTPS: S3, SSM, model and examples downloads")
         for rule in serving_rules(config, layout):
             port = ec2.Port.tcp(rule.first) if rule.first == rule.last else ec2.Port.tcp_range(rule.first, rule.last)
             sg.add_ingress_rule(sg, port, rule.description)

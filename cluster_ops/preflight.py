@@ -123,12 +123,30 @@ def check_quota(cfg: ClusterConfig, quotas: Any) -> Check:
     )
 
 
+def check_s3_prefix_list(cfg: ClusterConfig, ec2: Any) -> Check:
+    """egress=none: the nodes' HTTPS reaches S3 alone when network.s3_prefix_list_id is the region's S3 prefix list."""
+    name = f"com.amazonaws.{cfg.region}.s3"
+    found = ec2.describe_managed_prefix_lists(Filters=[{"Name": "prefix-list-name", "Values": [name]}])["PrefixLists"]
+    if not found:
+        return Check("S3 prefix list", False, f"no managed prefix list {name} in {cfg.region}", "check the region")
+    pl = found[0]["PrefixListId"]
+    given = cfg.network.s3_prefix_list_id
+    if given == pl:
+        return Check("S3 prefix list", True, f"HTTPS egress reaches {name} ({pl}) alone")
+    if given:
+        return Check("S3 prefix list", False, f"network.s3_prefix_list_id is {given}, but {name} is {pl}", f"set network.s3_prefix_list_id={pl}")
+    return Check("S3 prefix list", True, f"HTTPS egress is open to any address (no route leads out but to S3 and the endpoints); {name} is {pl}",
+                 f"set network.s3_prefix_list_id={pl} to narrow it to S3", warn=True)  # fmt: skip
+
+
 def run(cfg: ClusterConfig, session: Any) -> list[Check]:
     """Every preflight check for this config."""
     ec2 = session.client("ec2", region_name=cfg.region)
     checks = [check_offered(cfg, ec2), *check_hardware(cfg, ec2)]
     checks.append(check_ami(cfg, session.client("ssm", region_name=cfg.region), ec2))
     checks.append(check_quota(cfg, session.client("service-quotas", region_name=cfg.region)))
+    if cfg.network.egress == "none":
+        checks.append(check_s3_prefix_list(cfg, ec2))
     groups = cfg.capacity.reservation_group_arn or any(r.reservation_group_arn for r in cfg.capacity.roles.values())
     checks += check_capacity(cfg, ec2, session.client("resource-groups", region_name=cfg.region) if groups else None)
     return checks

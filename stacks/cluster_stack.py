@@ -60,6 +60,13 @@ class GptOssClusterStack(Stack):
             )
             if config.acknowledge_unpinned_ami:
                 Annotations.of(self).acknowledge_warning("gptoss:unpinned-ami", "the operator keeps the image unpinned (acknowledge_unpinned_ami)")
+        if config.network.egress == "none" and not config.network.s3_prefix_list_id:
+            Annotations.of(self).add_warning_v2(
+                "gptoss:https-egress-open",
+                "network.s3_prefix_list_id is unset: the nodes' HTTPS egress is allowed to any address (no route leads "
+                "anywhere but to S3 and the endpoints). Narrow it to S3: gptoss preflight names the region's prefix list; "
+                "-c network.s3_prefix_list_id=pl-...",
+            )
         if config.model.source == "huggingface" and config.model.revision is None:
             Annotations.of(self).add_warning_v2(
                 "gptoss:unpinned-model",
@@ -90,6 +97,11 @@ class GptOssClusterStack(Stack):
         scripts = NodeScripts(self, "NodeScripts", renders=renders)
         router = RouterWheel(self, "RouterWheel", config=config) if config.proxy_kind == "vllm-router" else None
         cache = _compile_cache(self, config)
+        if config.network.egress == "none":
+            buckets = [scripts.asset.s3_bucket_name] + ([router.asset.s3_bucket_name] if router else [])
+            locations = [cache.uri if cache else None, config.model.s3_uri, config.examples.s3_uri, config.results_s3_uri]
+            buckets += sorted({u.removeprefix("s3://").partition("/")[0] for u in locations if u})
+            network.restrict_endpoints(buckets=buckets)
         # The nodes clients reach: the proxies, or the one server of a single-instance recipe.
         proxy_names = [p.node for p in layout.proxies] or [renders[0].node.name]
         balancer = None

@@ -29,6 +29,11 @@ class NetworkConfig(Frozen):
         "model and examples from S3 through the gateway endpoint, SSM through interface endpoints.",
     )
     s3_gateway_endpoint: bool = True
+    s3_prefix_list_id: str | None = Field(
+        None, pattern=r"^pl-[0-9a-f]{8,17}$",
+        description="egress=none: the region's AWS-managed S3 prefix list (com.amazonaws.<region>.s3; `gptoss preflight` "
+        "names it); the nodes' HTTPS egress then reaches S3 alone instead of any address.",
+    )  # fmt: skip
     ssm_endpoints: bool | None = Field(
         None, description="Interface endpoints for SSM (ssm, ssmmessages, ec2messages); default: created when egress is none."
     )
@@ -66,6 +71,12 @@ class NetworkConfig(Frozen):
 
     @model_validator(mode="after")
     def _network_rules(self) -> NetworkConfig:
+        if self.s3_prefix_list_id and self.egress != "none":
+            raise rule_error(
+                "network.s3_prefix_list_id", self.s3_prefix_list_id,
+                "with egress 'nat' the nodes' HTTPS reaches Hugging Face, GitHub and PyPI, not S3 alone",
+                "unset network.s3_prefix_list_id, or use network.egress=none",
+            )  # fmt: skip
         if (self.vpc_id is None) != (self.subnet_id is None):
             given = "vpc_id" if self.vpc_id else "subnet_id"
             raise rule_error(

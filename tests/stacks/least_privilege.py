@@ -123,15 +123,24 @@ def _objects(bucket: str, key: str) -> str:
     return f"arn:aws:s3:::{bucket}/{key + '/' if key else ''}*"
 
 
+# The stack's own buckets (its compile cache, the CDK asset bucket): granted only while they are this account's.
+OWN = {"StringEquals": {"s3:ResourceAccount": {"Ref": "AWS::AccountId"}}}
+
+
 def _list(bucket: str, key: str) -> tuple[str, str, str]:
-    return ("s3:ListBucket", f"arn:aws:s3:::{bucket}", json.dumps({"StringLike": {"s3:prefix": [key, f"{key}/*"]}}))
+    own = OWN if bucket in (CACHE_BUCKET, ASSETS) else {}
+    return ("s3:ListBucket", f"arn:aws:s3:::{bucket}", json.dumps({**own, "StringLike": {"s3:prefix": [key, f"{key}/*"]}}, sort_keys=True))
+
+
+def _when(bucket: str) -> str:
+    return json.dumps(OWN if bucket in (CACHE_BUCKET, ASSETS) else {})
 
 
 def expected(cfg: ClusterConfig, node: str, scripts_key: str, router_key: str | None) -> set[tuple[str, str, str]]:
     """What node `node` of this config needs, and nothing else (README 'Security')."""
     none = "{}"
     out = {(a, "*", none) for a in SSM_AGENT}
-    out.add(("s3:GetObject", f"arn:aws:s3:::{ASSETS}/{scripts_key}", none))
+    out.add(("s3:GetObject", f"arn:aws:s3:::{ASSETS}/{scripts_key}", _when(ASSETS)))
     cache = _cache(cfg)
     reads = []
     if cfg.model.source == "s3" and cfg.model.s3_uri:
@@ -142,7 +151,7 @@ def expected(cfg: ClusterConfig, node: str, scripts_key: str, router_key: str | 
         reads.append(f"{cache}/fleet")
     for uri in reads:
         bucket, key = _prefix(uri)
-        out.add(("s3:GetObject", _objects(bucket, key), none))
+        out.add(("s3:GetObject", _objects(bucket, key), _when(bucket)))
         out.add(_list(bucket, key))
     if cfg.results_s3_uri:
         bucket, key = _prefix(cfg.results_s3_uri)
@@ -150,7 +159,7 @@ def expected(cfg: ClusterConfig, node: str, scripts_key: str, router_key: str | 
     if cache:
         # This node's own area: what it saves, what its replacements restore.
         bucket, key = _prefix(f"{cache}/nodes/{node}")
-        out |= {(a, _objects(bucket, key), none) for a in ("s3:GetObject", "s3:PutObject", "s3:DeleteObject")}
+        out |= {(a, _objects(bucket, key), _when(bucket)) for a in ("s3:GetObject", "s3:PutObject", "s3:DeleteObject")}
         out.add(_list(bucket, key))
     if cfg.kms_key_arns:
         via = [f"s3.{cfg.region}.amazonaws.com"] + ([f"secretsmanager.{cfg.region}.amazonaws.com"] if cfg.model.hf_token_secret_arn else [])
@@ -175,7 +184,7 @@ def expected(cfg: ClusterConfig, node: str, scripts_key: str, router_key: str | 
     if proxies:
         out.add(("ec2:DescribeInstances", "*", none))  # the fleet's members, by tag
     if router_key and any(p.kind == "vllm-router" for p in proxies):
-        out.add(("s3:GetObject", f"arn:aws:s3:::{ASSETS}/{router_key}", none))
+        out.add(("s3:GetObject", f"arn:aws:s3:::{ASSETS}/{router_key}", _when(ASSETS)))
     return out
 
 

@@ -116,6 +116,42 @@ class TestNetwork:
             f"com.amazonaws.us-east-2.{s}" for s in ("autoscaling", "ec2", "ec2messages", "logs", "monitoring", "s3", "ssm", "ssmmessages")
         ]
 
+    def test_without_egress_the_endpoints_admit_only_this_accounts_principals_and_the_clusters_buckets(self, synth_variant: Any) -> None:
+        t = synth_variant(
+            network={"egress": "none"},
+            model={"source": "s3", "s3_uri": "s3://models-bucket/gpt-oss-120b"},
+            examples={"s3_uri": "s3://examples-bucket/vllm-neuron"},
+            results_s3_uri="s3://results-bucket/runs",
+            **{"serving.proxy.kind": "vllm-router"},
+        )
+        eps = {v["Properties"]["ServiceName"].rpartition(".")[2]: v["Properties"] for v in of_type(t, "AWS::EC2::VPCEndpoint").values()}
+        account = {"StringEquals": {"aws:PrincipalAccount": {"Ref": "AWS::AccountId"}}}
+        for service in ("ssm", "ec2", "autoscaling", "logs", "monitoring"):
+            assert eps[service]["PolicyDocument"]["Statement"] == [
+                {"Sid": "ThisAccountsPrincipals", "Effect": "Allow", "Principal": {"AWS": "*"}, "Action": "*", "Resource": "*", "Condition": account}
+            ], service
+        assert "PolicyDocument" not in eps["ssmmessages"] and "PolicyDocument" not in eps["ec2messages"]
+
+        ours, gate, agent = eps["s3"]["PolicyDocument"]["Statement"]
+        assert ours["Condition"] == account and ours["Principal"] == {"AWS": "*"}
+        assert sorted(ours["Action"]) == ["s3:DeleteObject", "s3:GetObject", "s3:ListBucket", "s3:PutObject"]
+        named = {json.dumps(r) for r in ours["Resource"]}
+        for bucket in ("models-bucket", "examples-bucket", "results-bucket"):
+            assert any(f":s3:::{bucket}\"" in r for r in named) and any(f":s3:::{bucket}/*" in r for r in named), bucket
+        assert any("cdk-hnb659fds-assets-${AWS::AccountId}-us-east-2" in r for r in named), "the scripts' asset bucket"
+        assert any('"Ref": "CompileCacheBucket' in r for r in named), "the stack's compile cache"
+        assert len(ours["Resource"]) == 2 * 5, "these five buckets (each as a bucket and its objects), nothing else"
+        assert gate["Action"] == "s3:PutObject" and "Condition" not in gate, "CloudFormation presigns the handle: no account of ours signs it"
+        assert json.dumps(gate["Resource"]).endswith(':s3:::cloudformation-waitcondition-us-east-2/*"]]}')
+        assert agent["Action"] == "s3:GetObject"
+        assert {json.dumps(r).split(":s3:::")[1].split("/*")[0] for r in agent["Resource"]} == {
+            "aws-ssm-us-east-2", "amazon-ssm-us-east-2", "amazon-ssm-packages-us-east-2", "us-east-2-birdwatcher-prod",
+            "aws-ssm-distributor-file-us-east-2", "aws-ssm-document-attachments-us-east-2", "patch-baseline-snapshot-us-east-2"}  # fmt: skip
+
+    def test_with_egress_through_nat_the_s3_gateway_keeps_its_default_policy(self, default_synth: Synth) -> None:
+        _, ep = one(default_synth.template, "AWS::EC2::VPCEndpoint")
+        assert "PolicyDocument" not in ep["Properties"], "Hugging Face, GitHub and PyPI are reached through the NAT; S3 is not narrowed here"
+
     def test_an_existing_vpc_without_egress_gets_its_s3_and_ssm_endpoints(self, synth_variant: Any) -> None:
         t = synth_variant(
             network={"vpc_id": "vpc-0123456789abcdef0", "subnet_id": "subnet-0123456789abcdef0", "route_table_id": "rtb-0123456789abcdef0",
@@ -185,6 +221,16 @@ class TestSecurityGroup:
         assert sg["SecurityGroupEgress"] == [
             {"CidrIp": "0.0.0.0/0", "Description": "HTTPS: S3, SSM, model and examples downloads", "FromPort": 443, "IpProtocol": "tcp", "ToPort": 443}
         ]
+
+    def test_without_egress_https_reaches_the_s3_prefix_list_alone_when_named(self, synth_variant: Any) -> None:
+        t = synth_variant(network={"egress": "none", "s3_prefix_list_id": "pl-7ba54012"},
+                          model={"source": "s3", "s3_uri": "s3://models-bucket/gpt"}, examples={"s3_uri": "s3://models-bucket/ex"})  # fmt: skip
+        sg = t["Resources"][group_id(t)]["Properties"]
+        assert "SecurityGroupEgress" not in sg, "no egress to any address"
+        egress = [e["Properties"] for e in of_type(t, "AWS::EC2::SecurityGroupEgress").values()]
+        outside = [e for e in egress if "DestinationSecurityGroupId" not in e]
+        assert outside == [{"GroupId": {"Fn::GetAtt": [group_id(t), "GroupId"]}, "DestinationPrefixListId": "pl-7ba54012",
+                            "Description": "HTTPS: S3 (gateway endpoint) only", "FromPort": 443, "IpProtocol": "tcp", "ToPort": 443}]  # fmt: skip
 
     def test_proxy_opened_to_an_operator_cidr_only_when_given(self, synth_variant: Any) -> None:
         t = synth_variant(proxy_ingress_cidr="203.0.113.0/24")

@@ -402,6 +402,23 @@ def test_an_unpinned_model_and_examples_warn_at_synth_and_pinned_ones_do_not() -
     assert pin_lines(pinned_cfg)[:2] == [f"  model: openai/gpt-oss-120b at {'1' * 40}", f"  examples: release-2.33 at {'2' * 40}"]
 
 
+def test_without_egress_open_https_warns_at_synth_until_the_s3_prefix_list_is_named() -> None:
+    import aws_cdk as cdk
+    from aws_cdk.assertions import Annotations, Match
+
+    from stacks.cluster_stack import GptOssClusterStack
+
+    s3 = {"model.source": "s3", "model.s3_uri": "s3://models-bucket/gpt-oss-120b", "examples.s3_uri": "s3://models-bucket/vllm-neuron"}
+    app = cdk.App()
+    open_ = GptOssClusterStack(app, "A", config=load_config({"network.egress": "none", **s3}))
+    narrow = GptOssClusterStack(app, "B", config=load_config({"network.egress": "none", "network.s3_prefix_list_id": "pl-7ba54012", **s3}))
+    nat = GptOssClusterStack(app, "C", config=load_config({}))
+    said = "network.s3_prefix_list_id is unset: the nodes' HTTPS egress is allowed to any address"
+    Annotations.from_stack(open_).has_warning("*", Match.string_like_regexp(said))
+    Annotations.from_stack(narrow).has_no_warning("*", Match.string_like_regexp("s3_prefix_list_id"))
+    Annotations.from_stack(nat).has_no_warning("*", Match.string_like_regexp("s3_prefix_list_id"))
+
+
 # ---- cost ----------------------------------------------------------------------------------
 
 

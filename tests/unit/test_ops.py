@@ -99,6 +99,21 @@ def test_preflight_fails_for_an_unknown_type_a_missing_dlami_and_a_small_quota(a
     assert not quota.ok and quota.detail == "Running On-Demand Trn instances: 192 vCPUs < 384 for 2 x trn3.48xlarge"
 
 
+def test_preflight_without_egress_names_the_regions_s3_prefix_list_and_refuses_another(aws: None) -> None:
+    boto3.client("ssm", region_name=REGION).put_parameter(Name="/test/dlami", Value="ami-12345678", Type="String")
+    # What AWS (moto) says the region's S3 prefix list is: the value preflight must name.
+    (pl,) = [p["PrefixListId"] for p in boto3.client("ec2", region_name=REGION).describe_managed_prefix_lists()["PrefixLists"]
+             if p["PrefixListName"] == f"com.amazonaws.{REGION}.s3"]  # fmt: skip
+    s3 = {"model": {"source": "s3", "s3_uri": "s3://models-bucket/gpt-oss-120b"}, "examples": {"s3_uri": "s3://models-bucket/vllm-neuron"}}
+    open_ = by_name(preflight.run(load_config(TRN2 | s3 | {"network": {"egress": "none"}}), _session()))["S3 prefix list"]
+    assert open_.ok and open_.warn and open_.fix == f"set network.s3_prefix_list_id={pl} to narrow it to S3"
+    named = by_name(preflight.run(load_config(TRN2 | s3 | {"network": {"egress": "none", "s3_prefix_list_id": pl}}), _session()))["S3 prefix list"]
+    assert named.ok and not named.warn and named.detail == f"HTTPS egress reaches com.amazonaws.{REGION}.s3 ({pl}) alone"
+    other = by_name(preflight.run(load_config(TRN2 | s3 | {"network": {"egress": "none", "s3_prefix_list_id": "pl-0000000a"}}), _session()))["S3 prefix list"]
+    assert not other.ok and other.fix == f"set network.s3_prefix_list_id={pl}"
+    assert "S3 prefix list" not in by_name(preflight.run(load_config(TRN2), _session())), "with NAT egress HTTPS goes anywhere by design"
+
+
 def _load_cli() -> Any:
     from cluster_ops import cli
 
