@@ -118,14 +118,20 @@ def proxy_argv(cfg: ClusterConfig, proxy: ProxyPlacement) -> list[str]:
     ]  # fmt: skip
 
 
+# Where the router's own arguments start in router_argv: after the interpreter, gptoss-router and its --api HOST:PORT.
+ROUTER_ARGS_AT = 4
+
+
 def router_argv(cfg: ClusterConfig, *, bin_dir: str) -> list[str]:
     """vLLM's router in NIXL P/D mode, from the spec: everything but its servers (router_pool_args)."""
     p, s = cfg.serving.proxy, cfg.serving
     r = p.router
     argv = [
         f"{router_venv(r.version, r.sha256)}/bin/python", f"{bin_dir}/gptoss-router",
-        "--host", p.bind_host,
-        "--port", str(p.port),
+        # Clients reach the API gate; the router (and its admin routes) answers on loopback alone.
+        "--api", f"{p.bind_host}:{p.port}",
+        "--host", "127.0.0.1",
+        "--port", str(r.internal_port),
         "--vllm-pd-disaggregation",
         "--kv-connector", "nixl",
         "--prefill-policy", cfg.router_policy("prefill"),

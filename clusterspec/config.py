@@ -532,6 +532,10 @@ def _check_ports(cfg: ClusterConfig) -> None:
         ("serving.decode.side_channel_port", *s.decode.side_channel_ports),
         ("serving.prefill.http_port_base", s.prefill.http_port(0), s.prefill.http_port(per_node - 1)),
     ]
+    if cfg.proxy_kind == "vllm-router":
+        r = s.proxy.router
+        ranges += [("serving.proxy.router.internal_port", r.internal_port, r.internal_port),
+                   ("serving.proxy.router.metrics_port", r.metrics_port, r.metrics_port)]  # fmt: skip
     ranges += [
         (f"serving.prefill.side_channel_port_base (replica {i})", *s.prefill.side_channel_range(i)) for i in range(per_node)
     ]

@@ -17,6 +17,7 @@ import jinja2
 
 from clusterspec import telemetry
 from clusterspec.commands import (
+    ROUTER_ARGS_AT,
     bench_argv,
     decode_env,
     endpoint_port,
@@ -379,7 +380,7 @@ def _render_router(cfg: ClusterConfig, node: Node, proxy: ProxyPlacement, out: N
     routed = router_argv(cfg, bin_dir=bin_dir)
     if r.extra_flags:
         extra_tokens = sum(1 + (f.value is not None) for f in r.extra_flags)
-        check_router_argv(routed[2:-extra_tokens] + pool_args, [(f.name, f.value) for f in r.extra_flags], r.wheel, r.sha256)
+        check_router_argv(routed[ROUTER_ARGS_AT:-extra_tokens] + pool_args, [(f.name, f.value) for f in r.extra_flags], r.wheel, r.sha256)
     out.files[ROUTER_POOL] = ("".join(f"{role} {member_host(n)} {first} {last}\n" for role, n, first, last in pool), 0o644)
     argv = [f"{bin_dir}/gptoss-exec", "proxy", f"{bin_dir}/gptoss-install-router", venv, "--",
             f"{bin_dir}/gptoss-router-pool", ROUTER_POOL, "--", *routed]  # fmt: skip

@@ -61,6 +61,11 @@ class Router(Frozen):
         "router out of service for 30 s with every server up).",
     )  # fmt: skip
     metrics_port: int = Field(8029, ge=1024, le=65535, description="Prometheus metrics, on 127.0.0.1 (the node's collector reads them).")
+    internal_port: int = Field(
+        8010, ge=1024, le=65535,
+        description="The router itself, on 127.0.0.1 (its admin routes answer there alone); clients reach serving.proxy.port, "
+        "where gptoss-router passes on only the OpenAI API and the health routes.",
+    )  # fmt: skip
     extra_flags: tuple[ExtraFlag, ...] = Field(
         (), description="Router flags the spec does not model; checked against the pinned router's own parser at plan time."
     )

@@ -49,7 +49,7 @@ CREDS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AW
 # bind different addresses. Ports of their own too, so a service of this machine on the defaults cannot collide.
 NET = f"127.{16 + os.getpid() % 224}"
 PORTS = {"serving.proxy.port": 28000, "serving.proxy.group_health_port": 28001, "serving.decode.http_port": 28200,
-         "serving.prefill.http_port_base": 28100, "serving.proxy.router.metrics_port": 28029}  # fmt: skip
+         "serving.prefill.http_port_base": 28100, "serving.proxy.router.metrics_port": 28029, "serving.proxy.router.internal_port": 28010}  # fmt: skip
 FLEET = {"decode_instances": 2, "prefill_per_decode": 3, "replicas_per_prefill_instance": 3, **PORTS}
 CLIENTS = 64
 DURATION_S = 20.0
@@ -229,8 +229,11 @@ def _fleet(kind: str, tmp: Path, router_venv: Path | None, prefill_ms: float = P
                 continue
             ip = names[r.node.name]
             argv = _substitute(svc.argv, names)
-            # Each node binds its own address (the spec's 0.0.0.0 would take the port on all of them).
+            # Each node binds its own address (the spec's 0.0.0.0 would take the port on all of them;
+            # the router's loopback its internal port, for every router of this machine at once).
             argv[argv.index("--host") + 1] = ip
+            if "--api" in argv:
+                argv[argv.index("--api") + 1] = f"{ip}:{s.proxy.port}"
             env = dict(os.environ)
             if kind == "vllm-router":
                 assert argv[:2] == [f"{router_venv_path(cfg)}/bin/python", "/opt/gptoss/bin/gptoss-router"], argv[:2]
@@ -555,6 +558,7 @@ def test_a_running_router_admits_a_replaced_prefill_node_at_its_new_address_with
     (svc,) = [s for r in render_cluster(cfg) if r.node.name == "decode-0" for s in r.services if s.unit == "gptoss-proxy.service"]
     argv = [str(router_venv / "bin" / "python"), str(ROOT / "userdata" / "bin" / "gptoss-router"), *svc.argv[2:]]
     argv[argv.index("--host") + 1] = ips["decode-0"]
+    argv[argv.index("--api") + 1] = f"{ips['decode-0']}:{cfg.serving.proxy.port}"
     argv[argv.index("--prometheus-host") + 1] = ips["decode-0"]
     assert "http://prefill-1.gptoss.internal:28100" in argv, "the router's pool names nodes, not addresses"
     router = subprocess.Popen(with_etc(argv, etc), stdout=(tmp_path / "router.log").open("wb"), stderr=subprocess.STDOUT)
@@ -603,5 +607,65 @@ def test_a_running_router_admits_a_replaced_prefill_node_at_its_new_address_with
         print(f"\nreplacement admitted {admitted:.1f}s after the members' sync; it served {stats['served']} of 20 prefills")
     finally:
         router.kill()
+        for p in procs:
+            p.kill()
+
+
+def test_the_pinned_routers_admin_routes_answer_on_loopback_and_never_at_the_endpoint(router_venv: Path, tmp_path: Path) -> None:
+    """The real router (the pinned wheel) behind its API gate, as the node starts it: every admin route
+    sent to the endpoint is refused and changes nothing (the pool stays whole, completions pass); the
+    same route on the router's own port answers, so it is the gate that refuses it."""
+    cfg = load_config({"decode_instances": 1, "prefill_per_decode": 1, "replicas_per_prefill_instance": 1, "serving.proxy.kind": "vllm-router", **PORTS})
+    ips = {"prefill-0": f"{NET}.1.31", "decode-0": f"{NET}.2.31"}
+    port, dport = cfg.serving.prefill.http_port(0), cfg.serving.decode.http_port
+    engines = {engine_id(ips["prefill-0"], port): [ips["prefill-0"], 5559]}
+    procs = [
+        subprocess.Popen([sys.executable, str(FAKES), "--role", "prefill", "--host", ips["prefill-0"], "--port", str(port), "--side-channel-port", "5559"],
+                         env={**os.environ, "VLLM_NIXL_SIDE_CHANNEL_HOST": ips["prefill-0"]}, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL),
+        subprocess.Popen([sys.executable, str(FAKES), "--role", "decode", "--host", ips["decode-0"], "--port", str(dport), "--engines", json.dumps(engines)],
+                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL),
+    ]  # fmt: skip
+    (svc,) = [s for r in render_cluster(cfg) if r.node.name == "decode-0" for s in r.services if s.unit == "gptoss-proxy.service"]
+    argv = [str(router_venv / "bin" / "python"), str(ROOT / "userdata" / "bin" / "gptoss-router"), *svc.argv[2:]]
+    assert argv[2:8] == ["--api", f"0.0.0.0:{cfg.serving.proxy.port}", "--host", "127.0.0.1", "--port", "28010"], argv[2:8]
+    # This node's own address for both (every router of this machine on its own loopback address).
+    argv[3], argv[5] = f"{ips['decode-0']}:{cfg.serving.proxy.port}", ips["decode-0"]
+    argv[argv.index("--prometheus-host") + 1] = ips["decode-0"]
+    router = subprocess.Popen(with_etc(argv, private_etc(tmp_path, ips)), stdout=(tmp_path / "router.log").open("wb"), stderr=subprocess.STDOUT)
+    endpoint, internal = f"http://{ips['decode-0']}:{cfg.serving.proxy.port}", f"http://{ips['decode-0']}:28010"
+
+    def call(base: str, method: str, path: str) -> tuple[int, bytes]:
+        req = urllib.request.Request(f"{base}{path}", b"{}" if method == "POST" else None, {"Content-Type": "application/json"}, method=method)
+        try:
+            with urllib.request.urlopen(req, timeout=10) as r:
+                return r.status, r.read()
+        except urllib.error.HTTPError as e:
+            return e.code, e.read()
+        except OSError:
+            return 0, b""  # not listening yet
+
+    def ready() -> bool:
+        status, body = call(endpoint, "GET", "/readiness")
+        return status == 200 and json.loads(body).get("prefill") == {"healthy": 1, "total": 1}
+
+    try:
+        deadline = time.monotonic() + 90
+        while not ready():
+            assert router.poll() is None and time.monotonic() < deadline, (tmp_path / "router.log").read_text()[-3000:]
+            time.sleep(0.2)
+        admin = [("POST", f"/remove_worker?url=http://prefill-0.gptoss.internal:{port}"), ("POST", "/flush_cache"), ("GET", "/list_workers"),
+                 ("GET", "/get_loads"), ("POST", "/add_worker?url=http://evil:1"), ("GET", "/get_server_info"), ("GET", "/workers")]  # fmt: skip
+        for method, path in admin:
+            status, body = call(endpoint, method, path)
+            assert status == 404 and json.loads(body)["error"]["type"] == "gptoss_api_gate", (method, path, status, body)
+        assert ready(), "after every admin route at the endpoint the pool is whole"
+        status, body = call(internal, "GET", "/list_workers")
+        assert status == 200 and f"prefill-0.gptoss.internal:{port}".encode() in body, "the route exists: the router answers it on its own port"
+        prompt = json.dumps({"model": "m", "prompt": "through the gate " * 2000, "max_tokens": 4}).encode()
+        req = urllib.request.Request(f"{endpoint}/v1/completions", prompt, {"Content-Type": "application/json"})
+        assert json.loads(urllib.request.urlopen(req, timeout=30).read())["choices"][0]["text"] == " ok"
+    finally:
+        router.terminate()
+        router.wait(60)
         for p in procs:
             p.kill()

@@ -69,7 +69,7 @@ def test_the_rendered_router_command_line_parses_with_the_pinned_routers_own_par
     r = cfg.serving.proxy.router
     parser = router_parser(WHEELS_DIR / r.wheel, r.sha256)
     (svc,) = [s for s in render_cluster(cfg)[-1].services if s.unit == "gptoss-proxy.service"]
-    args = parser.parse_args(svc.argv[2:])
+    args = parser.parse_args(svc.argv[4:])
     assert args.vllm_pd_disaggregation and args.kv_connector == "nixl"
     assert len(args.prefill) == 48 and len(args.decode) == 8
     assert (args.health_check_interval_secs, args.health_failure_threshold, args.retry_max_retries) == (
@@ -148,8 +148,10 @@ def test_the_router_pool_is_one_line_per_node_and_expands_to_every_server(tmp_pa
 # decode server on 8200), not from the code that renders it: a changed flag or value fails here.
 ROUTER_3P8D = [
     "/opt/gptoss/vllm-router/0.1.17-85c96bea4d57/bin/python", "/opt/gptoss/bin/gptoss-router",
-    "--host", "0.0.0.0",
-    "--port", "8000",
+    # Clients reach the API gate on 8000; the router and its admin routes listen on loopback alone.
+    "--api", "0.0.0.0:8000",
+    "--host", "127.0.0.1",
+    "--port", "8010",
     "--vllm-pd-disaggregation",
     "--kv-connector", "nixl",
     "--prefill-policy", "power_of_two",
@@ -185,7 +187,7 @@ def test_the_production_routers_command_line_is_the_typed_one_on_every_router_no
         assert service["argv"] == ROUTER_3P8D + ROUTER_3P8D_POOL, name
     # The same command line, run as the node runs it, parses with the pinned router's own parser.
     pinned = load_config({}).serving.proxy.router
-    parsed = router_parser(WHEELS_DIR / pinned.wheel, pinned.sha256).parse_args(ROUTER_3P8D[2:] + ROUTER_3P8D_POOL)
+    parsed = router_parser(WHEELS_DIR / pinned.wheel, pinned.sha256).parse_args(ROUTER_3P8D[4:] + ROUTER_3P8D_POOL)
     assert parsed.request_timeout_secs == 1800 and parsed.prefill_policy == "power_of_two"
 
 
