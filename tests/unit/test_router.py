@@ -442,8 +442,11 @@ class Ec2Fleet:
         self.subnet = ec2.create_subnet(VpcId=vpc, CidrBlock=cidr)["Subnet"]["SubnetId"]
         self.ids: dict[str, str] = {}
 
-    def launch(self, node: str, ip: str, cluster: str | None = None) -> str:
+    def launch(self, node: str, ip: str, cluster: str | None = None, group: bool = True) -> str:
+        """An instance of `node` at `ip`; launched by its group (which adds aws:autoscaling:groupName), or not."""
         tags = [{"Key": "gptoss:cluster", "Value": cluster or self.cluster}, {"Key": "gptoss:node", "Value": node}]
+        if group:
+            tags.append({"Key": "aws:autoscaling:groupName", "Value": f"{cluster or self.cluster}-{node}"})
         i = self.ec2.run_instances(ImageId="ami-12c6146b", MinCount=1, MaxCount=1, SubnetId=self.subnet, PrivateIpAddress=ip,
                                    TagSpecifications=[{"ResourceType": "instance", "Tags": tags}])["Instances"][0]  # fmt: skip
         if cluster is None:
@@ -469,6 +472,9 @@ def test_members_come_from_ec2_by_identity_tag_and_only_the_hosts_block_changes(
     for node, ip in FLEET_IPS.items():
         fleet.launch(node, ip)
     fleet.launch("decode-0", f"{NET}.9.9", cluster="another-cluster")  # same node name, another cluster: never a member
+    # An instance someone tagged as decode-1 of this cluster, launched after it, but by no group of the
+    # cluster's (its aws:autoscaling:groupName only Auto Scaling sets): never a member, newer or not.
+    fleet.launch("decode-1", f"{NET}.9.10", group=False)
     (tmp_path / "etc").mkdir()
     (tmp_path / "etc" / "hosts").write_text("127.0.0.1 localhost\n::1 localhost ip6-localhost\n")
     res = _members(shipped, env, "hosts")
