@@ -147,7 +147,8 @@ def cluster_env(cfg: ClusterConfig, node: Node) -> dict[str, str]:
         "GPTOSS_EXAMPLES_COMMIT": cfg.examples.pinned_commit or "",
         "GPTOSS_EXAMPLES_S3_URI": cfg.examples.s3_uri or "",
         # The examples' files this recipe runs (none for a single-instance recipe: nothing is fetched).
-        "GPTOSS_PROXY_SCRIPT": s.proxy.script if s.disaggregated else "",
+        # Only where the toy proxy runs: vLLM's router is not one of the examples' files.
+        "GPTOSS_PROXY_SCRIPT": s.proxy.script if cfg.proxy_kind == "toy" else "",
         "GPTOSS_SCHEDULE_SUBDIR": s.examples_dir if megakernel else "",
         "GPTOSS_SCHEDULE_HELPER": s.schedule_helper if megakernel else "",
         "GPTOSS_SCHEDULE_FILE": s.decode.schedule_file or "" if megakernel else "",

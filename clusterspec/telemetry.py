@@ -107,4 +107,5 @@ def node_config(cfg: ClusterConfig, node: Node, servers: list[dict[str, str]], u
     }
     if router_metrics_url:
         doc["router_metrics_url"] = router_metrics_url
-    return json.dumps(doc, indent=1) + "\n"
+    # Compact: the user data of a router node is near its budget (python3 -m json.tool shows it indented).
+    return json.dumps(doc, separators=(",", ":")) + "\n"
