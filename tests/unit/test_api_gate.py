@@ -41,7 +41,8 @@ ADMIN = [("POST", "/add_worker?url=http://evil:1"), ("POST", "/remove_worker?url
          ("POST", "/flush_cache"), ("GET", "/list_workers"), ("GET", "/get_loads"), ("GET", "/get_load"), ("GET", "/workers"),
          ("DELETE", "/workers/http%3A%2F%2Fdecode-0.gptoss.internal%3A8200"), ("GET", "/get_server_info"), ("GET", "/get_model_info"),
          ("GET", "/metrics"), ("POST", "/generate"), ("POST", "/v1/generate"), ("GET", "/health_generate"), ("POST", "/v1/rerank"),
-         ("POST", "/v1/responses"), ("GET", "/v1/completions/../../remove_worker"), ("GET", "//remove_worker")]  # fmt: skip
+         ("POST", "/v1/responses"), ("GET", "/v1/responses/resp_1"), ("POST", "/v1/responses/resp_1/cancel"), ("GET", "/scheduling/diagnostics"),
+         ("POST", "/finish_session"), ("GET", "/v1/completions/../../remove_worker"), ("GET", "//remove_worker")]  # fmt: skip
 
 
 class Upstream(http.server.ThreadingHTTPServer):
