@@ -37,6 +37,15 @@ class HealingConfig(Frozen):
         20, ge=1, le=100000,
         description="Neuron execution errors (neuron-monitor) in one check interval that mark the node unhealthy.",
     )  # fmt: skip
+    neuron_error_intervals: int = Field(
+        3, ge=1, le=60,
+        description="How many consecutive telemetry intervals with neuron_errors or more mark the node unhealthy (one burst does not).",
+    )  # fmt: skip
+    check_grace_s: int = Field(
+        120, ge=0, le=3600,
+        description="How long a node check failed for a hardware cause (a device missing) marks the node unhealthy after; "
+        "a configuration cause (no venv, NIXL) never does: a new instance would fail the same way.",
+    )  # fmt: skip
     grace_s: int = Field(
         900, ge=0, le=7200,
         description="The group's health-check grace period: EC2 status checks count from this long after a launch.",

@@ -411,7 +411,7 @@ def boot_env(tmp_path: Path, request: pytest.FixtureRequest) -> Callable[[str, b
                 threading.Timer(1.0, (dev / "neuron15").touch).start()
             (tmp_path / "cluster.env").write_text("GPTOSS_EXPECT_NEURON=16\nGPTOSS_EXPECT_EFA=0\n")
             return {"GPTOSS_CLUSTER_ENV": str(tmp_path / "cluster.env"), "GPTOSS_DEV_DIR": str(dev), "GPTOSS_CHECK_TIMEOUT_S": "3",
-                    "GPTOSS_POLL_S": "0.2"}, f"gptoss-node-check: Neuron: 15 devices in {dev}, the instance table says 16 (neuron_devices)"  # fmt: skip
+                    "GPTOSS_POLL_S": "0.2", "GPTOSS_RUN_DIR": str(tmp_path / "run")}, f"gptoss-node-check: Neuron: 15 devices in {dev}, the instance table says 16 (neuron_devices)"  # fmt: skip
         env = request.getfixturevalue("artifacts_env")
         bindir = Path(env["PATH"].split(os.pathsep)[0])
         (bindir / "aws").rename(bindir / "aws.real")

@@ -73,7 +73,7 @@ def node(tmp_path: Path, shipped: Shipped) -> Callable[..., subprocess.Completed
             f"GPTOSS_VENV_GLOB={tmp_path}/venv-vllm*\nGPTOSS_EXPECT_NEURON=16\nGPTOSS_EXPECT_EFA={expect_efa}\nGPTOSS_EGRESS={egress}\n"
         )
         env = {**os.environ, "GPTOSS_CLUSTER_ENV": str(tmp_path / "cluster.env"), "GPTOSS_FI_INFO": str(fakes / "fi_info"),
-               "GPTOSS_DEV_DIR": str(dev), "GPTOSS_CHECK_TIMEOUT_S": "1", "GPTOSS_POLL_S": "0.2"}  # fmt: skip
+               "GPTOSS_DEV_DIR": str(dev), "GPTOSS_CHECK_TIMEOUT_S": "1", "GPTOSS_POLL_S": "0.2", "GPTOSS_RUN_DIR": str(tmp_path / "run")}  # fmt: skip
         return subprocess.run([str(shipped("gptoss-node-check"))], env=env, capture_output=True, text=True, timeout=60)
 
     run.tmp = tmp_path  # type: ignore[attr-defined]
@@ -81,9 +81,18 @@ def node(tmp_path: Path, shipped: Shipped) -> Callable[..., subprocess.Completed
     return run
 
 
+def _cause(node: Any) -> str | None:
+    """What the check recorded for the health watch: "hardware: ..." or "configuration: ...", or nothing."""
+    path = node.tmp / "run" / "node-check.failed"
+    return path.read_text() if path.exists() else None
+
+
 def test_node_check_passes_on_a_complete_node(node: Any) -> None:
+    r = node(neuron=15)
+    assert r.returncode == 1 and _cause(node) is not None
     r = node()
     assert r.returncode == 0, r.stderr
+    assert _cause(node) is None, "a check that passes clears the last failure's cause"
     assert (
         "Neuron: 16 devices" in r.stdout
         and "EFA: 16 devices, libfabric efa provider loads" in r.stdout
@@ -95,6 +104,7 @@ def test_node_check_names_missing_efa_devices(node: Any) -> None:
     r = node(efa=12)
     assert r.returncode == 1
     assert "gptoss-node-check: EFA: 12 devices, the instance table says 16 (efa_interfaces)" in r.stderr
+    assert _cause(node) == "hardware: EFA: 12 devices, the instance table says 16 (efa_interfaces)\n", "a new instance has its devices: replaceable"
 
 
 def test_node_check_refuses_a_node_whose_efa_provider_does_not_load(node: Any) -> None:
@@ -120,6 +130,7 @@ def test_node_check_never_installs_an_unpinned_nixl(node: Any) -> None:
         r = node(nixl=False, egress=egress)
         assert r.returncode == 1
         assert "NIXL is not importable" in r.stderr and "use a DLAMI whose vLLM venv has nixl, or pin one with nixl.requirements" in r.stderr
+        assert (_cause(node) or "").startswith("configuration: NIXL is not importable"), "the image's or the spec's: a new instance fails the same way"
     assert not (node.tmp / "pip.log").exists()
 
 
@@ -163,7 +174,7 @@ def test_a_pinned_nixl_is_installed_with_its_hash_checked_and_a_changed_upstream
             f"GPTOSS_NIXL_VERSION=1.5.1\nGPTOSS_NIXL_REQUIREMENTS='{line}'\n"
         )
         env = {**os.environ, "GPTOSS_CLUSTER_ENV": str(tmp_path / "cluster.env"), "GPTOSS_FI_INFO": str(tmp_path / "fakes/fi_info"),
-               "GPTOSS_DEV_DIR": str(tmp_path / "dev"), "GPTOSS_CHECK_TIMEOUT_S": "1", "GPTOSS_POLL_S": "0.2",
+               "GPTOSS_DEV_DIR": str(tmp_path / "dev"), "GPTOSS_CHECK_TIMEOUT_S": "1", "GPTOSS_POLL_S": "0.2", "GPTOSS_RUN_DIR": str(tmp_path / "run"),
                "PIP_NO_INDEX": "1", "PIP_FIND_LINKS": str(index), "PIP_DISABLE_PIP_VERSION_CHECK": "1"}  # fmt: skip
         return subprocess.run([str(node.shipped)], env=env, capture_output=True, text=True, timeout=300)
 

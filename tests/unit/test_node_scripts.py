@@ -681,6 +681,69 @@ def test_the_health_watch_reports_its_own_instance_once_for_a_server_that_stoppe
     server.shutdown()
 
 
+def test_the_health_watch_replaces_for_hardware_causes_only_and_for_neuron_errors_that_persist(shipped: Any, tmp_path: Path) -> None:
+    """A failed node check is reported only for a hardware cause (a new instance has its devices), past
+    the rendered grace; a configuration cause (a new instance of the same image fails the same way) is
+    said and held. Neuron errors count per collector interval and replace only after the rendered
+    number of consecutive intervals at or over the bound."""
+    calls = tmp_path / "calls.aws"
+    bin_dir = tmp_path / "bin"
+    states = tmp_path / "states.json"
+    fake_command(bin_dir, "systemctl", f'python3 -c \'import json,sys; s=json.load(open("{states}")); '
+                 f'print("\\n\\n".join(s.get(u, "ActiveState=active\\nSubState=running\\nNRestarts=0") for u in sys.argv[1:] if u.endswith(".service")))\' "$@"\n')  # fmt: skip
+    fake_command(bin_dir, "aws", f'echo "$*" >> "{calls}"\n')
+    (tmp_path / "cluster.env").write_text("GPTOSS_NODE=prefill-0\nAWS_REGION=us-east-2\nGPTOSS_UNHEALTHY_BACKOFF_S=7200\nGPTOSS_UNHEALTHY_NEURON_ERRORS=20\n")
+    (tmp_path / "health").write_text("gptoss-stage.service - -\n")
+    from clusterspec.loading import load_config
+    from clusterspec.render import render_cluster
+
+    cfg_unit = next(text for r in render_cluster(load_config({})) for path, (text, _) in r.files.items() if path.endswith("gptoss-health-watch.service"))
+    assert "ExecStart=/opt/gptoss/bin/gptoss-health-watch 120 3\n" in cfg_unit, "the spec's grace and intervals, rendered"
+
+    def node(name: str) -> tuple[Path, dict[str, str]]:
+        run = tmp_path / name
+        (run / "watch").mkdir(parents=True)
+        (run / "identity.env").write_text("GPTOSS_INSTANCE_ID=i-0abc\n")
+        return run, {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "GPTOSS_CLUSTER_ENV": str(tmp_path / "cluster.env"), "GPTOSS_RUN_DIR": str(run),
+                     "GPTOSS_STATE_DIR": str(tmp_path / f"{name}-state"), "GPTOSS_HEALTH_FILE": str(tmp_path / "health"), "GPTOSS_SYSTEMCTL": str(bin_dir / "systemctl")}  # fmt: skip
+
+    def watch(env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([str(shipped("gptoss-health-watch")), "120", "3"], env=env, capture_output=True, text=True, timeout=60)
+
+    states.write_text(json.dumps({"gptoss-node-check.service": "ActiveState=failed\nSubState=failed\nNRestarts=0"}))
+    for cause, replaced in (("configuration: NIXL is not importable in /opt/venv", False), ("hardware: Neuron: 15 devices in /dev", True)):
+        run, env = node(cause.split(":")[0])
+        (run / "node-check.failed").write_text(cause + "\n")
+        assert watch(env).returncode == 0 and not calls.exists(), "within the grace"
+        (run / "watch" / "gptoss-node-check.service").write_text(str(int(time.time()) - 121))
+        r = watch(env)
+        assert r.returncode == 0 and calls.exists() is replaced, r.stdout + r.stderr
+        if replaced:
+            assert "marked i-0abc (prefill-0) unhealthy: gptoss-node-check.service failed: Neuron: 15 devices in /dev" in r.stdout
+            calls.unlink()
+        else:
+            assert "not replacing prefill-0: its node check fails for a configuration cause, which a new instance would meet as well " \
+                   "(NIXL is not importable in /opt/venv)" in r.stderr  # fmt: skip
+            assert watch(env).stderr == "", "said once"
+
+    states.write_text("{}")
+    run, env = node("neuron")
+
+    def interval(errors: int, at: int) -> subprocess.CompletedProcess[str]:
+        (run / "neuron-errors").write_text(f"{errors}\n")
+        os.utime(run / "neuron-errors", (at, at))  # the collector's write of that interval
+        return watch(env)
+
+    t = int(time.time()) - 1000
+    assert interval(50, t).returncode == 0 and watch(env).returncode == 0 and not calls.exists(), "one interval, seen twice, is one"
+    assert interval(50, t + 60).returncode == 0 and not calls.exists()
+    assert interval(3, t + 120).returncode == 0 and not calls.exists(), "an interval under the bound resets the streak"
+    for i in (180, 240):
+        assert interval(20, t + i).returncode == 0 and not calls.exists()
+    r = interval(25, t + 300)
+    assert calls.exists() and "Neuron execution errors at or over 20 in each of the last 3 intervals (25 in the latest)" in r.stdout, r.stdout + r.stderr
+
+
 # ---- nothing phones home ----------------------------------------------------------------------------
 
 
