@@ -214,7 +214,9 @@ class NodeIdentityRole(Construct):
             statements.append(iam.PolicyStatement(actions=["logs:PutLogEvents"], resources=[
                 f"arn:{partition}:logs:{config.region}:{Aws.ACCOUNT_ID}:log-group:{stream}"]))  # fmt: skip
         if config.healing.report_unhealthy:
-            # gptoss-health-watch: mark this node's own instance unhealthy; its group is the only one named.
+            # gptoss-health-watch: the replacement budget (Auto Scaling's record of the cluster's terminations;
+            # no narrower resource exists), then mark this node's own instance unhealthy; its group is the only one named.
+            statements.append(iam.PolicyStatement(actions=["autoscaling:DescribeScalingActivities"], resources=["*"]))
             statements.append(iam.PolicyStatement(actions=["autoscaling:SetInstanceHealth"], resources=[holder_arn(config, node)]))
         if cache_uri:
             # This identity's own area of the compile cache: what it saves, what its replacements restore.
@@ -256,10 +258,13 @@ class NodeIdentityRole(Construct):
                 f"AwsSolutions::AwsSolutions-IAM5[Resource::arn:<AWS::Partition>:s3:::{cache.nag_form(_objects(f'{cache.uri}/nodes/{node}'))}]",
                 f"Only this node identity's own area of the compile cache ({node}); no other node reads it.",
             )
-        if reads_members:
+        wide = ([("ec2:DescribeInstances", "the node reads the fleet's members (instances by tag) with it")] if reads_members else []) + (
+            [("autoscaling:DescribeScalingActivities", "the health watch counts the cluster's recent replacements (its budget) with it")]
+            if config.healing.report_unhealthy else [])  # fmt: skip
+        if wide:
             self.acknowledge(
                 "AwsSolutions::AwsSolutions-IAM5[Resource::*]",
-                "ec2:DescribeInstances takes no narrower resource; the node reads the fleet's members (instances by tag) with it.",
+                "; ".join(f"{action} takes no narrower resource: {why}" for action, why in wide) + "; neither reads data.",
             )
 
     def acknowledge(self, finding: str, reason: str) -> None:

@@ -38,7 +38,7 @@ PER_CELL_BYTES = 3_000
 # role, instance profile and gate, and one network interface per card.
 CELL_BASE_BYTES = 6_000
 CELL_BASE_RESOURCES = 1
-PER_NODE_BYTES = 7_500
+PER_NODE_BYTES = 7_650  # its role: with the health watch's two Auto Scaling statements
 PER_CARD_BYTES = 340
 PER_GATE_BYTES = 900  # a node's wait condition and handle (deploy gate)
 PER_SILENT_ALARM_BYTES = 1_200  # a node's NodeSilent alarm

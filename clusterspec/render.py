@@ -509,8 +509,7 @@ def render_node(cfg: ClusterConfig, layout: Layout, node: Node, *, bin_dir: str 
         out.units.append("gptoss-cache-save.service")
         out.wants.append("gptoss-cache-save.service")
     if cfg.healing.report_unhealthy:
-        out.files[f"{UNIT_DIR}/gptoss-health-watch.service"] = _unit("gptoss-health-watch.service", bin=bin_dir, grace_s=cfg.healing.check_grace_s,
-                                                                     error_intervals=cfg.healing.neuron_error_intervals)
+        out.files[f"{UNIT_DIR}/gptoss-health-watch.service"] = _unit("gptoss-health-watch.service", bin=bin_dir, h=cfg.healing)
         out.files[f"{UNIT_DIR}/gptoss-health-watch.timer"] = _unit("gptoss-health-watch.timer", interval_s=cfg.healing.watch_interval_s)
         out.units.append("gptoss-health-watch.timer")
         out.wants.append("gptoss-health-watch.timer")

@@ -46,6 +46,18 @@ class HealingConfig(Frozen):
         description="How long a node check failed for a hardware cause (a device missing) marks the node unhealthy after; "
         "a configuration cause (no venv, NIXL) never does: a new instance would fail the same way.",
     )  # fmt: skip
+    node_replacements: int = Field(
+        2, ge=1, le=100,
+        description="A node asks for no further replacement once its group has replaced this many instances within budget_window_s.",
+    )  # fmt: skip
+    fleet_replacements: int = Field(
+        3, ge=1, le=10000,
+        description="No node asks for a replacement once the cluster's groups have replaced this many instances within budget_window_s.",
+    )  # fmt: skip
+    budget_window_s: int = Field(
+        21600, ge=600, le=7 * 86400,
+        description="The window of the replacement budgets (Auto Scaling's own record of terminations).",
+    )  # fmt: skip
     grace_s: int = Field(
         900, ge=0, le=7200,
         description="The group's health-check grace period: EC2 status checks count from this long after a launch.",

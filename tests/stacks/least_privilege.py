@@ -178,6 +178,8 @@ def expected(cfg: ClusterConfig, node: str, scripts_key: str, router_key: str | 
         out.add(("cloudwatch:PutMetricData", "*", json.dumps({"StringEquals": {"cloudwatch:namespace": f"GptOss/{cfg.cluster_name}"}})))
     if cfg.healing.report_unhealthy:
         # Its own group, by name (the group's id is EC2's): no other node's.
+        # The replacement budget: Auto Scaling's record of terminations (no resource-level permission exists).
+        out.add(("autoscaling:DescribeScalingActivities", "*", none))
         out.add(("autoscaling:SetInstanceHealth",
                  f"arn:aws:autoscaling:{cfg.region}:{ACCOUNT}:autoScalingGroup:*:autoScalingGroupName/{cfg.cluster_name}-{node}", none))  # fmt: skip
     proxies = [p for p in cfg.layout.proxies if p.node == node]

@@ -16,14 +16,14 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import pytest
 
 from clusterspec.node_scripts import node_script, strip_comments, strip_python
 from clusterspec.paths import USERDATA_DIR
 from clusterspec.userdata import bundle
-from tests.conftest import fake_command
+from tests.conftest import ROOT, fake_command
 
 SCRIPTS = sorted(p for p in (USERDATA_DIR / "bin").iterdir() if p.is_file())
 BASH = [p for p in SCRIPTS if p.read_text().startswith("#!/usr/bin/env bash")]
@@ -634,7 +634,7 @@ def test_the_health_watch_reports_its_own_instance_once_for_a_server_that_stoppe
     run.mkdir()
     (run / "identity.env").write_text("GPTOSS_INSTANCE_ID=i-0abc\n")
     (tmp_path / "cluster.env").write_text(
-        "GPTOSS_NODE=decode-0\nAWS_REGION=us-east-2\nGPTOSS_UNHEALTHY_BACKOFF_S=600\nGPTOSS_UNHEALTHY_NEURON_ERRORS=5\n"
+        "GPTOSS_NODE=decode-0\nGPTOSS_CLUSTER=gptoss-8k1k\nAWS_REGION=us-east-2\nGPTOSS_UNHEALTHY_BACKOFF_S=600\nGPTOSS_UNHEALTHY_NEURON_ERRORS=5\n"
     )
     (tmp_path / "health").write_text(f"gptoss-stage.service - -\ngptoss-decode.service http://127.0.0.1:{server.server_address[1]}/health -\n")
     states = tmp_path / "states.json"
@@ -670,14 +670,15 @@ def test_the_health_watch_reports_its_own_instance_once_for_a_server_that_stoppe
     (run / "watch" / "gptoss-decode.service").write_text(str(int(time.time()) - 601))
     r = watch(looping)
     assert r.returncode == 0 and (tmp_path / "calls.aws").exists(), r.stdout + r.stderr
-    assert (tmp_path / "calls.aws").read_text().split() == [
+    assert (tmp_path / "calls.aws").read_text().splitlines()[0].startswith("autoscaling describe-scaling-activities "), "the budget first"
+    assert (tmp_path / "calls.aws").read_text().splitlines()[-1].split() == [
         "autoscaling", "set-instance-health", "--instance-id", "i-0abc", "--health-status", "Unhealthy", "--no-should-respect-grace-period"]  # fmt: skip
     assert "marked i-0abc (decode-0) unhealthy: gptoss-decode.service has been restarting with back-off for 60" in r.stdout
     assert "(7 restarts; the bound is 600s) after this node served" in r.stdout
     # Every run asked systemctl once, for all its units.
     assert all(line.split()[-2:] == ["gptoss-node-check.service", "gptoss-decode.service"] for line in (tmp_path / "calls.systemctl").read_text().splitlines())
     r = watch(looping)
-    assert r.returncode == 0 and len((tmp_path / "calls.aws").read_text().splitlines()) == 1, "said once"
+    assert r.returncode == 0 and len((tmp_path / "calls.aws").read_text().splitlines()) == 2, "said once"
     server.shutdown()
 
 
@@ -692,13 +693,13 @@ def test_the_health_watch_replaces_for_hardware_causes_only_and_for_neuron_error
     fake_command(bin_dir, "systemctl", f'python3 -c \'import json,sys; s=json.load(open("{states}")); '
                  f'print("\\n\\n".join(s.get(u, "ActiveState=active\\nSubState=running\\nNRestarts=0") for u in sys.argv[1:] if u.endswith(".service")))\' "$@"\n')  # fmt: skip
     fake_command(bin_dir, "aws", f'echo "$*" >> "{calls}"\n')
-    (tmp_path / "cluster.env").write_text("GPTOSS_NODE=prefill-0\nAWS_REGION=us-east-2\nGPTOSS_UNHEALTHY_BACKOFF_S=7200\nGPTOSS_UNHEALTHY_NEURON_ERRORS=20\n")
+    (tmp_path / "cluster.env").write_text("GPTOSS_NODE=prefill-0\nGPTOSS_CLUSTER=gptoss-8k1k\nAWS_REGION=us-east-2\nGPTOSS_UNHEALTHY_BACKOFF_S=7200\nGPTOSS_UNHEALTHY_NEURON_ERRORS=20\n")
     (tmp_path / "health").write_text("gptoss-stage.service - -\n")
     from clusterspec.loading import load_config
     from clusterspec.render import render_cluster
 
     cfg_unit = next(text for r in render_cluster(load_config({})) for path, (text, _) in r.files.items() if path.endswith("gptoss-health-watch.service"))
-    assert "ExecStart=/opt/gptoss/bin/gptoss-health-watch 120 3\n" in cfg_unit, "the spec's grace and intervals, rendered"
+    assert "ExecStart=/opt/gptoss/bin/gptoss-health-watch 120 3 2 3 21600\n" in cfg_unit, "the spec's grace, intervals and budgets, rendered"
 
     def node(name: str) -> tuple[Path, dict[str, str]]:
         run = tmp_path / name
@@ -742,6 +743,95 @@ def test_the_health_watch_replaces_for_hardware_causes_only_and_for_neuron_error
         assert interval(20, t + i).returncode == 0 and not calls.exists()
     r = interval(25, t + 300)
     assert calls.exists() and "Neuron execution errors at or over 20 in each of the last 3 intervals (25 in the latest)" in r.stdout, r.stdout + r.stderr
+
+
+class _AutoScaling(http.server.BaseHTTPRequestHandler):
+    """Auto Scaling's query API on loopback for the real AWS CLI: DescribeScalingActivities answers the
+    activities the test sets (AWS's XML), SetInstanceHealth is recorded."""
+
+    activities: ClassVar[list[tuple[str, str, str]]] = []  # (StartTime, group, Description)
+    marked: ClassVar[list[str]] = []
+
+    def do_POST(self) -> None:
+        from urllib.parse import parse_qs
+
+        form = {k: v[0] for k, v in parse_qs(self.rfile.read(int(self.headers["Content-Length"])).decode()).items()}
+        ns = "http://autoscaling.amazonaws.com/doc/2011-01-01/"
+        if form["Action"] == "DescribeScalingActivities":
+            rows = [a for a in self.activities if form.get("AutoScalingGroupName") in (None, a[1])]
+            members = "".join(f"<member><ActivityId>a-{i}</ActivityId><AutoScalingGroupName>{g}</AutoScalingGroupName><Description>{d}</Description>"
+                              f"<Cause>At {t} an instance was taken out of service in response to a user health-check.</Cause><StartTime>{t}</StartTime>"
+                              f"<StatusCode>Successful</StatusCode><Progress>100</Progress></member>" for i, (t, g, d) in enumerate(rows))  # fmt: skip
+            body = f'<DescribeScalingActivitiesResponse xmlns="{ns}"><DescribeScalingActivitiesResult><Activities>{members}</Activities>' \
+                   f"</DescribeScalingActivitiesResult><ResponseMetadata><RequestId>r</RequestId></ResponseMetadata></DescribeScalingActivitiesResponse>"  # fmt: skip
+        else:
+            assert form["Action"] == "SetInstanceHealth", form
+            type(self).marked.append(form["InstanceId"])
+            body = f'<SetInstanceHealthResponse xmlns="{ns}"><ResponseMetadata><RequestId>r</RequestId></ResponseMetadata></SetInstanceHealthResponse>'
+        data = body.encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "text/xml")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def log_message(self, *a: object) -> None:
+        pass
+
+
+def test_the_health_watch_stops_asking_for_replacements_past_the_node_and_the_fleet_budgets(shipped: Any, tmp_path: Path) -> None:
+    """The real AWS CLI against Auto Scaling's API on loopback: a node whose own group, or whose cluster,
+    saw its budget of terminations within the window is not marked again; it says why once. Older
+    terminations and other clusters' do not count."""
+    from datetime import UTC, datetime, timedelta
+
+    aws_cli = ROOT / ".aws-cli" / "1.46.3"
+    assert aws_cli.is_dir(), f"{aws_cli} is missing: `make setup` installs the AWS CLI the node scripts run"
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _AutoScaling)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    bin_dir = tmp_path / "bin"
+    fake_command(bin_dir, "aws", f'PYTHONPATH="{aws_cli}" exec "{sys.executable}" -m awscli "$@"\n')
+    fake_command(bin_dir, "systemctl", 'for u; do case $u in gptoss-node-check.service) printf "ActiveState=failed\\nSubState=failed\\nNRestarts=0\\n\\n";; *.service) printf "ActiveState=active\\n\\n";; esac; done\n')
+    (tmp_path / "cluster.env").write_text("GPTOSS_NODE=prefill-1\nGPTOSS_CLUSTER=gptoss-8k1k\nAWS_REGION=us-east-2\nGPTOSS_UNHEALTHY_BACKOFF_S=7200\nGPTOSS_UNHEALTHY_NEURON_ERRORS=20\n")
+    (tmp_path / "health").write_text("gptoss-stage.service - -\n")
+    now = datetime.now(UTC)
+
+    def at(hours_ago: float) -> str:
+        return (now - timedelta(hours=hours_ago)).strftime("%Y-%m-%dT%H:%M:%S.000Z")
+
+    def watch(name: str, activities: list[tuple[str, str, str]]) -> tuple[subprocess.CompletedProcess[str], list[str]]:
+        run = tmp_path / name
+        (run / "watch").mkdir(parents=True)
+        (run / "identity.env").write_text("GPTOSS_INSTANCE_ID=i-0abc\n")
+        (run / "node-check.failed").write_text("hardware: Neuron: 15 devices in /dev\n")
+        (run / "watch" / "gptoss-node-check.service").write_text(str(int(now.timestamp()) - 600))
+        _AutoScaling.activities, _AutoScaling.marked = activities, []
+        env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "GPTOSS_CLUSTER_ENV": str(tmp_path / "cluster.env"), "GPTOSS_RUN_DIR": str(run),
+               "GPTOSS_STATE_DIR": str(tmp_path / f"{name}-state"), "GPTOSS_HEALTH_FILE": str(tmp_path / "health"), "GPTOSS_SYSTEMCTL": str(bin_dir / "systemctl"),
+               "AWS_ENDPOINT_URL": f"http://127.0.0.1:{server.server_address[1]}", "AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing"}  # fmt: skip
+        # Arguments as rendered: grace 120 s, 3 intervals, 2 per node and 3 per fleet within 6 h.
+        r = subprocess.run([str(shipped("gptoss-health-watch")), "120", "3", "2", "3", "21600"], env=env, capture_output=True, text=True, timeout=120)
+        return r, list(_AutoScaling.marked)
+
+    def term(hours_ago: float, node: str, cluster: str = "gptoss-8k1k") -> tuple[str, str, str]:
+        return at(hours_ago), f"{cluster}-{node}", "Terminating EC2 instance: i-0123456789abcdef0"
+
+    launch = (at(1), "gptoss-8k1k-prefill-1", "Launching a new EC2 instance: i-0fedcba987654321f")
+    try:
+        # Within both budgets: one earlier replacement of this node, one of another; launches, older ones and other clusters' do not count.
+        r, marked = watch("within", [term(1, "prefill-1"), term(2, "decode-3"), launch, term(7, "prefill-1"), term(7, "decode-0"),
+                                     term(0.5, "prefill-1", cluster="other"), term(0.5, "decode-1", cluster="other")])  # fmt: skip
+        assert r.returncode == 0 and marked == ["i-0abc"], r.stdout + r.stderr
+        # This node was replaced twice in the window: its budget is spent.
+        r, marked = watch("node", [term(1, "prefill-1"), term(5, "prefill-1")])
+        assert r.returncode == 0 and marked == [], r.stdout + r.stderr
+        assert "not asking for a replacement: prefill-1 was replaced 2 times in the last 21600s (its budget is 2); this node stays as it is" in r.stderr
+        # Three of the cluster's nodes in the window: the fleet's budget is spent.
+        r, marked = watch("fleet", [term(1, "decode-0"), term(2, "decode-1"), term(3, "prefill-0")])
+        assert r.returncode == 0 and marked == [], r.stdout + r.stderr
+        assert "the cluster's nodes were replaced 3 times in the last 21600s (the fleet's budget is 3)" in r.stderr
+    finally:
+        server.shutdown()
 
 
 # ---- nothing phones home ----------------------------------------------------------------------------

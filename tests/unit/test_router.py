@@ -670,6 +670,14 @@ def test_the_pinned_routers_admin_routes_answer_on_loopback_and_never_at_the_end
         prompt = json.dumps({"model": "m", "prompt": "through the gate " * 2000, "max_tokens": 4}).encode()
         req = urllib.request.Request(f"{endpoint}/v1/completions", prompt, {"Content-Type": "application/json"})
         assert json.loads(urllib.request.urlopen(req, timeout=30).read())["choices"][0]["text"] == " ok"
+        # The gate killed outright (not by systemd, which stops the whole unit): its router goes with it
+        # and frees its port, so the unit's restart can bind it again.
+        router.kill()
+        router.wait(30)
+        deadline = time.monotonic() + 30
+        while call(internal, "GET", "/list_workers")[0] != 0:
+            assert time.monotonic() < deadline, "the router outlived its gate"
+            time.sleep(0.2)
     finally:
         router.terminate()
         router.wait(60)
