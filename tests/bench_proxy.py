@@ -1,13 +1,15 @@
 """`make bench-proxy`: vLLM's router and the toy proxy over the same fake servers, on loopback.
 
 Both run the command lines `plan` renders for a fleet of 2 decode servers and 6 prefill
-replicas (each node on its own 127.77.x.y address, as tests/unit/test_router.py does); the
+replicas (each node on its own 127.N.x.y address, as tests/unit/test_router.py does); the
 fake servers answer at once (no model), so what is measured is the proxy's own cost. For each
-number of concurrent clients (1, 32, 128; keep-alive connections, 6 s each):
+number of concurrent clients (1, 32, 128; keep-alive connections, 6 s each; the router's API gate
+answers each request with Connection: close, so its clients reconnect each time):
 
 - requests per second through the proxy (both endpoints, as the NLB spreads them);
 - p50 and p99 latency end to end through the proxy: with servers that take no time, what the
   proxy adds plus the client's own cost, which is the same on both sides;
+- the router without its API gate (bound to the endpoint itself), to show what the gate costs;
 - for reference, the p50 of a client that makes the two calls itself (prefill, then decode with
   the returned parameters) against the same servers: no proxy at all.
 
@@ -33,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from clusterspec.paths import WHEELS_DIR
-from tests.unit.test_router import _cfg, _fleet
+from tests.unit.test_router import NET, _cfg, _fleet
 
 
 def _router_venv(tmp: Path) -> Path:
@@ -139,13 +141,14 @@ def main() -> int:
         venv = _router_venv(tmp)
         rows: dict[str, dict[int, tuple[float, float, float]]] = {}
         direct: dict[int, tuple[float, list[float]]] = {}
-        for kind in ("vllm-router", "toy"):
+        for kind in ("vllm-router", "toy", "ungated"):
             run = tmp / kind
             run.mkdir()
-            fleet = _fleet(kind, run, venv if kind == "vllm-router" else None, prefill_ms=0, decode_ms=0)
+            proxy = "toy" if kind == "toy" else "vllm-router"
+            fleet = _fleet(proxy, run, None if kind == "toy" else venv, prefill_ms=0, decode_ms=0, gate=kind != "ungated")
             try:
-                prefill = sorted((h, int(p)) for h, p in (n.split(":") for n in fleet.commands) if h.startswith("127.77.1."))
-                decode = sorted((h, int(p)) for h, p in (n.split(":") for n in fleet.commands) if h.startswith("127.77.2."))
+                prefill = sorted((h, int(p)) for h, p in (n.split(":") for n in fleet.commands) if h.startswith(f"{NET}.1."))
+                decode = sorted((h, int(p)) for h, p in (n.split(":") for n in fleet.commands) if h.startswith(f"{NET}.2."))
                 rows[kind] = {}
                 for c in levels:
                     if c not in direct:
@@ -162,6 +165,11 @@ def main() -> int:
         r, t = rows["vllm-router"][c], rows["toy"][c]
         print(f"{c:>7} | {r[0]:>12.0f} {t[0]:>6.0f} {r[0] / t[0]:>5.1f}x | {r[1]:>13.2f} {t[1]:>7.2f} | {r[2]:>13.2f} {t[2]:>7.2f} | {statistics.median(direct[c][1]):>10.2f}")
     print("direct: a client that makes the two calls itself (prefill, then decode), no proxy, same servers and concurrency.")
+    print("The API gate's cost (the router as shipped, behind its gate, vs the same router bound to the endpoint itself):")
+    print(f"{'clients':>7} | {'req/s gated':>11} {'ungated':>8} | {'p50 ms gated':>12} {'ungated':>8} | {'p99 ms gated':>12} {'ungated':>8}")
+    for c in levels:
+        g, u = rows["vllm-router"][c], rows["ungated"][c]
+        print(f"{c:>7} | {g[0]:>11.0f} {u[0]:>8.0f} | {g[1]:>12.2f} {u[1]:>8.2f} | {g[2]:>12.2f} {u[2]:>8.2f}")
     return 0
 
 

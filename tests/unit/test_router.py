@@ -191,8 +191,9 @@ def _substitute(argv: list[str], names: dict[str, str]) -> list[str]:
     return out
 
 
-def _fleet(kind: str, tmp: Path, router_venv: Path | None, prefill_ms: float = PREFILL_MS, decode_ms: float = DECODE_MS) -> Fleet:
-    """Start the fake servers and the rendered proxies or routers of a 2-decode, 6-replica fleet."""
+def _fleet(kind: str, tmp: Path, router_venv: Path | None, prefill_ms: float = PREFILL_MS, decode_ms: float = DECODE_MS, gate: bool = True) -> Fleet:
+    """Start the fake servers and the rendered proxies or routers of a 2-decode, 6-replica fleet (gate=False: each
+    router bound to the endpoint itself, without its API gate: only `make bench-proxy` asks, to measure the gate's cost)."""
     cfg = _cfg(kind)
     s = cfg.serving
     fleet = Fleet(kind, tmp)
@@ -234,6 +235,9 @@ def _fleet(kind: str, tmp: Path, router_venv: Path | None, prefill_ms: float = P
             argv[argv.index("--host") + 1] = ip
             if "--api" in argv:
                 argv[argv.index("--api") + 1] = f"{ip}:{s.proxy.port}"
+                if not gate:
+                    del argv[argv.index("--api") : argv.index("--api") + 2]
+                    argv[argv.index("--port") + 1] = str(s.proxy.port)
             env = dict(os.environ)
             if kind == "vllm-router":
                 assert argv[:2] == [f"{router_venv_path(cfg)}/bin/python", "/opt/gptoss/bin/gptoss-router"], argv[:2]
