@@ -105,12 +105,10 @@ def run_cli_synth(outdir: Path, *context: str) -> Synth:
 
 @pytest.fixture(autouse=True)
 def _scripts_write_under_the_tests_own_directories(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> None:
-    """No test writes this machine's /run/gptoss or /var/lib/gptoss: a node script run without its own
-    GPTOSS_RUN_DIR or GPTOSS_STATE_DIR (or the collector, which reads them at import) writes under the
-    test's directory; a test that sets them keeps its own."""
-    base = tmp_path_factory.mktemp("node-dirs")
-    monkeypatch.setenv("GPTOSS_RUN_DIR", str(base / "run"))
-    monkeypatch.setenv("GPTOSS_STATE_DIR", str(base / "state"))
+    """No test writes this machine's /run/gptoss: a node script run without its own GPTOSS_RUN_DIR (or the
+    collector, which reads it at import) writes under the test's directory; a test that sets it keeps its
+    own. (GPTOSS_STATE_DIR is not set here: the CLI reads it too, for the checkout's own records.)"""
+    monkeypatch.setenv("GPTOSS_RUN_DIR", str(tmp_path_factory.mktemp("node-run")))
 
 
 @pytest.fixture(scope="session")

@@ -116,7 +116,8 @@ def test_either_kind_deploys_anywhere_the_router_on_the_references_layout_too(sy
     (prefill,) = [lid for lid in roles if lid.startswith("Prefill0")]
     wheel = [st for st in statements[decode] if st["Action"] == "s3:GetObject" and ".whl" in json.dumps(st["Resource"])]
     assert wheel, "the router wheel asset, by its ARN, for the router's node"
-    assert {"Action": "ec2:DescribeInstances", "Effect": "Allow", "Resource": "*"} in statements[decode]
+    # The members' read (CDK may merge it with the health watch's other read on '*').
+    assert any("ec2:DescribeInstances" in json.dumps(st["Action"]) and st["Resource"] == "*" for st in statements[decode]), statements[decode]
     assert not [st for st in statements[prefill] if "ec2:DescribeInstances" in json.dumps(st) or ".whl" in json.dumps(st)]
     toy = synth_variant(decode_instances="8", **{"serving.proxy.kind": "toy"})
     toy_roles = [r for lid, r in of_type(toy, "AWS::IAM::Role").items() if lid.startswith("Decode")]
