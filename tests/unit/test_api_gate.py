@@ -32,6 +32,7 @@ import asyncio, importlib.machinery, importlib.util, subprocess, sys
 spec = importlib.util.spec_from_loader("gate", importlib.machinery.SourceFileLoader("gate", sys.argv[1]))
 gate = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(gate)
+gate.BODY_IDLE_S = float(sys.argv[3])
 router = subprocess.Popen(["sleep", "600"])  # the router's stand-in: the gate lives as long as its child
 print(router.pid, flush=True)
 sys.exit(asyncio.run(gate.serve("127.0.0.1", 0, ("127.0.0.1", int(sys.argv[2])), router.pid)))
@@ -55,6 +56,9 @@ class Upstream(http.server.ThreadingHTTPServer):
         self.first_chunk_read = threading.Event()
         self.stream_broken = threading.Event()
         super().__init__(("127.0.0.1", 0), Handler)
+
+    def handle_error(self, request: object, client_address: object) -> None:
+        """A connection the gate dropped mid-request (the tests do that on purpose): nothing to print."""
 
 
 class Handler(http.server.BaseHTTPRequestHandler):
@@ -110,7 +114,7 @@ class Handler(http.server.BaseHTTPRequestHandler):
 def gate() -> Iterator[tuple[Upstream, int, subprocess.Popen[str]]]:
     upstream = Upstream()
     threading.Thread(target=upstream.serve_forever, daemon=True).start()
-    proc = subprocess.Popen([sys.executable, "-c", RUN, str(GATE), str(upstream.server_address[1])],
+    proc = subprocess.Popen([sys.executable, "-c", RUN, str(GATE), str(upstream.server_address[1]), "2"],  # a body idle 2 s is dropped
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
     try:
         assert proc.stdout is not None
@@ -193,6 +197,14 @@ def test_smuggling_and_malformed_requests_pass_nothing_beyond_one_checked_reques
         assert len(reached) == 1 and reached[0][1] in ("/health", "/v1/completions") and reached[0][2] in (b"", b"{}"), reached
     else:
         assert reached == [], reached
+
+
+def test_a_body_that_stops_arriving_is_dropped_with_the_routers_connection(gate: Any) -> None:
+    upstream, port, _ = gate
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as s:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: e\r\nContent-Length: 100\r\n\r\n{\"model\"")
+        assert s.recv(1024) == b"", "closed without an answer once the body stopped arriving (2 s here)"
+    assert [(m, p, b) for m, p, _, b in upstream.seen] == [], "the router never got a whole request to answer"
 
 
 def test_a_token_stream_flows_as_it_comes_and_a_client_that_hangs_up_ends_it(gate: Any) -> None:
