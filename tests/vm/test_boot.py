@@ -147,6 +147,15 @@ def assert_the_array_came_before_its_lagging_link(cluster: VmCluster, node: str,
     assert "gptoss-retry" not in nvme, f"{node}: the array step needed a retry: {nvme}"
 
 
+def toolchain_key(cluster: Any, node: str) -> str:
+    """The compile cache's toolchain key the node logged when it staged (this boot's journal)."""
+    stage = cluster.journal(node, "gptoss-stage.service")
+    found = re.findall(r"compile cache key (trn3\.48xlarge-[0-9a-f]{16}) \(trn3\.48xlarge: none of [a-z, -]+ in "
+                       r"/opt/aws_neuronx_venv_pytorch_inference_vllm_fake\)", stage)  # fmt: skip
+    assert found, f"{node}: no toolchain key in its staging log: {stage[-2000:]}"
+    return str(found[-1])
+
+
 def assert_no_secret_shows(cluster: VmCluster, node: str) -> None:
     """The deploy gate's URL and the Hugging Face token on a booted node: in no process's argv, no
     journal line, no log; the URL in no file but the signal's root-only one (and cloud-init's own
@@ -282,14 +291,19 @@ def test_first_boot_serves_with_the_plans_commands_in_the_tested_order(cluster: 
 
     # Once its servers answered, each node saved its compiled graphs to its own area of the cluster's
     # compile cache, with the manifest last (its replacements restore them).
+    # Under the key of the toolchain each node logged at staging: the guest's venv holds none of the
+    # Neuron SDK's packages, so the key is the instance type's with an empty list, the same on both nodes.
+    toolchain = {n: toolchain_key(cluster, n) for n in NODES}
+    assert len(set(toolchain.values())) == 1, toolchain
     deadline = time.monotonic() + 300
-    areas = {n: f"s3://{CACHE_BUCKET}/nodes/{n}/" for n in NODES}
-    while time.monotonic() < deadline and not all(f"nodes/{n}/manifest.json" in cluster.aws.keys(areas[n]) for n in NODES):
+    areas = {n: f"s3://{CACHE_BUCKET}/nodes/{n}/{toolchain[n]}/" for n in NODES}
+    while time.monotonic() < deadline and not all(f"nodes/{n}/{toolchain[n]}/manifest.json" in cluster.aws.keys(areas[n]) for n in NODES):
         time.sleep(10)
     for node in NODES:
         keys = cluster.aws.keys(areas[node])
         role = "prefill" if node == "prefill-0" else "decode"
-        assert f"nodes/{node}/manifest.json" in keys and f"nodes/{node}/files/neuron_libtorch/fake-{role}.neff" in keys, keys
+        area = f"nodes/{node}/{toolchain[node]}"
+        assert f"{area}/manifest.json" in keys and f"{area}/files/neuron_libtorch/fake-{role}.neff" in keys, keys
         assert "gptoss-save-cache: " in cluster.journal(node, "gptoss-cache-save.service")
 
     # Telemetry: every node's metrics and its units' logs reach CloudWatch (the cluster's moto).
@@ -421,7 +435,7 @@ def test_a_redeploy_to_the_router_replaces_both_instances_which_restore_their_co
         assert [r["complete"] for r in hub if r["file"] == shard] == [False, True], "cut half-way, then fetched again"
         assert sorted(r["file"] for r in hub if r["complete"]) == sorted(SERVABLE)
         stage = cluster.journal(node, "gptoss-stage.service")
-        assert f"compile cache restored from s3://{CACHE_BUCKET}/nodes/{node} (this node's own, saved before)" in stage, stage[-3000:]
+        assert f"compile cache restored from s3://{CACHE_BUCKET}/nodes/{node}/{toolchain_key(cluster, node)} (this node's own, saved before)" in stage, stage[-3000:]
     ready = [r for r in cluster.this_boot("prefill-0", cluster.vms["prefill-0"].records("vllm-8100.jsonl")) if r["event"] == "ready"]
     assert ready[-1]["compiled"] is False, "the replacement restored its identity's graphs: no compile"
     decode_ready = [r for r in cluster.this_boot("decode-0", cluster.vms["decode-0"].records("vllm-8200.jsonl")) if r["event"] == "ready"]
