@@ -204,7 +204,9 @@ def test_a_body_that_stops_arriving_is_dropped_with_the_routers_connection(gate:
     with socket.create_connection(("127.0.0.1", port), timeout=30) as s:
         s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: e\r\nContent-Length: 100\r\n\r\n{\"model\"")
         assert s.recv(1024) == b"", "closed without an answer once the body stopped arriving (2 s here)"
-    assert [(m, p, b) for m, p, _, b in upstream.seen] == [], "the router never got a whole request to answer"
+    # The router's connection was closed under it: it read the 8 bytes that came and then the end,
+    # never the 100 the request announced (whether its handler has recorded that yet is a race).
+    assert [b for _, _, _, b in upstream.seen] in ([], [b'{"model"']), upstream.seen
 
 
 def test_a_token_stream_flows_as_it_comes_and_a_client_that_hangs_up_ends_it(gate: Any) -> None:
