@@ -650,7 +650,8 @@ def test_the_health_watch_reports_its_own_instance_once_for_a_server_that_stoppe
 
     def watch(decode: str) -> subprocess.CompletedProcess[str]:
         states.write_text(json.dumps({"gptoss-decode.service": decode}))
-        return subprocess.run([str(script)], env=env, capture_output=True, text=True, timeout=60)
+        # The rendered arguments: grace 120 s, 3 intervals, budgets 2 and 3 within 6 h.
+        return subprocess.run([str(script), "120", "3", "2", "3", "21600"], env=env, capture_output=True, text=True, timeout=60)
 
     looping = "ActiveState=activating\nSubState=auto-restart\nNRestarts=7"
     # A server that never answered on this instance: a configuration problem, not the hardware; never reported.
@@ -709,7 +710,7 @@ def test_the_health_watch_replaces_for_hardware_causes_only_and_for_neuron_error
                      "GPTOSS_STATE_DIR": str(tmp_path / f"{name}-state"), "GPTOSS_HEALTH_FILE": str(tmp_path / "health"), "GPTOSS_SYSTEMCTL": str(bin_dir / "systemctl")}  # fmt: skip
 
     def watch(env: dict[str, str]) -> subprocess.CompletedProcess[str]:
-        return subprocess.run([str(shipped("gptoss-health-watch")), "120", "3"], env=env, capture_output=True, text=True, timeout=60)
+        return subprocess.run([str(shipped("gptoss-health-watch")), "120", "3", "2", "3", "21600"], env=env, capture_output=True, text=True, timeout=60)
 
     states.write_text(json.dumps({"gptoss-node-check.service": "ActiveState=failed\nSubState=failed\nNRestarts=0"}))
     for cause, replaced in (("configuration: NIXL is not importable in /opt/venv", False), ("hardware: Neuron: 15 devices in /dev", True)):

@@ -637,12 +637,13 @@ def test_the_pinned_routers_admin_routes_answer_on_loopback_and_never_at_the_end
     ]  # fmt: skip
     (svc,) = [s for r in render_cluster(cfg) if r.node.name == "decode-0" for s in r.services if s.unit == "gptoss-proxy.service"]
     argv = [str(router_venv / "bin" / "python"), str(ROOT / "userdata" / "bin" / "gptoss-router"), *svc.argv[2:]]
-    assert argv[2:8] == ["--api", f"0.0.0.0:{cfg.serving.proxy.port}", "--host", "127.0.0.1", "--port", "28010"], argv[2:8]
+    internal_port = PORTS["serving.proxy.router.internal_port"]
+    assert argv[2:8] == ["--api", f"0.0.0.0:{cfg.serving.proxy.port}", "--host", "127.0.0.1", "--port", str(internal_port)], argv[2:8]
     # This node's own address for both (every router of this machine on its own loopback address).
     argv[3], argv[5] = f"{ips['decode-0']}:{cfg.serving.proxy.port}", ips["decode-0"]
     argv[argv.index("--prometheus-host") + 1] = ips["decode-0"]
     router = subprocess.Popen(with_etc(argv, private_etc(tmp_path, ips)), stdout=(tmp_path / "router.log").open("wb"), stderr=subprocess.STDOUT)
-    endpoint, internal = f"http://{ips['decode-0']}:{cfg.serving.proxy.port}", f"http://{ips['decode-0']}:28010"
+    endpoint, internal = f"http://{ips['decode-0']}:{cfg.serving.proxy.port}", f"http://{ips['decode-0']}:{internal_port}"
 
     def call(base: str, method: str, path: str) -> tuple[int, bytes]:
         req = urllib.request.Request(f"{base}{path}", b"{}" if method == "POST" else None, {"Content-Type": "application/json"}, method=method)

@@ -554,7 +554,7 @@ def test_a_new_image_replaces_every_node_and_each_new_gate_hears_why_it_cannot_s
     st = cluster.status("decode-0")
     assert st["gptoss-node-check.service"]["state"] == "failed"
     assert st["gptoss-decode.service"]["state"] == "inactive", "no server starts on a node missing a device"
-    # The node reports itself to its group once the gate has had the reason (GPTOSS_WATCH_GRACE_S, 120 s).
+    # The node reports itself to its group once the gate has had the reason (healing.check_grace_s, 120 s).
     decode = cluster.vms["decode-0"]
     decode.wait_until("journalctl -b -u gptoss-health-watch.service -o cat | grep -q 'unhealthy: gptoss-node-check.service failed'", 600,
                       "the node marking itself unhealthy")  # fmt: skip
