@@ -42,7 +42,15 @@ class NodeCell(NestedStack):
     roles of a cell would wait for the cell, whose gates wait for nodes that need the policy)."""
 
     def __init__(
-        self, scope: Construct, construct_id: str, *, config: ClusterConfig, cell: Cell, renders: dict[str, NodeRender], shared: Shared
+        self,
+        scope: Construct,
+        construct_id: str,
+        *,
+        config: ClusterConfig,
+        cell: Cell,
+        renders: dict[str, NodeRender],
+        shared: Shared,
+        chained: bool = True,
     ) -> None:
         # The image by a parameter of its own type (CDK passes other values as strings), so that
         # CloudFormation checks it is an image id, as the parent's DLAMI parameter is.
@@ -53,6 +61,7 @@ class NodeCell(NestedStack):
         # Its id names the cell: every logical id of a node or a cell is unique across the stack's templates.
         policy = NodePolicy(self, f"{construct_id}Policy", config=config, cache=shared.cache, scripts_arn=shared.scripts_arn)
         self.nodes: dict[str, ClusterNode] = {}
+        gates: dict[str, NodeReadyGate] = {}
         for node in cell.nodes:
             render = renders[node.name]
             gate = (
@@ -108,3 +117,22 @@ class NodeCell(NestedStack):
                 )
                 silent.add_dependency(gate.condition if gate else holder.group)
             self.nodes[node.name] = holder
+            if gate:
+                gates[node.name] = gate
+        if chained:
+            self._chain(config, cell, gates)
+
+    def _chain(self, config: ClusterConfig, cell: Cell, gates: dict[str, NodeReadyGate]) -> None:
+        """The rollout's lanes (docs/design.md 'Changes'): a node's group updates after every earlier
+        node of its lane has served (its deploy gate; its group when there is none). A role of n
+        nodes has rollout.batch(n) lanes, node i in lane i mod lanes, so at most that many of the
+        role are replaced at once. Every earlier node of the lane, not only the one before: a node
+        the change leaves alone does not hold the lane, and the next changed one waits for the last
+        changed one before it. The first deploy is not chained (the stack's `chained`)."""
+        lanes = config.rollout.batch(sum(1 for n in config.layout.nodes if n.role == cell.role))
+        for node in cell.nodes:
+            group = self.nodes[node.name].group
+            for before in cell.nodes:
+                if before.index < node.index and (node.index - before.index) % lanes == 0:
+                    waits_for = gates[before.name].condition if before.name in gates else self.nodes[before.name].group
+                    group.add_resource_dependency(waits_for)

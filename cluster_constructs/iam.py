@@ -227,8 +227,14 @@ class NodeIdentityRole(Construct):
             listing.add_condition("StringLike", {"s3:prefix": [prefix, f"{prefix}/*"]})
             statements += [in_account(area), in_account(listing)] if cache and cache.own else [area, listing]
         if reads_members:
-            # gptoss-members: the fleet's running instances by tag (EC2 has no narrower resource for Describe*).
-            statements.append(iam.PolicyStatement(actions=["ec2:DescribeInstances"], resources=["*"]))
+            # gptoss-members: the fleet's running instances by tag, and when two run for one node (a surge), which
+            # one its group is terminating (neither Describe* has a narrower resource).
+            statements.append(iam.PolicyStatement(actions=["autoscaling:DescribeAutoScalingInstances", "ec2:DescribeInstances"], resources=["*"]))
+        if config.surge:
+            # gptoss-signal: a surge rollout's signal, to this node's own group in its own stack (the cell, by its id),
+            # which it finds in its instance's aws:cloudformation:* tags.
+            statements.append(iam.PolicyStatement(actions=["ec2:DescribeTags"], resources=["*"]))
+            statements.append(iam.PolicyStatement(actions=["cloudformation:SignalResource"], resources=[Stack.of(self).stack_id]))
         if router_object_arn:
             # The router's pinned wheel (the stack's asset), by its exact ARN.
             statements.append(in_account(iam.PolicyStatement(actions=["s3:GetObject"], resources=[router_object_arn])))
@@ -258,7 +264,10 @@ class NodeIdentityRole(Construct):
                 f"AwsSolutions::AwsSolutions-IAM5[Resource::arn:<AWS::Partition>:s3:::{cache.nag_form(_objects(f'{cache.uri}/nodes/{node}'))}]",
                 f"Only this node identity's own area of the compile cache ({node}); no other node reads it.",
             )
-        wide = ([("ec2:DescribeInstances", "the node reads the fleet's members (instances by tag) with it")] if reads_members else []) + (
+        wide = ([("ec2:DescribeInstances and autoscaling:DescribeAutoScalingInstances", "the node reads the fleet's members (instances by tag, "
+                  "and which of two is leaving) with them")] if reads_members else []) + (
+            [("ec2:DescribeTags", "the node reads its own instance's aws:cloudformation tags (its group, for the surge signal) with it")]
+            if config.surge else []) + (
             [("autoscaling:DescribeScalingActivities", "the health watch counts the cluster's recent replacements (its budget) with it")]
             if config.healing.report_unhealthy else [])  # fmt: skip
         if wide:

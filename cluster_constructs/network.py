@@ -14,7 +14,7 @@ from clusterspec.config import ClusterConfig
 
 # The interface endpoints given a policy (services that take one); ssmmessages and ec2messages, the
 # Session Manager and Run Command channels, keep the default (their support is not verified here).
-ENDPOINT_POLICY_SERVICES = frozenset({"ssm", "ec2", "autoscaling", "logs", "monitoring"})
+ENDPOINT_POLICY_SERVICES = frozenset({"ssm", "ec2", "autoscaling", "logs", "monitoring", "cloudformation"})
 
 
 def ssm_agent_buckets(region: str) -> list[str]:

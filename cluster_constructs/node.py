@@ -29,6 +29,8 @@ GROUP_NOTIFICATIONS = [
     "autoscaling:EC2_INSTANCE_TERMINATE",
     "autoscaling:EC2_INSTANCE_TERMINATE_ERROR",
 ]
+# The termination hook that keeps a leaving instance running for rollout.drain_s.
+DRAIN_HOOK = "gptoss-drain"
 # The group's own metrics (one-minute, no charge): in service and pending, graphed per identity.
 GROUP_METRICS = ["GroupInServiceInstances", "GroupPendingInstances", "GroupTerminatingInstances", "GroupDesiredCapacity"]
 
@@ -115,16 +117,36 @@ class ClusterNode(Construct):
             notification_configurations=[
                 autoscaling.CfnAutoScalingGroup.NotificationConfigurationProperty(topic_arn=alarm_topic_arn, notification_types=GROUP_NOTIFICATIONS)
             ],
+            # An instance being terminated (replaced, rolled, scaled in) runs drain_s more: its requests
+            # finish, and every router reads the members again and follows its name to the replacement.
+            lifecycle_hook_specification_list=[
+                autoscaling.CfnAutoScalingGroup.LifecycleHookSpecificationProperty(
+                    lifecycle_hook_name=DRAIN_HOOK,
+                    lifecycle_transition="autoscaling:EC2_INSTANCE_TERMINATING",
+                    heartbeat_timeout=config.rollout.drain_s,
+                    default_result="CONTINUE",
+                )
+            ],
             tags=[
                 autoscaling.CfnAutoScalingGroup.TagPropertyProperty(key="Name", value=f"{config.cluster_name}-{node.name}", propagate_at_launch=True),
                 *(autoscaling.CfnAutoScalingGroup.TagPropertyProperty(key=t["key"], value=t["value"], propagate_at_launch=True) for t in identity),
             ],
         )
         # A new template version (the node's user data or launch inputs changed) replaces this node's
-        # instance, and only this node's: terminate, then launch (a size-one group in reserved capacity
-        # has no room for both). The deploy gate of the new version waits for the new instance.
+        # instance, and only this node's (docs/design.md 'Changes'). With surge, the group grows to two:
+        # the replacement launches, and the update waits for its signal (gptoss-signal, once it serves)
+        # before it terminates the old instance; a failure signal or no signal within surge_timeout_s
+        # terminates the replacement instead and rolls the stack back. Without surge (capacity sized to
+        # the fleet): terminate, then launch; the lane's next node waits for this one's deploy gate.
+        surge = config.surge
+        self.surge = surge
+        self.group.max_size = "2" if surge else "1"
         self.group.cfn_options.update_policy = CfnUpdatePolicy(
             auto_scaling_rolling_update=CfnAutoScalingRollingUpdate(
-                min_instances_in_service=0, max_batch_size=1, pause_time="PT0S", suspend_processes=ROLLING_UPDATE_SUSPENDS
+                min_instances_in_service=1 if surge else 0,
+                max_batch_size=1,
+                wait_on_resource_signals=surge,
+                pause_time=f"PT{config.rollout.surge_timeout_s}S" if surge else "PT0S",
+                suspend_processes=ROLLING_UPDATE_SUSPENDS,
             )
         )

@@ -7,8 +7,11 @@ comparison is of the templates themselves, the synthesized ones against what Clo
 (the stack and each cell), each flattened the way CloudFormation reads it (a cell's parameters
 replaced by what the parent passes). Nothing is modelled apart from the templates.
 
-Today every node's group updates with MinInstancesInService 0 and no group waits for another:
-all replaced nodes go at the same time, and come back each after its deploy gate.
+The order is read from the same synthesized template: a replaced node's group waits for what it
+depends on (DependsOn: the deploy gates of the earlier nodes of its lane, a role's previous cell),
+so its batch is one more than the latest batch of a replaced node it waits for. With surge, the
+group's own rolling update launches the replacement first (MinInstancesInService 1): nothing of a
+role is out; without it, a batch's nodes are out until they serve.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from typing import Any
 
 from cluster_ops import common, stack
 from clusterspec.config import ClusterConfig
+from clusterspec.sections.rollout import FIRST_DEPLOY_CONTEXT
 
 Template = dict[str, Any]
 # What CloudFormation rolls a group for (AutoScalingRollingUpdate), beside its launch template.
@@ -111,12 +115,86 @@ def deployed(cfn: Any, stack_name: str) -> dict[str, Any]:
 
 @dataclass
 class Rollout:
-    """The nodes of a deploy, by what happens to their instance."""
+    """The nodes of a deploy, by what happens to their instance, and the batch of each replaced node."""
 
     kept: list[str] = field(default_factory=list)
     replaced: list[str] = field(default_factory=list)
     launched: list[str] = field(default_factory=list)
     removed: list[str] = field(default_factory=list)
+    batch: dict[str, int] = field(default_factory=dict)  # replaced node -> 1, 2, ...: when its replacement starts
+    surge: dict[str, bool] = field(default_factory=dict)  # replaced node -> its replacement comes before the old goes
+
+
+def _node_of(resources: Mapping[str, Any]) -> dict[str, str]:
+    """Each group's, deploy gate's and cell's logical id (flattened) -> the node(s) it stands for.
+    A cell stands for every node in it: 'cell:<lid>' entries map to a space-separated list."""
+    out: dict[str, str] = {}
+    for lid, res in resources.items():
+        if res.get("Type") == "AWS::AutoScaling::AutoScalingGroup":
+            tags = {t.get("Key"): t.get("Value") for t in res.get("Properties", {}).get("Tags", []) if isinstance(t, dict)}
+            node = tags.get("gptoss:node")
+            if isinstance(node, str):
+                out[lid] = node
+    for lid, res in resources.items():
+        if res.get("Type") == "AWS::CloudFormation::WaitCondition":
+            scope = lid.rsplit("/", 1)[0] + "/" if "/" in lid else ""
+            groups = [g for g in (out.get(f"{scope}{d}") for d in _depends(res)) if g]
+            if groups:
+                out[lid] = groups[0]
+    cells: dict[str, list[str]] = {}
+    for lid, node in list(out.items()):
+        if "/" in lid and resources[lid].get("Type") == "AWS::AutoScaling::AutoScalingGroup":
+            cells.setdefault(lid.split("/", 1)[0], []).append(node)
+    for cell, nodes in cells.items():
+        out[f"cell:{cell}"] = " ".join(nodes)
+    return out
+
+
+def _depends(res: Mapping[str, Any]) -> list[str]:
+    d = res.get("DependsOn", [])
+    return [d] if isinstance(d, str) else list(d)
+
+
+def waits_for(resources: Mapping[str, Any]) -> dict[str, set[str]]:
+    """Each node -> the nodes whose update its group's update waits for (its DependsOn, read from the
+    template: gates and groups of its lane in its cell, and every node of a cell its cell waits for)."""
+    names = _node_of(resources)
+    out: dict[str, set[str]] = {}
+    for lid, res in resources.items():
+        if res.get("Type") != "AWS::AutoScaling::AutoScalingGroup" or lid not in names:
+            continue
+        scope, _, _ = lid.rpartition("/")
+        deps = {names[f"{scope}/{d}" if scope else d] for d in _depends(res) if (f"{scope}/{d}" if scope else d) in names}
+        if scope:
+            for cell in _depends(resources.get(scope, {})):
+                deps |= set(names.get(f"cell:{cell}", "").split())
+        out[names[lid]] = deps - {""}
+    return out
+
+
+def batches(replaced: list[str], graph: Mapping[str, set[str]]) -> dict[str, int]:
+    """Each replaced node's batch: 1 + the latest batch of a replaced node it waits for (1 if none)."""
+    todo = set(replaced)
+    done: dict[str, int] = {}
+
+    def batch(node: str, seen: frozenset[str] = frozenset()) -> int:
+        if node not in done:
+            before = [batch(d, seen | {node}) for d in graph.get(node, ()) if d in todo and d not in seen]
+            done[node] = 1 + max(before, default=0)
+        return done[node]
+
+    return {n: batch(n) for n in replaced}
+
+
+def group_surges(resources: Mapping[str, Any]) -> dict[str, bool]:
+    """Each node -> whether its group's rolling update launches the replacement first (MinInstancesInService 1)."""
+    names = _node_of(resources)
+    out = {}
+    for lid, res in resources.items():
+        if res.get("Type") == "AWS::AutoScaling::AutoScalingGroup" and lid in names:
+            policy = (res.get("UpdatePolicy") or {}).get("AutoScalingRollingUpdate") or {}
+            out[names[lid]] = int(policy.get("MinInstancesInService", 0)) >= 1
+    return out
 
 
 def _order(name: str) -> tuple[str, int]:
@@ -127,7 +205,7 @@ def _order(name: str) -> tuple[str, int]:
 def compare(before: Mapping[str, Any], after: Mapping[str, Any]) -> Rollout:
     """What a deploy from BEFORE's resources to AFTER's does to each node."""
     old, new = node_launches(before), node_launches(after)
-    r = Rollout()
+    r = Rollout(surge=group_surges(after))
     for node in sorted(set(old) | set(new), key=_order):
         if node not in old:
             r.launched.append(node)
@@ -137,6 +215,8 @@ def compare(before: Mapping[str, Any], after: Mapping[str, Any]) -> Rollout:
             r.kept.append(node)
         else:
             r.replaced.append(node)
+    r.batch = batches(r.replaced, waits_for(after))
+    r.surge = {n: r.surge.get(n, False) for n in r.replaced}
     return r
 
 
@@ -152,33 +232,54 @@ def _span(names: list[str]) -> str:
     return ", ".join(f"{role}-{a}" if a == b else f"{role}-{a}..{b}" for role, a, b in runs)
 
 
-def role_lines(cfg: ClusterConfig, r: Rollout) -> list[str]:
-    """One line per role a replacement touches, in the form `make bench-rollout` prints."""
-    wait = f"up to {-(-cfg.gate_timeout_s // 60)} min (each replacement's deploy gate)" if cfg.wait_for_ready else "no deploy gate waits for them (wait_for_ready false)"
+def role_lines(cfg: ClusterConfig, r: Rollout, ready_min: float | None = None) -> list[str]:
+    """One line per role a replacement touches, in the form `make bench-rollout` prints:
+
+        <role> <B> batches, at most <K> of <N> out, minimum serving <role> <X>/<N>, about <T>
+
+    B is the role's last batch; K the most of its nodes in one batch that are out (none with
+    surge: the replacement serves before the old instance goes); T is B x READY_MIN, the time a
+    node takes to serve (measured from the last deploy's gates, when known)."""
     lines = []
     for role, names in _by_role(cfg).items():
         running = [n for n in names if n not in r.launched]  # a launched node serves nothing yet
         out = [n for n in running if n in r.replaced]
         if not out:
             continue
+        n_batches = max(r.batch.get(n, 1) for n in out)
+        per_batch = [sum(1 for n in out if r.batch.get(n, 1) == b) for b in range(1, n_batches + 1)]
+        surged = all(r.surge.get(n, False) for n in out)
+        k = 0 if surged else max(per_batch)
+        if ready_min is not None:
+            took = f"about {n_batches * ready_min:.0f} min ({n_batches} x {ready_min:.0f} min, a node's time to serve at the last deploy)"
+        elif cfg.wait_for_ready:
+            took = f"about {n_batches} x a node's time to serve (each batch waits for its deploy gates, up to {-(-cfg.gate_timeout_s // 60)} min each)"
+        else:
+            took = f"about {n_batches} x a node's time to launch (no deploy gate: wait_for_ready false)"
         lines.append(
-            f"{role}: 1 batch, at most {len(out)} of {len(running)} out, minimum serving {role} {len(running) - len(out)}/{len(running)}, {wait}"
+            f"{role}: {n_batches} batch{'es' if n_batches != 1 else ''}, at most {k} of {len(running)} out"
+            f"{' (surge: each replacement serves before its old instance goes)' if surged else ''}, "
+            f"minimum serving {role} {len(running) - k}/{len(running)}, {took}"
         )
     return lines
 
 
-def describe(cfg: ClusterConfig, r: Rollout) -> list[str]:
+def describe(cfg: ClusterConfig, r: Rollout, ready_min: float | None = None) -> list[str]:
     """What the deploy does to the running nodes, in lines an operator reads before it runs."""
     total = len(r.kept) + len(r.replaced)
     lines = []
     if r.replaced:
-        lines.append(
-            f"this deploy replaces the instances of {len(r.replaced)} of the {total} running nodes, all at the same time "
-            f"(each node's group terminates its instance, then launches the new one): {_span(r.replaced)}"
-        )
-        lines += [f"  {line}" for line in role_lines(cfg, r)]
-        if any(all(n in r.replaced for n in names) for names in _by_role(cfg).values()):
-            lines.append("  a role with every node replaced serves nothing: the endpoint is down until the replacements serve")
+        order = "; ".join(f"batch {b}: {_span([n for n in r.replaced if r.batch.get(n, 1) == b])}" for b in sorted(set(r.batch.values())))
+        how = ("each replacement launched and serving before its old instance is terminated (surge)"
+               if all(r.surge.get(n) for n in r.replaced) else "each node's group terminates its instance, then launches the new one")  # fmt: skip
+        lines.append(f"this deploy replaces the instances of {len(r.replaced)} of the {total} running nodes, in batches ({how}): {order}")
+        lines += [f"  {line}" for line in role_lines(cfg, r, ready_min)]
+        if any(all(n in r.replaced and not r.surge.get(n) and r.batch.get(n) == 1 for n in names) for names in _by_role(cfg).values()):
+            lines.append("  a role with every node in one batch and no surge serves nothing: the endpoint is down until the replacements serve")
+        if any(r.surge.get(n) for n in r.replaced):
+            lines.append(f"  with surge a replacement must serve within {cfg.rollout.surge_timeout_s // 60} min (CloudFormation's limit), "
+                         "or it is terminated and the deploy rolls back: a change whose nodes compile longer (a new image, a cold "
+                         "compile cache) deploys with rollout.surge=off")  # fmt: skip
     else:
         lines.append(f"this deploy replaces no instance ({total} running node{'s keep their own' if total != 1 else ' keeps its own'})")
     if r.launched:
@@ -199,18 +300,21 @@ def _by_role(cfg: ClusterConfig) -> dict[str, list[str]]:
 
 def preview(cfg: ClusterConfig, context: list[str], assembly: Path) -> Rollout | None:
     """Synthesize into ASSEMBLY (what the deploy then deploys, unchanged) and compare it with what is
-    deployed; None when the stack is not deployed (a first deploy launches every node)."""
-    code = stack.cdk("synth", cfg, context, ["--quiet", "--output", str(assembly)])
+    deployed; None when the stack is not deployed: a first deploy launches every node at once (the
+    synth is told, gptoss:first-deploy, and leaves the rollout's chain out)."""
+    first = not stack.exists(cfg)
+    more = [f"{FIRST_DEPLOY_CONTEXT}=true"] if first else []
+    code = stack.cdk("synth", cfg, context + more, ["--quiet", "--output", str(assembly)])
     if code != 0:
         raise common.CliError(f"cdk synth of {cfg.stack_name} failed (exit {code}): nothing was changed.", code)
-    if not stack.exists(cfg):
+    if first:
         return None
     return compare(deployed(common.session(cfg).client("cloudformation"), cfg.stack_name), synthesized(assembly, cfg.stack_name))
 
 
 def say(cfg: ClusterConfig, r: Rollout | None) -> None:
     """The preview, on stderr."""
-    lines = describe(cfg, r) if r is not None else [f"{cfg.stack_name} is not deployed: a deploy launches all {len(cfg.layout.nodes)} nodes"]
+    lines = describe(cfg, r) if r is not None else [f"{cfg.stack_name} is not deployed: a deploy launches all {len(cfg.layout.nodes)} nodes at once"]
     for line in lines:
         print(line, file=sys.stderr)
 

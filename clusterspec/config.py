@@ -21,6 +21,7 @@ from clusterspec.sections.healing import HealingConfig
 from clusterspec.sections.network import NetworkConfig
 from clusterspec.sections.observability import ObservabilityConfig
 from clusterspec.sections.proxy import ProxyKind
+from clusterspec.sections.rollout import RolloutConfig
 from clusterspec.sections.serving import Serving
 from clusterspec.sections.sources import SECRET_ARN, ExamplesSource, ModelSource, NixlSource
 
@@ -98,6 +99,9 @@ class ClusterConfig(Frozen):
         True, description="With compile_cache_s3_uri unset, the stack creates the compile cache's bucket; false: no compile cache."
     )
     healing: HealingConfig = Field(default_factory=HealingConfig, description="Replacement of lost nodes (docs/design.md 'Healing').")
+    rollout: RolloutConfig = Field(
+        default_factory=RolloutConfig, description="How a change that replaces instances goes through a running fleet (docs/design.md 'Changes')."
+    )
     cell_nodes: int = Field(
         CELL_NODES, ge=1, le=60,
         description="The most nodes of one role in one nested stack (a cell). Changing it moves nodes between cells, which "
@@ -326,6 +330,11 @@ class ClusterConfig(Frozen):
             return self.layout.load_balanced
         return self.proxy_load_balancer
 
+    @property
+    def surge(self) -> bool:
+        """Whether a replacement is launched and serving before the instance it replaces goes (rollout.surge)."""
+        return self.rollout.surges(self.capacity.type, self.wait_for_ready)
+
     @model_validator(mode="after")
     def _config_rules(self) -> ClusterConfig:
         if self.serving.recipe != self.recipe:
@@ -478,16 +487,9 @@ class ClusterConfig(Frozen):
             raise rule_error("network.placement_group", pg, f"capacity.placement_group names another group ({self.capacity.placement_group})",
                              "give one of them (the reservation's group)")  # fmt: skip
         if self.proxy_kind == "vllm-router":
-            r = self.serving.proxy.router
             # Counted, not placed: the layout (and its own refusals, a fleet too large) comes after validation.
-            replicas = self.decode_instances * self.prefill_per_decode
-            for role, chosen, servers in (("prefill", r.prefill_policy, replicas), ("decode", r.decode_policy, self.decode_instances)):
-                if chosen == "power_of_two" and servers < 2:
-                    raise rule_error(
-                        f"serving.proxy.router.{role}_policy", chosen,
-                        f"vllm-router refuses to start with power_of_two over {servers} {role} server ('Power-of-two policy for {role} "
-                        f"requires at least 2 {role} workers')", "remove it (round_robin is chosen over one server) or use round_robin",
-                    )  # fmt: skip
+            self.serving.proxy.router.check_policies(prefill=self.decode_instances * self.prefill_per_decode, decode=self.decode_instances)
+        self.rollout.check(wait_for_ready=self.wait_for_ready, members_poll_s=self.healing.members_poll_s)
         _check_subnet_size(self)
         _check_ports(self)
         return self
@@ -584,12 +586,14 @@ def _check_capacity(self: ClusterConfig, partition: str | None) -> None:  # the 
                 + (", or capacity.preference=open to use any matching open reservation" if cap.type == "odcr" else ""),
             )  # fmt: skip
 
+
 def interface_endpoints(cfg: ClusterConfig) -> tuple[str, ...]:
     """The interface endpoints the stack makes without egress (one ENI each in the subnet): SSM, EC2 and Auto Scaling
-    for the members and self-reports, CloudWatch for telemetry."""
+    for the members and self-reports, CloudFormation for a surge's signal, CloudWatch for telemetry."""
     if not cfg.network.wants_ssm_endpoints:
         return ()
-    # ec2: the fleet's members (DescribeInstances by tag); autoscaling: a node marking its own instance unhealthy.
-    members = ("ec2",) if any(cfg.layout.proxies) else ()
-    healing = ("autoscaling",) if cfg.healing.report_unhealthy else ()
-    return ("ssm", "ssmmessages", "ec2messages", *members, *healing) + (("logs", "monitoring") if cfg.observability.enabled else ())
+    # ec2: the members (and a surge's own tags); autoscaling: a node's report, the members' leaving instance.
+    members = ("ec2",) if any(cfg.layout.proxies) or cfg.surge else ()
+    healing = ("autoscaling",) if cfg.healing.report_unhealthy or any(cfg.layout.proxies) else ()
+    surge = ("cloudformation",) if cfg.surge else ()
+    return ("ssm", "ssmmessages", "ec2messages", *members, *healing, *surge) + (("logs", "monitoring") if cfg.observability.enabled else ())

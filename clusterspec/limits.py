@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from clusterspec.cells import cells
+from clusterspec.cells import Cell, cells
 from clusterspec.config import ClusterConfig
 from clusterspec.errors import SpecError
 from clusterspec.layout import Layout, Node
@@ -43,6 +43,8 @@ PER_CARD_BYTES = 340
 PER_GATE_BYTES = 900  # a node's wait condition and handle (deploy gate)
 PER_SILENT_ALARM_BYTES = 1_200  # a node's NodeSilent alarm
 PER_NODE_RESOURCES = 4
+PER_ROLLOUT_BYTES = 400  # a node's drain hook and its group's surge policy
+PER_DEPENDENCY_BYTES = 80  # one id in a group's DependsOn: an earlier gate of its lane (the rollout's chain)
 # Nodes of one shape differ only in digits; xz packs different digits into a few bytes more or
 # less. Measured over the examples and recipes (tests/unit/test_limits.py compares with every
 # node rendered): under 16 bytes of user data. Twice that, per node.
@@ -141,12 +143,19 @@ def estimate(cfg: ClusterConfig) -> StackSize:
     gate_bytes, gate_resources = (PER_GATE_BYTES, 2) if cfg.wait_for_ready else (0, 0)
     obs = cfg.observability
     alarm_bytes, alarm_resources = (PER_SILENT_ALARM_BYTES, 1) if obs.enabled else (0, 0)
-    per_node = PER_NODE_BYTES + PER_CARD_BYTES * cfg.hardware.network_cards + gate_bytes + alarm_bytes
+    per_node = PER_NODE_BYTES + PER_CARD_BYTES * cfg.hardware.network_cards + gate_bytes + alarm_bytes + PER_ROLLOUT_BYTES
+    lanes: dict[str, int] = {role: cfg.rollout.batch(sum(1 for n in layout.nodes if n.role == role)) for role in {n.role for n in layout.nodes}}
+
+    def chain_bytes(c: Cell) -> int:
+        """The rollout's chain in a cell: each node's group waits for every earlier node of its lane there."""
+        per_lane = lanes[str(c.role)]
+        return PER_DEPENDENCY_BYTES * sum(p // per_lane for p in range(len(c.nodes)))
+
     # The template holds user data as text; CloudFormation base64-encodes it at deploy time.
     cell_sizes = tuple(
         TemplateSize(
             c.name, len(c.nodes), CELL_BASE_RESOURCES + len(c.nodes) * (PER_NODE_RESOURCES + gate_resources + alarm_resources),
-            CELL_BASE_BYTES + sum(size_of[n.name] + per_node for n in c.nodes),
+            CELL_BASE_BYTES + sum(size_of[n.name] + per_node for n in c.nodes) + chain_bytes(c),
         )
         for c in cells(layout, cfg.cell_nodes)
     )  # fmt: skip

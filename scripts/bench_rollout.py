@@ -5,7 +5,7 @@ running one and the changed one, node by node.
     rollout: <change>: <role> <B> batches, at most <K> of <N> out, minimum serving <role> <X>/<N>, <wait>
 
 The fleets: the default (1 prefill + 1 decode, toy proxy) and the production layout (3 + 8, vLLM's
-router). The changes: a one-line edit of a node script, a new image, a decode server flag, a
+router), with surge (On-Demand's default) and without (a reservation's), one lane and 25 %. The changes: a one-line edit of a node script, a new image, a decode server flag, a
 router setting, one more decode node. No AWS call: the synth is offline.
 """
 
@@ -21,7 +21,13 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 STACK = "GptOss8k1kStack"
-FLEETS = {"default (1+1)": {"ami_id": "ami-0123456789abcdef0"}, "production (3+8)": {"ami_id": "ami-0123456789abcdef0", "decode_instances": "8"}}
+FLEETS = {
+    "default (1+1)": {"ami_id": "ami-0123456789abcdef0"},
+    "production (3+8)": {"ami_id": "ami-0123456789abcdef0", "decode_instances": "8"},
+    "production (3+8), surge off": {"ami_id": "ami-0123456789abcdef0", "decode_instances": "8", "rollout.surge": "off"},
+    "production (3+8), surge off, max_unavailable 25%": {
+        "ami_id": "ami-0123456789abcdef0", "decode_instances": "8", "rollout.surge": "off", "rollout.max_unavailable": "25%"},
+}
 CHANGES: dict[str, dict[str, str]] = {
     "a node script (one line of gptoss-retry)": {},
     "the image": {"ami_id": "ami-0fedcba9876543210"},

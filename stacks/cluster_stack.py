@@ -21,6 +21,7 @@ from clusterspec.cells import cells
 from clusterspec.commands import model_name
 from clusterspec.config import ClusterConfig, interface_endpoints
 from clusterspec.render import render_cluster
+from clusterspec.sections.rollout import FIRST_DEPLOY_CONTEXT
 
 
 class GptOssClusterStack(Stack):
@@ -137,10 +138,20 @@ class GptOssClusterStack(Stack):
         # Every node identity in a cell (a nested stack) of its role: any fleet is one stack name, and a
         # fleet that grows never moves a node from one nested stack to another (clusterspec.cells).
         self.cells: dict[str, NodeCell] = {}
+        # The rollout's lanes order the groups of a role (docs/design.md 'Changes'); a first deploy
+        # launches every node at once: `gptoss deploy` says so (context gptoss:first-deploy=true)
+        # when the stack does not exist yet.
+        chained = str(self.node.try_get_context(FIRST_DEPLOY_CONTEXT)).lower() != "true"
+        last_of_role: dict[str, NodeCell] = {}
         for cell in cells(layout, config.cell_nodes):
-            self.cells[cell.name] = NodeCell(self, cell.name, config=config, cell=cell, renders=by_name, shared=shared)
+            nested = NodeCell(self, cell.name, config=config, cell=cell, renders=by_name, shared=shared, chained=chained)
+            self.cells[cell.name] = nested
             # A first boot must not race its network: routes, NAT and endpoints exist before the groups launch.
-            self.cells[cell.name].node.add_dependency(network_ready)
+            nested.node.add_dependency(network_ready)
+            if chained and cell.role in last_of_role:
+                # A role's next cell rolls after its previous one: its lanes continue there.
+                nested.node.add_dependency(last_of_role[cell.role])
+            last_of_role[cell.role] = nested
         ClusterOutputs(
             self, "Outputs", config=config, proxy_nodes=proxy_names, endpoint_dns=balancer.dns_name if balancer else None,
             own_alarm_topic=own_topic.arn if own_topic else None,

@@ -70,6 +70,16 @@ class Router(Frozen):
         (), description="Router flags the spec does not model; checked against the pinned router's own parser at plan time."
     )
 
+    def check_policies(self, *, prefill: int, decode: int) -> None:
+        """The router's refusal at start, at plan time: power_of_two over fewer than two servers of a role."""
+        for role, chosen, servers in (("prefill", self.prefill_policy, prefill), ("decode", self.decode_policy, decode)):
+            if chosen == "power_of_two" and servers < 2:
+                raise rule_error(
+                    f"serving.proxy.router.{role}_policy", chosen,
+                    f"vllm-router refuses to start with power_of_two over {servers} {role} server ('Power-of-two policy for {role} "
+                    f"requires at least 2 {role} workers')", "remove it (round_robin is chosen over one server) or use round_robin",
+                )  # fmt: skip
+
     @model_validator(mode="after")
     def _router_rules(self) -> Router:
         if f"-{self.version}-" not in self.wheel:

@@ -39,6 +39,7 @@ EGRESS_NONE_ENDPOINTS = {
         "ec2messages": "Interface",
         "ec2": "Interface",  # the fleet's members, by tag
         "autoscaling": "Interface",  # a node marking its own instance unhealthy
+        "cloudformation": "Interface",  # a surge replacement's signal to its group (On-Demand surges)
         "logs": "Interface",
         "monitoring": "Interface",
     }.items()
@@ -422,9 +423,9 @@ def test_single_instance_recipe_with_the_stacks_own_cache_bucket_deploys_and_is_
         same = local_aws.gptoss("diff", *ctx).stderr
         assert "this deploy replaces no instance (1 running node keeps its own)" in same, same[-3000:]
         changed = local_aws.gptoss("diff", *ctx, "-c", "boot.devices_s=240").stderr
-        assert ("this deploy replaces the instances of 1 of the 1 running nodes, all at the same time "
-                "(each node's group terminates its instance, then launches the new one): server-0") in changed, changed[-3000:]  # fmt: skip
-        assert "server: 1 batch, at most 1 of 1 out, minimum serving server 0/1" in changed, changed[-3000:]
+        assert ("this deploy replaces the instances of 1 of the 1 running nodes, in batches (each replacement launched and "
+                "serving before its old instance is terminated (surge)): batch 1: server-0") in changed, changed[-3000:]  # fmt: skip
+        assert "server: 1 batch, at most 0 of 1 out (surge: each replacement serves before its old instance goes), minimum serving server 1/1" in changed, changed[-3000:]
 
     seen = deploy_check_destroy(
         local_aws, "recipe=gptoss-20b-single", "compile_cache_s3_uri=null", stack="GptOss20bSingleStack", cluster="gptoss-20b-single",
@@ -436,5 +437,6 @@ def test_single_instance_recipe_with_the_stacks_own_cache_bucket_deploys_and_is_
     assert (nic["NetworkCardIndex"], nic.get("InterfaceType", "interface")) == (0, "interface")
     assert data["MetadataOptions"]["HttpTokens"] == "required" and "Placement" not in data
     assert {r for r in seen["rules_in"] if r[0] == "tcp"} == {("tcp", 8000, 8000, "self")}
-    # A single server has no peers: no members (no EC2 endpoint needed for them), the rest as for the fleet.
-    assert seen["endpoints"] == {k: v for k, v in EGRESS_NONE_ENDPOINTS.items() if not k.endswith(".ec2")}
+    # A single server has no peers, but it surges (On-Demand): it reads its own tags (EC2) and signals its group
+    # (CloudFormation) when a rollout replaces it, so the endpoints are the fleet's.
+    assert seen["endpoints"] == EGRESS_NONE_ENDPOINTS

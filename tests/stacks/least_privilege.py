@@ -50,6 +50,8 @@ DATA_READS = ("s3:GetObject", "secretsmanager:GetSecretValue", "kms:Decrypt", "s
 
 # The stack's own compile cache bucket, as a resource names it (a Ref of the bucket).
 CACHE_BUCKET = "<the stack's compile cache bucket>"
+# The stack (the cell) that holds the node's group, by its own id: a Ref of AWS::StackId there.
+OWN_STACK = "<the node's own stack>"
 
 
 def _text(value: Any) -> str:
@@ -66,6 +68,8 @@ def _text(value: Any) -> str:
         return value["Fn::Sub"].replace("${AWS::AccountId}", ACCOUNT)
     if "Ref" in value and value["Ref"].startswith("CompileCacheBucket"):
         return CACHE_BUCKET
+    if value == {"Ref": "AWS::StackId"}:
+        return OWN_STACK
     raise AssertionError(f"unexpected resource form {value}")
 
 
@@ -184,7 +188,12 @@ def expected(cfg: ClusterConfig, node: str, scripts_key: str, router_key: str | 
                  f"arn:aws:autoscaling:{cfg.region}:{ACCOUNT}:autoScalingGroup:*:autoScalingGroupName/{cfg.cluster_name}-{node}", none))  # fmt: skip
     proxies = [p for p in cfg.layout.proxies if p.node == node]
     if proxies:
-        out.add(("ec2:DescribeInstances", "*", none))  # the fleet's members, by tag
+        # The fleet's members, by tag, and which of two instances of one node its group is letting go.
+        out |= {("ec2:DescribeInstances", "*", none), ("autoscaling:DescribeAutoScalingInstances", "*", none)}
+    on_demand = cfg.capacity.type == "on-demand"
+    if cfg.wait_for_ready and (cfg.rollout.surge == "on" or (cfg.rollout.surge == "auto" and on_demand)):
+        # A surge's signal: its own instance's aws:cloudformation tags, then SignalResource to its own stack only.
+        out |= {("ec2:DescribeTags", "*", none), ("cloudformation:SignalResource", OWN_STACK, none)}
     if router_key and any(p.kind == "vllm-router" for p in proxies):
         out.add(("s3:GetObject", f"arn:aws:s3:::{ASSETS}/{router_key}", _when(ASSETS)))
     return out

@@ -110,11 +110,15 @@ class TestNetwork:
         assert not of_type(t, "AWS::EC2::InternetGateway")
         assert not of_type(t, "AWS::EC2::Route")
         services = sorted(v["Properties"]["ServiceName"] for v in of_type(t, "AWS::EC2::VPCEndpoint").values())
-        # SSM for the operator, EC2 for the members, Auto Scaling for a node's report on itself, CloudWatch
-        # Logs and metrics for the nodes' collector.
-        assert services == [
-            f"com.amazonaws.us-east-2.{s}" for s in ("autoscaling", "ec2", "ec2messages", "logs", "monitoring", "s3", "ssm", "ssmmessages")
-        ]
+        # SSM for the operator, EC2 for the members (and a node's own tags), Auto Scaling for a node's report on
+        # itself and the members' leaving instance, CloudFormation for a surge's signal (On-Demand surges),
+        # CloudWatch Logs and metrics for the nodes' collector.
+        assert services == [f"com.amazonaws.us-east-2.{s}" for s in
+                            ("autoscaling", "cloudformation", "ec2", "ec2messages", "logs", "monitoring", "s3", "ssm", "ssmmessages")]  # fmt: skip
+        # Without surge (capacity sized to the fleet) no node signals its group: no CloudFormation endpoint.
+        off = synth_variant(network={"egress": "none"}, model={"source": "s3", "s3_uri": "s3://models-bucket/gpt-oss-120b"},
+                            examples={"s3_uri": "s3://models-bucket/vllm-neuron"}, rollout={"surge": "off"})  # fmt: skip
+        assert "com.amazonaws.us-east-2.cloudformation" not in {v["Properties"]["ServiceName"] for v in of_type(off, "AWS::EC2::VPCEndpoint").values()}
 
     def test_without_egress_the_endpoints_admit_only_this_accounts_principals_and_the_clusters_buckets(self, synth_variant: Any) -> None:
         t = synth_variant(
@@ -126,7 +130,7 @@ class TestNetwork:
         )
         eps = {v["Properties"]["ServiceName"].rpartition(".")[2]: v["Properties"] for v in of_type(t, "AWS::EC2::VPCEndpoint").values()}
         account = {"StringEquals": {"aws:PrincipalAccount": {"Ref": "AWS::AccountId"}}}
-        for service in ("ssm", "ec2", "autoscaling", "logs", "monitoring"):
+        for service in ("ssm", "ec2", "autoscaling", "logs", "monitoring", "cloudformation"):
             assert eps[service]["PolicyDocument"]["Statement"] == [
                 {"Sid": "ThisAccountsPrincipals", "Effect": "Allow", "Principal": {"AWS": "*"}, "Action": "*", "Resource": "*", "Condition": account}
             ], service
@@ -160,9 +164,8 @@ class TestNetwork:
             examples={"s3_uri": "s3://models-bucket/vllm-neuron"},
         )  # fmt: skip
         eps = {v["Properties"]["ServiceName"]: v["Properties"] for v in of_type(t, "AWS::EC2::VPCEndpoint").values()}
-        assert sorted(eps) == [
-            f"com.amazonaws.us-east-2.{s}" for s in ("autoscaling", "ec2", "ec2messages", "logs", "monitoring", "s3", "ssm", "ssmmessages")
-        ]
+        assert sorted(eps) == [f"com.amazonaws.us-east-2.{s}" for s in
+                               ("autoscaling", "cloudformation", "ec2", "ec2messages", "logs", "monitoring", "s3", "ssm", "ssmmessages")]  # fmt: skip
         assert eps["com.amazonaws.us-east-2.s3"]["RouteTableIds"] == ["rtb-0123456789abcdef0"]
         assert all(e["SubnetIds"] == ["subnet-0123456789abcdef0"] for n, e in eps.items() if not n.endswith("s3"))
         assert all(e["VpcId"] == "vpc-0123456789abcdef0" for e in eps.values())
@@ -246,7 +249,8 @@ class TestNodes:
         gs = groups(t)
         assert sorted(gs) == ["decode-0", "prefill-0"]
         for node, g in gs.items():
-            assert (g["MinSize"], g["MaxSize"], g["DesiredCapacity"]) == ("1", "1", "1"), node
+            # Room for a surge's second instance (On-Demand): the group holds one, and two only while a rollout replaces it.
+            assert (g["MinSize"], g["MaxSize"], g["DesiredCapacity"]) == ("1", "2", "1"), node
             assert g["AutoScalingGroupName"] == f"gptoss-8k1k-{node}"
             tags = {x["Key"]: (x["Value"], x["PropagateAtLaunch"]) for x in g["Tags"]}
             role = node.split("-")[0]
@@ -257,13 +261,14 @@ class TestNodes:
 
     def test_a_failed_instance_is_replaced_and_a_new_template_version_replaces_only_its_node(self, default_synth: Synth) -> None:
         """EC2's status checks (and the node's own SetInstanceHealth) replace a failed instance; a
-        redeploy that changes a node's template replaces that node's instance, terminate then launch."""
+        redeploy that changes a node's template replaces that node's instance: On-Demand (the default)
+        surges, the replacement first, the old instance after the replacement's signal (within the
+        hour CloudFormation allows); without surge, terminate then launch, and the deploy gate waits."""
         for node, g in groups(default_synth.template).items():
             assert g["HealthCheckType"] == "EC2" and g["HealthCheckGracePeriod"] == 900, node
             rolling = g["UpdatePolicy"]["AutoScalingRollingUpdate"]
-            assert (rolling["MinInstancesInService"], rolling["MaxBatchSize"]) == (0, 1), node
+            assert (rolling["MinInstancesInService"], rolling["MaxBatchSize"], rolling["WaitOnResourceSignals"], rolling["PauseTime"]) == (1, 1, True, "PT3600S"), node
             assert {"HealthCheck", "ReplaceUnhealthy"} <= set(rolling["SuspendProcesses"]), "no replacement fights the update"
-            assert "WaitOnResourceSignals" not in rolling, "the deploy gate waits for the node (hours), not the group's 1 h"
 
     def test_one_interface_per_network_card_primary_efa_then_efa_only(self, default_synth: Synth) -> None:
         for lt in launch_templates(default_synth.template).values():

@@ -232,12 +232,14 @@ def test_deploy_names_the_stack_records_it_and_later_commands_find_it(checkout: 
     ran: list[tuple[str, str, list[str], list[str]]] = []
     monkeypatch.setattr(stack, "cdk", lambda verb, cfg, context, extra: ran.append((verb, cfg.stack_name, context, extra)) or 0)
     assert cli.main(["deploy", *PROD, "--require-approval", "never"]) == 0
-    # Synthesized once into an assembly, which the deploy then deploys as it is (what the rollout was computed from).
+    # Synthesized once into an assembly, which the deploy then deploys as it is (what the rollout was computed from);
+    # the stack does not exist yet, so the synth leaves the rollout's chain out (every node launches at once).
     (synth, deploy_call) = ran
-    assert synth[:3] == ("synth", "GptOss8k1kProd", ["config=examples/production-3p8d.yaml"]) and synth[3][:2] == ["--quiet", "--output"]
+    assert synth[:3] == ("synth", "GptOss8k1kProd", ["config=examples/production-3p8d.yaml", "gptoss:first-deploy=true"])
+    assert synth[3][:2] == ["--quiet", "--output"]
     assert deploy_call == ("deploy", "GptOss8k1kProd", ["config=examples/production-3p8d.yaml"], ["--app", synth[3][2], "--require-approval", "never"])
     err = capsys.readouterr().err
-    assert "GptOss8k1kProd is not deployed: a deploy launches all 11 nodes" in err
+    assert "GptOss8k1kProd is not deployed: a deploy launches all 11 nodes at once" in err
     assert err.splitlines()[0].startswith("stack GptOss8k1kProd")
     assert "billed by the hour once deployed: 11 x trn3.48xlarge (on-demand)" in err
     # Later commands can name the cluster by its stack alone.

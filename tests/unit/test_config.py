@@ -319,6 +319,18 @@ BAD_INPUTS: list[tuple[str, dict[str, Any], list[str]]] = [
     row("EP guard moved", {"recipe": "gptoss-20b-di", "serving.tested_decode_ep": "64"}, "serving.tested_decode_ep='64'", "reference tested (32)", "remove serving.tested_decode_ep"),
     row("topology switched under a recipe", {"serving.topology": "single"}, "serving.topology='single'", "reference tested ('disaggregated')", "choose the recipe that runs what you want"),
     row("120B checkpoint in a 20B recipe", {"recipe": "gptoss-20b-single", "serving.model_id": "openai/gpt-oss-120b"}, "serving.model_id='openai/gpt-oss-120b'", "names a 120B checkpoint", "choose the 120B recipe"),
+    row("rollout batch of none", {"rollout.max_unavailable": "0"}, "rollout.max_unavailable=0", "is a count of nodes (1 or more) or a percentage",
+        "set rollout.max_unavailable=1 (the default), a larger count, or a percentage such as 25%"),
+    row("rollout batch as a word", {"rollout.max_unavailable": "half"}, "rollout.max_unavailable='half'", "or a percentage of a role's nodes (1% to 100%)",
+        "a percentage such as 25%"),
+    row("rollout percentage over 100", {"rollout.max_unavailable": "150%"}, "rollout.max_unavailable='150%'", "(1% to 100%)", "such as 25%"),
+    row("surge longer than CloudFormation waits", {"rollout.surge_timeout_s": "7200"}, "rollout.surge_timeout_s='7200'", "less than or equal to 3600",
+        "lower `rollout.surge_timeout_s`"),
+    row("surge without the deploy gate", {"wait_for_ready": "false", "rollout.surge": "on"}, "rollout.surge='on'", "which the deploy gate's checks say",
+        "set wait_for_ready=true, or rollout.surge=off"),
+    row("drain shorter than two members polls", {"rollout.drain_s": "60"}, "rollout.drain_s=60", "2 x healing.members_poll_s 30 s + 10 s",
+        "set rollout.drain_s to 70 or more, or lower healing.members_poll_s"),
+    row("surge mode misspelled", {"rollout.surge": "yes"}, "rollout.surge='yes'", "'auto', 'on' or 'off'", "rollout.surge"),
     row("20B checkpoint in the 120B recipe", {"serving": {"model_id": "acme/GPT-OSS-20B-tuned"}}, "serving.model_id='acme/GPT-OSS-20B-tuned'", "sized for 120B", "or a checkpoint of the recipe's size"),
 ]
 

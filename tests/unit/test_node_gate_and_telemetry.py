@@ -270,16 +270,18 @@ def signal_node(tmp_path: Path, peers: Any, shipped: Shipped) -> Callable[..., s
     fake_command(tmp_path, "journalctl", 'u=${*: -1}; echo "last line of ${u#_SYSTEMD_UNIT=}"\n')
 
     def run(
-        units: dict[str, str] | None = None, *, timeout: int = 21600, completion: bool = True, query: str = "X-Amz-Signature=abc"
+        units: dict[str, str] | None = None, *, timeout: int = 21600, completion: bool = True, query: str = "X-Amz-Signature=abc",
+        surge: bool = False, extra_env: dict[str, str] | None = None,
     ) -> subprocess.CompletedProcess[str]:
         (etc / "signal.env").write_text(f"GPTOSS_SIGNAL_URL={peers.url}/handle?{query}\n")
         states.write_text(json.dumps(units or {}))
         (etc / "cluster.env").write_text(
             f"GPTOSS_NODE=prefill-0\nGPTOSS_MODEL_DIR=/opt/dlami/nvme/models/gpt-oss-120b\nGPTOSS_READY_TIMEOUT_S={timeout}\n"
             + (f"GPTOSS_COMPLETION_URL={peers.url}/v1/completions\n" if completion else "")
+            + ("GPTOSS_SURGE=1\nAWS_REGION=us-east-2\n" if surge else "")
         )
         env = {**os.environ, "GPTOSS_ETC": str(etc), "GPTOSS_STATE_DIR": str(tmp_path / "state"), "GPTOSS_SYSTEMCTL": str(tmp_path / "systemctl"),
-               "GPTOSS_JOURNALCTL": str(tmp_path / "journalctl"), "GPTOSS_SIGNAL_POLL_S": "0.1", "GPTOSS_SIGNAL_RETRY_MAX_S": "0.2"}  # fmt: skip
+               "GPTOSS_JOURNALCTL": str(tmp_path / "journalctl"), "GPTOSS_SIGNAL_POLL_S": "0.1", "GPTOSS_SIGNAL_RETRY_MAX_S": "0.2", **(extra_env or {})}  # fmt: skip
         return subprocess.run(
             [sys.executable, str(shipped("gptoss-signal"))], env=env, capture_output=True, text=True, timeout=60
         )
@@ -827,3 +829,109 @@ def test_a_crashed_collector_does_not_fail_the_deploy_gate(signal_node: Any, pee
     assert r.returncode == 0, r.stderr
     (put,) = peers.puts
     assert put["doc"]["Status"] == "SUCCESS", put
+
+
+# ---- the surge's signal to the node's group -------------------------------------------------------
+
+
+class _CloudFormation(http.server.BaseHTTPRequestHandler):
+    """CloudFormation's query API on loopback, SignalResource only (moto has none): it records each
+    call and answers as CloudFormation does, in turn (the last answer from then on)."""
+
+    calls: list[dict[str, str]]
+    answers: list[tuple[int, str]]
+
+    def log_message(self, format: str, *args: Any) -> None:
+        pass
+
+    def do_POST(self) -> None:
+        import urllib.parse
+
+        form = dict(urllib.parse.parse_qsl(self.rfile.read(int(self.headers["Content-Length"])).decode()))
+        self.calls.append(form)
+        status, message = self.answers.pop(0) if len(self.answers) > 1 else self.answers[0]
+        ns = "http://cloudformation.amazonaws.com/doc/2010-05-15/"
+        if status == 200:
+            body = f'<SignalResourceResponse xmlns="{ns}"><ResponseMetadata><RequestId>r</RequestId></ResponseMetadata></SignalResourceResponse>'
+        else:
+            body = (f'<ErrorResponse xmlns="{ns}"><Error><Type>Sender</Type><Code>ValidationError</Code><Message>{message}</Message>'
+                    "</Error><RequestId>r</RequestId></ErrorResponse>")  # fmt: skip
+        data = body.encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "text/xml")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+
+@pytest.fixture
+def surge_node(signal_node: Any, moto_url: str, tmp_path: Path) -> Iterator[Callable[..., tuple[subprocess.CompletedProcess[str], list[dict[str, str]]]]]:
+    """gptoss-signal of a surge rollout: the real AWS CLI, EC2's tags in moto, CloudFormation on loopback."""
+    import urllib.request
+
+    import boto3
+
+    from tests.unit.test_router import AWS_CLI
+
+    urllib.request.urlopen(urllib.request.Request(f"{moto_url}/moto-api/reset", method="POST"), timeout=10)
+    ec2 = boto3.client("ec2", endpoint_url=moto_url, region_name="us-east-2", aws_access_key_id="testing", aws_secret_access_key="testing")
+    instance = ec2.run_instances(ImageId="ami-12c6146b", MinCount=1, MaxCount=1)["Instances"][0]["InstanceId"]
+    handler = type("C", (_CloudFormation,), {"calls": [], "answers": [(200, "")]})
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    bindir = tmp_path / "awsbin"
+    fake_command(bindir, "aws", f'PYTHONPATH="{AWS_CLI}" exec "{sys.executable}" -m awscli "$@"\n')
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "identity.env").write_text(f"GPTOSS_INSTANCE_ID={instance}\n")
+
+    def run(*, tags: bool = True, answers: list[tuple[int, str]] | None = None, **kw: Any) -> tuple[subprocess.CompletedProcess[str], list[dict[str, str]]]:
+        if tags:
+            ec2.create_tags(Resources=[instance], Tags=[{"Key": "aws:cloudformation:stack-name", "Value": "GptOss8k1kStack-DecodeCell0-ABC"},
+                                                        {"Key": "aws:cloudformation:logical-id", "Value": "Decode0Group30BAA125"}])  # fmt: skip
+        handler.answers = answers or [(200, "")]
+        env = {"PATH": f"{bindir}{os.pathsep}{os.environ['PATH']}", "AWS_ENDPOINT_URL_EC2": moto_url,
+               "AWS_ENDPOINT_URL_CLOUDFORMATION": f"http://127.0.0.1:{server.server_address[1]}", "GPTOSS_RUN_DIR": str(run_dir),
+               "AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing"}  # fmt: skip
+        return signal_node(extra_env=env, surge=True, **kw), handler.calls
+
+    run.instance = instance  # type: ignore[attr-defined]
+    yield run
+    server.shutdown()
+
+
+def test_a_surge_replacement_signals_its_own_group_with_the_gates_verdict_once(surge_node: Any, peers: Any) -> None:
+    r, calls = surge_node()
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert [p["doc"]["Status"] for p in peers.puts] == ["SUCCESS"], "the deploy gate hears it first"
+    assert calls == [{"Action": "SignalResource", "Version": "2010-05-15", "StackName": "GptOss8k1kStack-DecodeCell0-ABC",
+                      "LogicalResourceId": "Decode0Group30BAA125", "UniqueId": surge_node.instance, "Status": "SUCCESS"}], calls  # fmt: skip
+    assert "signalled SUCCESS to its group (GptOss8k1kStack-DecodeCell0-ABC/Decode0Group30BAA125)" in r.stdout
+    again, calls = surge_node()
+    assert again.returncode == 0 and len(calls) == 1, "a reboot signals neither the gate nor the group again"
+
+
+def test_a_failed_node_tells_its_group_at_once_not_after_the_surge_timeout(surge_node: Any, peers: Any) -> None:
+    r, calls = surge_node(units={"gptoss-proxy.service": "ActiveState=failed\nSubState=failed\nNRestarts=0"})
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert [c["Status"] for c in calls] == ["FAILURE"] and peers.puts[0]["doc"]["Status"] == "FAILURE"
+
+
+def test_a_group_that_waits_for_no_signal_is_said_and_not_asked_again(surge_node: Any) -> None:
+    """The first deploy (a creation, no rolling update): CloudFormation refuses the signal; the node says so."""
+    refused = "Resource Decode0Group30BAA125 is in CREATE_COMPLETE state and cannot be signaled"
+    r, calls = surge_node(answers=[(400, refused)])
+    assert r.returncode == 0 and len(calls) == 1, r.stdout + r.stderr
+    assert "waits for no signal (no rolling update in progress)" in r.stdout
+
+
+def test_a_throttled_signal_is_sent_again(surge_node: Any) -> None:
+    r, calls = surge_node(answers=[(400, "Rate exceeded"), (200, "")])
+    assert r.returncode == 0 and [c["Status"] for c in calls] == ["SUCCESS", "SUCCESS"], r.stdout + r.stderr
+    assert "attempt 1 to signal the group failed" in r.stdout and "signalled SUCCESS to its group" in r.stdout
+
+
+def test_an_instance_no_stack_launched_signals_no_group(surge_node: Any) -> None:
+    r, calls = surge_node(tags=False)
+    assert r.returncode == 0 and calls == [], r.stdout + r.stderr
+    assert "carries no aws:cloudformation tags" in r.stdout

@@ -486,7 +486,8 @@ def test_members_come_from_ec2_by_identity_tag_and_only_the_hosts_block_changes(
     lines = (tmp_path / "etc" / "hosts").read_text().splitlines()
     assert lines[:2] == ["127.0.0.1 localhost", "::1 localhost ip6-localhost"], "the operator's lines stay"
     assert sorted(lines[3:-1]) == sorted(f"{ip} {n}.gptoss.internal" for n, ip in FLEET_IPS.items()) and lines[-1] == "# END gptoss members"
-    # A replacement overlapping the instance it replaces: the newer launch wins; an unchanged list rewrites nothing.
+    # Two instances of one node that Auto Scaling holds in no group (so neither stays): the newer launch wins;
+    # an unchanged list rewrites nothing. (Instances of a real group: the next test.)
     fleet.launch("prefill-1", f"{NET}.1.22")
     stat = (tmp_path / "etc" / "hosts").stat()
     assert _members(shipped, env, "sync").returncode == 0
@@ -496,6 +497,53 @@ def test_members_come_from_ec2_by_identity_tag_and_only_the_hosts_block_changes(
     assert _members(shipped, env, "sync").returncode == 0
     assert (tmp_path / "etc" / "hosts").stat().st_ino == again.st_ino, "nothing changed: nothing written"
     assert not (tmp_path / "systemctl.log").exists(), "a router follows names: nothing restarts"
+
+
+def test_a_surge_replacement_takes_its_nodes_name_only_when_its_group_lets_the_old_instance_go(
+    moto_url: str, tmp_path: Path, shipped: Any
+) -> None:
+    """A surge (rollout.surge): prefill-1's group (moto's Auto Scaling) grows to two; the new instance
+    runs but does not serve yet, so the name stays with the old one; when the group takes the old one
+    out of service (here Standby: any state but InService or Pending* is leaving, as Terminating:Wait
+    is while the drain hook holds it), the next sync moves the name to the new one."""
+    env, ec2 = _members_env(tmp_path, moto_url)
+    autoscaling = boto3.client("autoscaling", endpoint_url=moto_url, region_name="us-east-2", aws_access_key_id="testing", aws_secret_access_key="testing")
+    fleet = Ec2Fleet(ec2)
+    for node, ip in FLEET_IPS.items():
+        if node != "prefill-1":
+            fleet.launch(node, ip)
+    ec2.create_launch_template(LaunchTemplateName="prefill-1", LaunchTemplateData={"ImageId": "ami-12c6146b", "InstanceType": "t3.micro"})
+    group = "gptoss-8k1k-prefill-1"
+    tags = [{"Key": k, "Value": v, "PropagateAtLaunch": True, "ResourceId": group, "ResourceType": "auto-scaling-group"}
+            for k, v in (("gptoss:cluster", "gptoss-8k1k"), ("gptoss:node", "prefill-1"))]  # fmt: skip
+    autoscaling.create_auto_scaling_group(AutoScalingGroupName=group, MinSize=1, MaxSize=2, DesiredCapacity=1, Tags=tags,
+                                          LaunchTemplate={"LaunchTemplateName": "prefill-1"}, VPCZoneIdentifier=fleet.subnet)  # fmt: skip
+
+    def instances() -> list[dict[str, Any]]:
+        found = ec2.describe_instances(Filters=[{"Name": "tag:aws:autoscaling:groupName", "Values": [group]}])
+        return sorted((i for r in found["Reservations"] for i in r["Instances"]), key=lambda i: i["LaunchTime"])
+
+    (old,) = instances()
+    (tmp_path / "etc").mkdir()
+    (tmp_path / "etc" / "hosts").write_text("127.0.0.1 localhost\n")
+
+    def named() -> str:
+        res = _members(shipped, env, "sync")
+        assert res.returncode == 0, res.stdout + res.stderr
+        line = next(x for x in (tmp_path / "etc" / "hosts").read_text().splitlines() if x.endswith(" prefill-1.gptoss.internal"))
+        return line.split()[0]
+
+    assert named() == old["PrivateIpAddress"]
+    time.sleep(1.1)  # a later LaunchTime (EC2 reports seconds)
+    autoscaling.set_desired_capacity(AutoScalingGroupName=group, DesiredCapacity=2)
+    new = next(i for i in instances() if i["InstanceId"] != old["InstanceId"])
+    assert new["LaunchTime"] > old["LaunchTime"] and new["PrivateIpAddress"] != old["PrivateIpAddress"]
+    assert named() == old["PrivateIpAddress"], "a replacement that does not serve yet never takes the name"
+    autoscaling.enter_standby(AutoScalingGroupName=group, InstanceIds=[old["InstanceId"]], ShouldDecrementDesiredCapacity=True)
+    assert named() == new["PrivateIpAddress"], "the group let the old instance go: the name moves to its replacement"
+    # Every other member kept its address throughout.
+    hosts = (tmp_path / "etc" / "hosts").read_text()
+    assert all(f"{ip} {n}.gptoss.internal" in hosts for n, ip in FLEET_IPS.items() if n != "prefill-1"), hosts
 
 
 def test_the_toy_proxys_members_wait_for_its_group_and_restart_it_when_one_is_replaced(moto_url: str, tmp_path: Path, shipped: Any) -> None:
