@@ -30,6 +30,7 @@ class Shared:
     scripts_arn: str
     router_uri: str | None
     router_arn: str | None
+    router_fleet_arn: str | None
     cache: CacheLocation | None
     target_group_arn: str | None
     proxy_nodes: frozenset[str]
@@ -85,6 +86,7 @@ class NodeCell(NestedStack):
                 cache=shared.cache,
                 reads_members=bool(config.layout.proxies_on(node.name)),
                 router_object_arn=shared.router_arn if "gptoss-install-router" in render.scripts else None,
+                router_fleet_arn=shared.router_fleet_arn if "gptoss-install-router" in render.scripts else None,
             )
             holder = ClusterNode(
                 self,

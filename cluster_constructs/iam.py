@@ -7,7 +7,8 @@ other. A node identity's role outlives its instances: a replacement has the same
 
 No managed policy: AmazonSSMManagedInstanceCore would also grant ssm:GetParameter(s) on every
 parameter of the account (SecureStrings under the default key included) to processes that run
-vLLM as root, and no node reads Parameter Store (the image id is resolved by CloudFormation).
+vLLM as root; a router node reads one parameter, the fleet's router settings, and no other node
+reads Parameter Store (the image id is resolved by CloudFormation).
 """
 
 from __future__ import annotations
@@ -203,6 +204,7 @@ class NodeIdentityRole(Construct):
         cache: CacheLocation | None,
         reads_members: bool,
         router_object_arn: str | None,
+        router_fleet_arn: str | None = None,
     ) -> None:
         super().__init__(scope, construct_id)
         partition = Stack.of(self).partition
@@ -238,6 +240,9 @@ class NodeIdentityRole(Construct):
         if router_object_arn:
             # The router's pinned wheel (the stack's asset), by its exact ARN.
             statements.append(in_account(iam.PolicyStatement(actions=["s3:GetObject"], resources=[router_object_arn])))
+        if router_fleet_arn:
+            # The fleet's router settings and pool (gptoss-members): this one parameter, a String (no key to decrypt).
+            statements.append(iam.PolicyStatement(actions=["ssm:GetParameter"], resources=[router_fleet_arn]))
         self.role = iam.Role(
             self,
             "Role",

@@ -4,13 +4,18 @@ from __future__ import annotations
 
 import hashlib
 
-from aws_cdk import Fn
+from aws_cdk import Fn, Stack, Tags
 from aws_cdk import aws_s3_assets as s3_assets
+from aws_cdk import aws_ssm as ssm
 from constructs import Construct
 
+from clusterspec.commands import router_fleet
 from clusterspec.config import ClusterConfig
 from clusterspec.errors import SpecError
-from clusterspec.paths import WHEELS_DIR
+from clusterspec.paths import WHEELS_DIR, router_parameter
+
+# Parameter Store's Standard tier holds 4 KB; past that, Advanced (8 KB, charged per month).
+STANDARD_PARAMETER_BYTES = 4096
 
 
 class RouterWheel(Construct):
@@ -30,3 +35,25 @@ class RouterWheel(Construct):
         self.asset = s3_assets.Asset(self, "Asset", path=str(path))
         self.uri = Fn.join("", ["s3://", self.asset.s3_bucket_name, "/", self.asset.s3_object_key])
         self.object_arn = self.asset.bucket.arn_for_objects(self.asset.s3_object_key)
+
+
+class RouterFleet(Construct):
+    """The fleet's router settings and pool, one SSM parameter every router node reads at run time
+    (gptoss-members): a router setting or a new member changes this, not a node's user data, and
+    the routers restart one node at a time to take it."""
+
+    def __init__(self, scope: Construct, construct_id: str, *, config: ClusterConfig) -> None:
+        super().__init__(scope, construct_id)
+        proxy = next(p for p in config.layout.proxies if p.kind == "vllm-router")
+        self.name = router_parameter(config.cluster_name)
+        doc = router_fleet(config, proxy)
+        self.parameter = ssm.CfnParameter(
+            self, "Parameter", name=self.name, type="String", value=doc,
+            tier="Standard" if len(doc.encode()) <= STANDARD_PARAMETER_BYTES else "Advanced",
+            description=f"{config.cluster_name}: vLLM router settings and pool (gptoss-members reads it on every router node)",
+        )  # fmt: skip
+        # Untagged: moto's CloudFormation (the lifecycle tests' AWS) fails to create a parameter whose Tags
+        # (a JSON map for this resource type) are set; the parameter costs nothing to attribute (Standard
+        # tier; $0.05 a month past 4 KB), and its name carries the cluster's.
+        Tags.of(self.parameter).remove("gptoss:cluster")
+        self.arn = Stack.of(self).format_arn(service="ssm", resource="parameter", resource_name=self.name.lstrip("/"))

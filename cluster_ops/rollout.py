@@ -312,6 +312,22 @@ def preview(cfg: ClusterConfig, context: list[str], assembly: Path) -> Rollout |
     return compare(deployed(common.session(cfg).client("cloudformation"), cfg.stack_name), synthesized(assembly, cfg.stack_name))
 
 
+def surge_found_no_capacity(cfg: ClusterConfig, autoscaling: Any, nodes: list[str], since: Any) -> str:
+    """'node: EC2's words' for the first replaced node whose group failed to launch a surge replacement
+    for lack of capacity since SINCE (its own scaling activities), or ''."""
+    from cluster_ops.capacity import CAPACITY_CODES
+    from clusterspec.paths import holder_name
+
+    for node in nodes:
+        pages = autoscaling.get_paginator("describe_scaling_activities").paginate(AutoScalingGroupName=holder_name(cfg.cluster_name, node))
+        for page in pages:
+            for a in page.get("Activities", []):
+                said = a.get("StatusMessage") or ""
+                if a.get("StartTime") and a["StartTime"] >= since and a.get("StatusCode") in ("Failed", "Cancelled") and any(c in said for c in CAPACITY_CODES):
+                    return f"{node}: {said.strip()[:200]}"
+    return ""
+
+
 def say(cfg: ClusterConfig, r: Rollout | None) -> None:
     """The preview, on stderr."""
     lines = describe(cfg, r) if r is not None else [f"{cfg.stack_name} is not deployed: a deploy launches all {len(cfg.layout.nodes)} nodes at once"]
@@ -331,3 +347,79 @@ def confirm(cfg: ClusterConfig, r: Rollout, *, yes: bool) -> None:
     answer = input(f"{what}. Type the count ({gone}) to deploy: ").strip()
     if answer != str(gone):
         raise common.CliError(f"not confirmed ({answer!r} is not {gone}): nothing was deployed.", 1)
+
+
+# ---- a rollout in progress (gptoss status) --------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class NodeProgress:
+    """One node during a rollout: the versions of its group's launch template its instances run."""
+
+    node: str
+    group_version: str  # the version the group launches now
+    instances: tuple[tuple[str, str, str], ...]  # (instance id, its launch template version, its lifecycle state)
+
+    @property
+    def phase(self) -> str:
+        """new (every instance on the group's version), old, surging (old and new at once) or replacing (nothing in service yet)."""
+        new = [i for i in self.instances if i[1] == self.group_version]
+        old = [i for i in self.instances if i[1] != self.group_version]
+        if new and old:
+            return "surging"
+        if new:
+            return "new" if any(state == "InService" for _, _, state in new) else "replacing"
+        return "old" if old else "replacing"
+
+
+def progress(cfg: ClusterConfig, cfn: Any, autoscaling: Any) -> list[str]:
+    """Lines for `gptoss status` while the stack is being updated or rolled back: each node old/new
+    (its instances' launch template versions against its group's), the batches left (from the
+    template's lanes), and what CloudFormation waits for; [] when no operation is in progress."""
+    from clusterspec.paths import holder_name
+
+    (st,) = cfn.describe_stacks(StackName=cfg.stack_name)["Stacks"]
+    status = st["StackStatus"]
+    if not status.endswith("_IN_PROGRESS") or status in ("CREATE_IN_PROGRESS", "DELETE_IN_PROGRESS"):
+        return []
+    names = {holder_name(cfg.cluster_name, n.name): n.name for n in cfg.layout.nodes}
+    nodes: dict[str, NodeProgress] = {}
+    listed = list(names)
+    for i in range(0, len(listed), 50):
+        for page in autoscaling.get_paginator("describe_auto_scaling_groups").paginate(AutoScalingGroupNames=listed[i : i + 50]):
+            for g in page["AutoScalingGroups"]:
+                version = str((g.get("LaunchTemplate") or {}).get("Version", ""))
+                inst = tuple((x["InstanceId"], str((x.get("LaunchTemplate") or {}).get("Version", "")), x.get("LifecycleState", ""))
+                             for x in g.get("Instances", []))  # fmt: skip
+                nodes[names[g["AutoScalingGroupName"]]] = NodeProgress(names[g["AutoScalingGroupName"]], version, inst)
+    waiting = _in_progress(cfn, cfg.stack_name)
+    pending = [n for n in sorted(nodes, key=_order) if nodes[n].phase != "new"]
+    lines = [f"rollout in progress ({status}): {len(nodes) - len(pending)} of {len(nodes)} nodes on their group's current version"]
+    resources = deployed(cfn, cfg.stack_name)
+    left = batches(pending, waits_for(resources))
+    for n in sorted(nodes, key=_order):
+        p = nodes[n]
+        runs = ", ".join(f"{iid} v{v or '?'} {state}" for iid, v, state in p.instances) or "no instance"
+        batch = f", batch {left[n]} of those left" if n in left else ""
+        lines.append(f"  {n}: {p.phase} (group launches v{p.group_version or '?'}; runs {runs}){batch}")
+    lines.append("  waits for: " + ("; ".join(waiting) if waiting else "nothing in progress (CloudFormation is between steps)"))
+    return lines
+
+
+def _in_progress(cfn: Any, stack_name: str) -> list[str]:
+    """What CloudFormation is doing now, in the stack and its cells: a group's rolling update (its
+    replacement's signal, with surge) or a deploy gate (a replacement's first serve)."""
+    out = []
+    stacks = [stack_name]
+    while stacks:
+        name = stacks.pop(0)
+        for page in cfn.get_paginator("list_stack_resources").paginate(StackName=name):
+            for r in page["StackResourceSummaries"]:
+                kind, state, lid = r["ResourceType"], r.get("ResourceStatus", ""), r["LogicalResourceId"]
+                if kind == "AWS::CloudFormation::Stack" and r.get("PhysicalResourceId"):
+                    stacks.append(r["PhysicalResourceId"])
+                elif state.endswith("_IN_PROGRESS") and kind == "AWS::AutoScaling::AutoScalingGroup":
+                    out.append(f"{lid}: its rolling update (a replacement launched; with surge, its signal once it serves)")
+                elif state.endswith("_IN_PROGRESS") and kind == "AWS::CloudFormation::WaitCondition":
+                    out.append(f"{lid}: a deploy gate (the replacement serving)")
+    return out

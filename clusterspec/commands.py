@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import functools
 import re
+from typing import Any
 
 from clusterspec.config import ClusterConfig
 from clusterspec.layout import ProxyPlacement, Replica
-from clusterspec.paths import EXAMPLES_DIR, member_host, router_venv
+from clusterspec.paths import EXAMPLES_DIR, MEMBERS_DOMAIN, member_host, router_venv
 from clusterspec.quoting import Expand
 from clusterspec.sections.flags import json_arg
 from clusterspec.sections.servers import Decode, Prefill, Server
@@ -156,6 +157,28 @@ def router_argv(cfg: ClusterConfig, *, bin_dir: str) -> list[str]:
     for flag in r.extra_flags:
         argv += [flag.name] + ([flag.value] if flag.value is not None else [])
     return argv
+
+
+# The router's command line up to here is each router node's own (python, the API gate, --api A,
+# --host H, --port P); the rest, its settings, is the fleet's, read at run time (router_fleet).
+ROUTER_NODE_ARGS = 8
+
+
+def router_fleet(cfg: ClusterConfig, proxy: ProxyPlacement) -> str:
+    """What every router of the fleet reads at run time (the stack's SSM parameter, which
+    gptoss-members copies to the node): the members' domain, the router's settings (one `arg`
+    line per token) and its pool (one `pool ROLE FIRST LAST FIRST_PORT LAST_PORT` line per run
+    of consecutive nodes of one role and port range: a few lines for any fleet size).
+    gptoss-router-pool turns it into the router's arguments."""
+    lines = [f"domain {MEMBERS_DOMAIN}"] + [f"arg {t}" for t in router_argv(cfg, bin_dir="-")[ROUTER_NODE_ARGS:]]
+    runs: list[list[Any]] = []
+    for role, node, first, last in router_pool(cfg, proxy):
+        i = int(node.rpartition("-")[2])
+        if runs and runs[-1][0] == role and runs[-1][2] == i - 1 and runs[-1][3:] == [first, last]:
+            runs[-1][2] = i
+        else:
+            runs.append([role, i, i, first, last])
+    return "\n".join(lines + [f"pool {r} {a} {b} {p} {q}" for r, a, b, p, q in runs]) + "\n"
 
 
 def router_pool(cfg: ClusterConfig, proxy: ProxyPlacement) -> list[tuple[str, str, int, int]]:

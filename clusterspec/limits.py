@@ -34,6 +34,7 @@ ALARM_TOPIC_BYTES = 3_000  # the stack's own alarm topic, its policy and its two
 ALARM_TOPIC_RESOURCES = 2
 PER_EMAIL_BYTES = 400  # one e-mail subscription to it
 PER_CELL_BYTES = 3_000
+ROUTER_FLEET_BYTES = 500  # the routers' SSM parameter around its document (the document itself is counted as rendered)
 # A cell: its parameters and shared policy, then per node its launch template (but its NICs), group,
 # role, instance profile and gate, and one network interface per card.
 CELL_BASE_BYTES = 6_000
@@ -43,7 +44,7 @@ PER_CARD_BYTES = 340
 PER_GATE_BYTES = 900  # a node's wait condition and handle (deploy gate)
 PER_SILENT_ALARM_BYTES = 1_200  # a node's NodeSilent alarm
 PER_NODE_RESOURCES = 4
-PER_ROLLOUT_BYTES = 400  # a node's drain hook and its group's surge policy
+PER_ROLLOUT_BYTES = 750  # a node's drain hook, its group's surge policy, a router node's two more reads
 PER_DEPENDENCY_BYTES = 80  # one id in a group's DependsOn: an earlier gate of its lane (the rollout's chain)
 # Nodes of one shape differ only in digits; xz packs different digits into a few bytes more or
 # less. Measured over the examples and recipes (tests/unit/test_limits.py compares with every
@@ -127,6 +128,14 @@ def _user_data_bytes(cfg: ClusterConfig, layout: Layout, node: Node, *, compress
     )
 
 
+def _router_fleet_bytes(cfg: ClusterConfig) -> int:
+    """The routers' settings and pool in the parent (one SSM parameter), or 0 without vLLM's router."""
+    from clusterspec.commands import router_fleet
+
+    proxy = next((p for p in cfg.layout.proxies if p.kind == "vllm-router"), None)
+    return ROUTER_FLEET_BYTES + len(router_fleet(cfg, proxy).encode()) if proxy else 0
+
+
 def estimate(cfg: ClusterConfig) -> StackSize:
     """Size the stack and its cells from the user data of one node per shape (plus SHAPE_SLACK) and
     measured per-node overhead: linear in the fleet, one render and one xz per shape, not per node.
@@ -171,7 +180,8 @@ def estimate(cfg: ClusterConfig) -> StackSize:
         + PER_RULE_BYTES * sg_rules
         + (OBSERVABILITY_BYTES if obs.enabled else 0)
         + ((ALARM_TOPIC_BYTES + PER_EMAIL_BYTES * len(obs.alarm_emails)) if own_topic else 0)
-        + (LOAD_BALANCER_BYTES if cfg.load_balanced else 0),
+        + (LOAD_BALANCER_BYTES if cfg.load_balanced else 0)
+        + _router_fleet_bytes(cfg),
         largest_user_data=max(size_of.values()) + url_growth,
         cells=cell_sizes,
     )

@@ -55,8 +55,10 @@ MEMBERS_ENV = f"{RUN_DIR}/members.env"
 # names in /etc/hosts, so a replaced node's new address reaches a running router without a restart.
 MEMBERS_DOMAIN = "gptoss.internal"
 HOSTS_FILE = "/etc/hosts"
-# The servers a router routes to, one line per node (role node first-port last-port).
-ROUTER_POOL = f"{ETC}/router-pool"
+# What every router of the fleet runs with, read at run time (its settings and its pool): the
+# stack's one SSM parameter (router_parameter), copied here by gptoss-members. Neither is in a
+# node's user data, so a router setting or a new member replaces no instance.
+ROUTER_FLEET = f"{RUN_DIR}/router-fleet"
 NIXL_ENV = f"{RUN_DIR}/nixl.env"
 
 # Where `make setup` keeps the pinned router wheel the stack ships as an asset (not in git).
@@ -71,6 +73,11 @@ def router_venv(version: str, sha256: str) -> str:
 def member_host(node: str) -> str:
     """The name a router reaches a node by (in /etc/hosts, kept by gptoss-members)."""
     return f"{node}.{MEMBERS_DOMAIN}"
+
+
+def router_parameter(cluster_name: str) -> str:
+    """The SSM parameter that holds the fleet's router settings and pool (the stack writes it)."""
+    return f"/gptoss/{cluster_name}/router"
 
 
 def holder_name(cluster_name: str, node: str) -> str:

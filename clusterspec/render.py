@@ -18,6 +18,7 @@ import jinja2
 from clusterspec import telemetry
 from clusterspec.commands import (
     ROUTER_ARGS_AT,
+    ROUTER_NODE_ARGS,
     bench_argv,
     decode_env,
     endpoint_port,
@@ -49,16 +50,17 @@ from clusterspec.paths import (
     MEMBERS_ENV,
     NIXL_ENV,
     NODE_TARGET,
-    ROUTER_POOL,
+    ROUTER_FLEET,
     UNIT_DIR,
     UNITS_FILE,
     USERDATA_DIR,
-    member_host,
+    router_parameter,
     router_venv,
 )
 from clusterspec.quoting import Expand, env_file, expand, systemd_quote
 from clusterspec.router_cli import check_router_argv
 from clusterspec.sections.boot import BACKOFF_MAX_S, RESTART_SEC, SIGNAL_MARGIN_S
+from clusterspec.sections.proxy import REQUEST_TIMEOUT_MAX_S
 
 _ENV = jinja2.Environment(
     loader=jinja2.FileSystemLoader(USERDATA_DIR / "units"),
@@ -195,7 +197,8 @@ def _members_env(cfg: ClusterConfig, node: Node) -> dict[str, str]:
         return {}
     routed = any(p.kind == "vllm-router" for p in proxies)
     env = {
-        "GPTOSS_MEMBERS_NEED": " ".join(members_needed(cfg, node)),
+        # A router's members are in the fleet's document (its pool), read at run time; the toy proxy's are here.
+        "GPTOSS_MEMBERS_NEED": "" if routed else " ".join(members_needed(cfg, node)),
         "GPTOSS_MEMBERS_DOMAIN": MEMBERS_DOMAIN,
         # A router follows names in /etc/hosts; the toy proxy takes addresses and restarts when one changes.
         "GPTOSS_MEMBERS_FORM": "hosts" if routed else "env",
@@ -369,11 +372,11 @@ def _render_proxy(cfg: ClusterConfig, node: Node, proxy: ProxyPlacement, out: No
 def _render_router(cfg: ClusterConfig, node: Node, proxy: ProxyPlacement, out: NodeRender, bin_dir: str) -> None:
     """vLLM's router over every server of the fleet, each reached by its node's name.
 
-    The unit carries the pool (one line per node, /etc/gptoss/router-pool) rather than one URL per
-    replica: gptoss-router-pool expands it into the router's --prefill and --decode URLs at each
-    node's name (prefill-0.gptoss.internal), which gptoss-members keeps in /etc/hosts at the
-    node's current address. A replaced node's new address reaches the running router through
-    its resolver: nothing restarts. The plan shows the command line that results.
+    The unit carries only what is this node's (the gate's and the router's addresses); the settings
+    and the pool are the fleet's SSM parameter (router_fleet), which gptoss-members copies to the
+    node and watches (a change restarts the routers one node at a time, and replaces no instance).
+    gptoss-router-pool turns it into the router's arguments, each server at its node's name, which
+    gptoss-members keeps in /etc/hosts. The plan shows the command line that results.
     """
     s = cfg.serving
     r = s.proxy.router
@@ -384,29 +387,30 @@ def _render_router(cfg: ClusterConfig, node: Node, proxy: ProxyPlacement, out: N
     if r.extra_flags:
         extra_tokens = sum(1 + (f.value is not None) for f in r.extra_flags)
         check_router_argv(routed[ROUTER_ARGS_AT:-extra_tokens] + pool_args, [(f.name, f.value) for f in r.extra_flags], r.wheel, r.sha256)
-    out.files[ROUTER_POOL] = ("".join(f"{role} {member_host(n)} {first} {last}\n" for role, n, first, last in pool), 0o644)
     argv = [f"{bin_dir}/gptoss-exec", "proxy", f"{bin_dir}/gptoss-install-router", venv, "--",
-            f"{bin_dir}/gptoss-router-pool", ROUTER_POOL, "--", *routed]  # fmt: skip
+            f"{bin_dir}/gptoss-router-pool", ROUTER_FLEET, "--", *routed[:ROUTER_NODE_ARGS]]  # fmt: skip
     out.files[f"{UNIT_DIR}/gptoss-proxy.service"] = _unit(
         "gptoss-router.service",
         bin=bin_dir,
         port=s.proxy.port,
-        prefill=len(proxy.replicas),
-        decode=len(proxy.decode_servers),
+        fleet=ROUTER_FLEET,
+        parameter=router_parameter(cfg.cluster_name),
         env_files=[DEPLOY_ENV],
         exec_start=_exec(argv),
         backoff_s=s.proxy.restart_backoff_s,
         backoff_max_s=s.proxy.restart_backoff_max_s,
         # A start waits for its back-off, then for one answer from EC2 (gptoss-members hosts).
         start_timeout_s=s.proxy.restart_backoff_max_s + 180,
-        stop_timeout_s=r.request_timeout_s + 30,
+        # The API gate bounds the drain by the fleet's request timeout: this backstop is the spec's longest.
+        stop_timeout_s=REQUEST_TIMEOUT_MAX_S + 60,
         restart_sec=RESTART_SEC,
     )
     # Its environment: deploy.env (where the router's wheel is, and this node's own address).
-    out.services.append(Service("gptoss-proxy.service", {host_var(node.name): f"<{node.name}>"}, [*served(argv), *pool_args], waits=("the router's venv",)))
+    effective = [*served(argv), *routed[ROUTER_NODE_ARGS:], *pool_args]
+    out.services.append(Service("gptoss-proxy.service", {host_var(node.name): f"<{node.name}>"}, effective, waits=("the router's venv",)))
     out.units.append("gptoss-proxy.service")
     out.wants.append("gptoss-proxy.service")
-    _render_members(cfg, out, bin_dir, what="every server's name in /etc/hosts, at its current address")
+    _render_members(cfg, out, bin_dir, what="every server's name in /etc/hosts, and the routers' settings and pool (SSM)")
 
 
 def _render_members(cfg: ClusterConfig, out: NodeRender, bin_dir: str, *, what: str) -> None:

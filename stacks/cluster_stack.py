@@ -14,7 +14,7 @@ from cluster_constructs.load_balancer import ProxyLoadBalancer
 from cluster_constructs.network import ClusterNetwork
 from cluster_constructs.observability import FleetObservability
 from cluster_constructs.outputs import ClusterOutputs
-from cluster_constructs.router import RouterWheel
+from cluster_constructs.router import RouterFleet, RouterWheel
 from cluster_constructs.scripts import NodeScripts
 from cluster_constructs.security_group import ClusterSecurityGroup
 from clusterspec.cells import cells
@@ -97,6 +97,8 @@ class GptOssClusterStack(Stack):
         renders = render_cluster(config)
         scripts = NodeScripts(self, "NodeScripts", renders=renders)
         router = RouterWheel(self, "RouterWheel", config=config) if config.proxy_kind == "vllm-router" else None
+        # The routers' settings and pool, read at run time: a new one replaces no instance.
+        router_fleet = RouterFleet(self, "RouterFleet", config=config) if router else None
         cache = _compile_cache(self, config)
         if config.network.egress == "none":
             buckets = [scripts.asset.s3_bucket_name] + ([router.asset.s3_bucket_name] if router else [])
@@ -129,6 +131,7 @@ class GptOssClusterStack(Stack):
             scripts_arn=scripts.object_arn,
             router_uri=router.uri if router else None,
             router_arn=router.object_arn if router else None,
+            router_fleet_arn=router_fleet.arn if router_fleet else None,
             cache=cache,
             target_group_arn=balancer.target_group.target_group_arn if balancer else None,
             proxy_nodes=frozenset(proxy_names),

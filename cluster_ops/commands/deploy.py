@@ -36,13 +36,17 @@ def run(args: argparse.Namespace, extra: list[str]) -> int:
             raise common.CliError(f"not confirmed ({answer!r} is not {nodes}): nothing was deployed.", 1)
     context = common.context_args(args)
     image = resolve_image(cfg, args, "deploy")
-    with tempfile.TemporaryDirectory(prefix="gptoss-assembly-") as assembly:
-        # Synthesized once: what the rollout is computed from is what is deployed (cdk deploy --app DIR).
-        r = rollout.preview(cfg, context + image, Path(assembly))
-        rollout.say(cfg, r)
-        if r is not None:
-            rollout.confirm(cfg, r, yes=args.yes)
-        code = stack.cdk("deploy", cfg, context + image, ["--app", assembly, *extra])
+    code, r, started = _deploy(cfg, args, context + image, extra)
+    if code != 0 and r is not None and any(r.surge.values()):
+        # A surge that found no capacity for a replacement (common for large Trainium types) rolled back:
+        # the same change again without surge, within max_unavailable, said first (and asked, as any deploy).
+        short = rollout.surge_found_no_capacity(cfg, common.session(cfg).client("autoscaling"), r.replaced, started)
+        if short and stack.deployed_status(cfg) == "UPDATE_ROLLBACK_COMPLETE":
+            print(f"the surge found no capacity for a replacement ({short}); the stack rolled back and every node kept its "
+                  "instance. Deploying the same change again without surge (rollout.surge=off): each node's instance goes "
+                  f"before its replacement launches, at most {cfg.rollout.max_unavailable} per role at a time", file=sys.stderr)  # fmt: skip
+            cfg = cfg.model_copy(update={"rollout": cfg.rollout.model_copy(update={"surge": "off"})})
+            code, r, _ = _deploy(cfg, args, [*context, *image, "rollout.surge=off"], extra)
     # Recorded once the stack exists: a deploy refused before anything was made leaves no record.
     if code == 0 or stack.exists(cfg):
         common.record(cfg, context, image=image[0].split("=", 1)[1] if image else cfg.ami_id)
@@ -51,6 +55,20 @@ def run(args: argparse.Namespace, extra: list[str]) -> int:
         if line:
             print(f"deploy failed: {line}", file=sys.stderr)
     return code
+
+
+def _deploy(cfg: ClusterConfig, args: argparse.Namespace, context: list[str], extra: list[str]) -> tuple[int, rollout.Rollout | None, Any]:
+    """Synthesize once, say what the deploy replaces (and ask), deploy that assembly: (exit code, the rollout, when it started)."""
+    import datetime as dt
+
+    with tempfile.TemporaryDirectory(prefix="gptoss-assembly-") as assembly:
+        # Synthesized once: what the rollout is computed from is what is deployed (cdk deploy --app DIR).
+        r = rollout.preview(cfg, context, Path(assembly))
+        rollout.say(cfg, r)
+        if r is not None:
+            rollout.confirm(cfg, r, yes=args.yes)
+        started = dt.datetime.now(dt.UTC)
+        return stack.cdk("deploy", cfg, context, ["--app", assembly, *extra]), r, started
 
 
 def resolve_image(cfg: ClusterConfig, args: argparse.Namespace, verb: str) -> list[str]:

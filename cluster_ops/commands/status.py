@@ -33,6 +33,11 @@ def run(args: argparse.Namespace) -> int:
         status = collect(cfg, session.client("ec2"), session.client("ssm"), autoscaling=session.client("autoscaling"),
                          logs=session.client("logs") if cfg.observability.enabled else None,
                          on_node=lambda node, st: progress.update(task, advance=1, description=f"{node}: {st}"))  # fmt: skip
+    if stack.deployed_status(cfg) is not None:
+        from cluster_ops import rollout
+
+        for line in rollout.progress(cfg, session.client("cloudformation"), session.client("autoscaling")):
+            console.print(line, highlight=False, soft_wrap=True)
     console.print(identity_table(cfg, status))
     console.print(status_table(cfg, status))
     if not no_instances_hint(cfg, status):

@@ -15,6 +15,11 @@ ProxyKind = Literal["toy", "vllm-router"]
 RouterPolicy = Literal["random", "round_robin", "power_of_two", "cache_aware", "consistent_hash"]
 
 
+# The longest request_timeout_s: the router unit's stop timeout is this and a margin (the API gate
+# bounds a router's drain by the fleet's own request timeout, which the unit does not carry).
+REQUEST_TIMEOUT_MAX_S = 86400
+
+
 class Router(Frozen):
     """vLLM's own router (PyPI vllm-router): a pinned wheel, its routing policies and failure settings.
 
@@ -54,7 +59,7 @@ class Router(Frozen):
     retry_max_backoff_ms: int = Field(500, ge=1, le=60000, description="Longest pause between retries.")
     cb_failure_threshold: int = Field(3, ge=1, le=100, description="Failures in a row that open a server's circuit breaker.")
     cb_timeout_s: int = Field(5, ge=1, le=600, description="How long an open breaker keeps the server out before one trial request.")
-    request_timeout_s: int = Field(1800, ge=10, le=86400, description="The longest one request may take end to end.")
+    request_timeout_s: int = Field(1800, ge=10, le=REQUEST_TIMEOUT_MAX_S, description="The longest one request may take end to end.")
     worker_startup_check_interval_s: int = Field(
         1, ge=1, le=300,
         description="How often a starting router looks for its servers (the router's default, 30 s, kept a restarted "

@@ -196,6 +196,8 @@ def expected(cfg: ClusterConfig, node: str, scripts_key: str, router_key: str | 
         out |= {("ec2:DescribeTags", "*", none), ("cloudformation:SignalResource", OWN_STACK, none)}
     if router_key and any(p.kind == "vllm-router" for p in proxies):
         out.add(("s3:GetObject", f"arn:aws:s3:::{ASSETS}/{router_key}", _when(ASSETS)))
+        # The fleet's router settings and pool: this one parameter.
+        out.add(("ssm:GetParameter", f"arn:aws:ssm:{cfg.region}:{ACCOUNT}:parameter/gptoss/{cfg.cluster_name}/router", none))
     return out
 
 

@@ -85,11 +85,23 @@ def test_without_surge_the_two_node_default_says_it_is_down(assembly: Callable[.
     assert "  a role with every node in one batch and no surge serves nothing: the endpoint is down until the replacements serve" in lines
 
 
-def test_a_router_setting_rolls_the_production_layouts_decode_nodes_one_at_a_time(assembly: Callable[..., Path]) -> None:
-    """The routers run on the decode nodes and their settings are in those nodes' user data (issue 33's
-    measurement): still eight replacements, but in eight batches, each after the one before serves."""
+def test_a_router_setting_replaces_no_instance_and_changes_only_the_fleets_document(assembly: Callable[..., Path]) -> None:
+    """The routers' settings are the fleet's SSM parameter, read at run time (the routers restart one node
+    at a time to take them): no node's launch template changes."""
+    changed = PROD | {"serving.proxy.router.health_check_timeout_s": "2", "serving.proxy.router.request_timeout_s": "900"}
+    r = _rollout(assembly, PROD, changed)
+    assert (r.replaced, r.launched, r.removed) == ([], [], []) and len(r.kept) == 11
+    assert rollout.describe(load_config(changed), r) == ["this deploy replaces no instance (11 running nodes keep their own)"]
+    params = {p: json.loads((assembly(**c) / f"{STACK}.template.json").read_text())["Resources"] for p, c in (("before", PROD), ("after", changed))}
+    values = {k: next(r["Properties"]["Value"] for r in v.values() if r["Type"] == "AWS::SSM::Parameter") for k, v in params.items()}
+    assert "arg --health-check-timeout-secs\narg 1\n" in values["before"] and "arg --health-check-timeout-secs\narg 2\n" in values["after"]
+    assert "arg --request-timeout-secs\narg 900\n" in values["after"]
+
+
+def test_a_decode_flag_rolls_the_production_layouts_decode_nodes_one_at_a_time(assembly: Callable[..., Path]) -> None:
+    """Without surge (a reservation's default): eight replacements in eight batches, each after the one before serves."""
     base = PROD | {"rollout.surge": "off"}
-    changed = base | {"serving.proxy.router.health_check_timeout_s": "2"}
+    changed = base | {"serving.decode.max_num_seqs": "4"}
     r = _rollout(assembly, base, changed)
     assert r.replaced == [f"decode-{i}" for i in range(8)] and r.kept == ["prefill-0", "prefill-1", "prefill-2"]
     assert r.batch == {f"decode-{i}": i + 1 for i in range(8)}
@@ -101,9 +113,9 @@ def test_a_router_setting_rolls_the_production_layouts_decode_nodes_one_at_a_tim
         "its deploy gates, up to 415 min each)",
         "  kept: prefill-0..2",
     ]
-    assert rollout.role_lines(load_config(changed), r, ready_min=40) == [
+    assert rollout.role_lines(load_config(changed), r, ready_min=40)[0] == (
         "decode: 8 batches, at most 1 of 8 out, minimum serving decode 7/8, about 320 min (8 x 40 min, a node's time to serve at the last deploy)"
-    ]
+    )
 
 
 def test_a_percentage_makes_lanes_and_a_script_change_rolls_both_roles(assembly: Callable[..., Path]) -> None:
@@ -120,12 +132,16 @@ def test_a_percentage_makes_lanes_and_a_script_change_rolls_both_roles(assembly:
     ]
 
 
-def test_one_more_decode_node_replaces_the_eight_it_joins_and_launches_two(assembly: Callable[..., Path]) -> None:
+def test_one_more_decode_node_launches_two_and_replaces_none(assembly: Callable[..., Path]) -> None:
     """decode_instances 8 -> 9: the ninth decode node and, at 3 prefill per 8 decode, a fourth prefill node.
-    The launched ones wait for nothing of the rollout (their lane's earlier nodes keep their gates)."""
+    The pool is the fleet's document, not the existing nodes' user data: all eleven keep their instance
+    and launch template; the launched ones wait for nothing of the rollout."""
     r = _rollout(assembly, PROD, {"decode_instances": "9"})
-    assert r.replaced == [f"decode-{i}" for i in range(8)]
-    assert r.launched == ["decode-8", "prefill-3"] and r.kept == ["prefill-0", "prefill-1", "prefill-2"] and r.removed == []
+    assert r.replaced == [] and r.removed == []
+    assert r.launched == ["decode-8", "prefill-3"] and len(r.kept) == 11
+    before, after = (rollout.synthesized(assembly(**c), STACK) for c in (PROD, {"decode_instances": "9"}))
+    templates = {k: {lid: res for lid, res in v.items() if res["Type"] == "AWS::EC2::LaunchTemplate"} for k, v in (("b", before), ("a", after))}
+    assert len(templates["b"]) == 11 and all(templates["a"][lid] == res for lid, res in templates["b"].items()), "byte for byte the same"
 
 
 def _groups(path: Path) -> dict[str, dict[str, Any]]:
@@ -192,3 +208,79 @@ def test_the_deployed_side_is_read_from_cloudformation_stack_and_cells(assembly:
     r = rollout.compare(rollout.deployed(cfn, STACK), nested)
     stub.assert_no_pending_responses()
     assert (r.kept, r.replaced) == (["decode-0", "prefill-0"], [])
+
+
+def test_status_shows_a_rollout_in_progress_node_by_node(assembly: Callable[..., Path]) -> None:
+    """The 3+8 fleet halfway through a new image without surge: decode-0 and -1 run the group's new
+    version, decode-2's old instance is gone and its replacement is launching (its deploy gate open),
+    decode-3..7 still run the old one; two prefill nodes are done and prefill-2 surges (old and new run). CloudFormation (Stubber: moto runs no
+    rolling update) is in UPDATE_IN_PROGRESS; the groups come from Auto Scaling (Stubber too)."""
+    base = PROD | {"rollout.surge": "off"}
+    path = assembly(**base)
+    parent = json.loads((path / f"{STACK}.template.json").read_text())
+    flat = rollout.synthesized(path, STACK)
+    cells = [lid for lid, res in parent["Resources"].items() if res["Type"] == "AWS::CloudFormation::Stack"]
+    arn = {lid: f"arn:aws:cloudformation:us-east-2:123456789012:stack/{STACK}-{lid}/1" for lid in cells}
+    bodies = {lid: next(json.loads(p.read_text()) for p in path.glob("*.nested.template.json")
+                        if set(json.loads(p.read_text())["Resources"]) == {k.split("/", 1)[1] for k in flat if k.startswith(lid + "/")})
+              for lid in cells}  # fmt: skip
+    gate2 = next(k.split("/", 1)[1] for k in flat if "/Decode2Ready" in k and flat[k]["Type"] == "AWS::CloudFormation::WaitCondition")
+
+    def summary(lid: str, kind: str, state: str = "UPDATE_COMPLETE", physical: str = "x") -> dict[str, Any]:
+        return {"LogicalResourceId": lid, "PhysicalResourceId": physical, "ResourceType": kind, "ResourceStatus": state,
+                "LastUpdatedTimestamp": "2026-12-03T00:00:00Z"}  # fmt: skip
+
+    cfn = boto3.client("cloudformation", region_name="us-east-2", aws_access_key_id="x", aws_secret_access_key="x")
+    stub = Stubber(cfn)
+    stub.add_response("describe_stacks", {"Stacks": [{"StackName": STACK, "StackStatus": "UPDATE_IN_PROGRESS", "CreationTime": "2026-12-01T00:00:00Z"}]},
+                      {"StackName": STACK})  # fmt: skip
+    top = [summary(lid, "AWS::CloudFormation::Stack", "UPDATE_IN_PROGRESS", arn[lid]) for lid in cells]
+    stub.add_response("list_stack_resources", {"StackResourceSummaries": top}, {"StackName": STACK})
+    for lid in cells:
+        inner = [summary(gate2, "AWS::CloudFormation::WaitCondition", "CREATE_IN_PROGRESS")] if lid.startswith("Decode") else []
+        stub.add_response("list_stack_resources", {"StackResourceSummaries": inner}, {"StackName": arn[lid]})
+    stub.add_response("get_template", {"TemplateBody": json.dumps(parent)}, {"StackName": STACK, "TemplateStage": "Original"})
+    stub.add_response("list_stack_resources", {"StackResourceSummaries": top}, {"StackName": STACK})
+    for lid in cells:
+        stub.add_response("get_template", {"TemplateBody": json.dumps(bodies[lid])}, {"StackName": arn[lid], "TemplateStage": "Original"})
+    stub.activate()
+
+    def group(node: str, version: str, *instances: tuple[str, str, str]) -> dict[str, Any]:
+        return {"AutoScalingGroupName": f"gptoss-8k1k-{node}", "LaunchTemplate": {"LaunchTemplateId": "lt-1", "Version": version},
+                "MinSize": 1, "MaxSize": 1, "DesiredCapacity": 1, "DefaultCooldown": 300, "AvailabilityZones": ["us-east-2a"],
+                "HealthCheckType": "EC2", "CreatedTime": "2026-12-01T00:00:00Z",
+                "Instances": [{"InstanceId": i, "LaunchTemplate": {"LaunchTemplateId": "lt-1", "Version": v}, "LifecycleState": s,
+                               "AvailabilityZone": "us-east-2a", "HealthStatus": "Healthy", "ProtectedFromScaleIn": False} for i, v, s in instances]}  # fmt: skip
+
+    groups = [group(f"prefill-{i}", "2", (f"i-p{i}", "2", "InService")) for i in range(2)]
+    groups += [group("prefill-2", "2", ("i-p2", "1", "InService"), ("i-p2n", "2", "Pending"))]  # a surge: both run
+    groups += [group(f"decode-{i}", "2", (f"i-d{i}n", "2", "InService")) for i in range(2)]
+    groups += [group("decode-2", "2", ("i-d2n", "2", "Pending"))]
+    groups += [group(f"decode-{i}", "2", (f"i-d{i}", "1", "InService")) for i in range(3, 8)]
+    autoscaling = boto3.client("autoscaling", region_name="us-east-2", aws_access_key_id="x", aws_secret_access_key="x")
+    astub = Stubber(autoscaling)
+    names = [f"gptoss-8k1k-{n}" for n in ["prefill-0", "prefill-1", "prefill-2", *(f"decode-{i}" for i in range(8))]]
+    astub.add_response("describe_auto_scaling_groups", {"AutoScalingGroups": groups}, {"AutoScalingGroupNames": names})
+    astub.activate()
+    lines = rollout.progress(load_config(base), cfn, autoscaling)
+    stub.assert_no_pending_responses()
+    assert lines == [
+        "rollout in progress (UPDATE_IN_PROGRESS): 4 of 11 nodes on their group's current version",
+        "  decode-0: new (group launches v2; runs i-d0n v2 InService)",
+        "  decode-1: new (group launches v2; runs i-d1n v2 InService)",
+        "  decode-2: replacing (group launches v2; runs i-d2n v2 Pending), batch 1 of those left",
+        *(f"  decode-{i}: old (group launches v2; runs i-d{i} v1 InService), batch {i - 1} of those left" for i in range(3, 8)),
+        "  prefill-0: new (group launches v2; runs i-p0 v2 InService)",
+        "  prefill-1: new (group launches v2; runs i-p1 v2 InService)",
+        "  prefill-2: surging (group launches v2; runs i-p2 v1 InService, i-p2n v2 Pending), batch 1 of those left",
+        f"  waits for: {gate2}: a deploy gate (the replacement serving)",
+    ]
+
+
+def test_status_says_nothing_of_a_rollout_when_none_runs() -> None:
+    cfn = boto3.client("cloudformation", region_name="us-east-2", aws_access_key_id="x", aws_secret_access_key="x")
+    stub = Stubber(cfn)
+    stub.add_response("describe_stacks", {"Stacks": [{"StackName": STACK, "StackStatus": "UPDATE_COMPLETE", "CreationTime": "2026-12-01T00:00:00Z"}]},
+                      {"StackName": STACK})  # fmt: skip
+    stub.activate()
+    assert rollout.progress(load_config({}), cfn, autoscaling=None) == []

@@ -260,3 +260,34 @@ def test_the_gate_passes_exactly_the_routes_the_docs_list() -> None:
     design = (Path(ROOT) / "docs" / "design.md").read_text()
     for method, path in sorted(module.API_ROUTES):
         assert f"`{method} {path}`" in design, f"docs/design.md does not list {method} {path}"
+
+
+def test_a_router_that_outlasts_its_request_timeout_after_a_stop_is_killed(tmp_path: Path) -> None:
+    """The unit's stop timeout is only a backstop (the request timeout is the fleet's setting, not the
+    unit's): the gate gives the router its drain bound (here 1 s), then kills it, and exits 0."""
+    import os
+    import subprocess
+    import sys
+
+    ready = tmp_path / "ignoring"
+    stubborn = f'[sys.executable, "-c", "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); open({str(ready)!r}, \'w\'); time.sleep(600)"]'
+    run = RUN.replace('["sleep", "600"]', stubborn).replace("router.pid)))", "router.pid, drain_s=1.0)))")
+    script = tmp_path / "run.py"
+    script.write_text(run)
+    proc = subprocess.Popen([sys.executable, str(script), str(GATE), "9", "60"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert proc.stdout is not None and proc.stderr is not None
+    pid = int(proc.stdout.readline())
+    line = proc.stdout.readline()
+    assert line.startswith("gptoss-router: API gate on 127.0.0.1:"), line
+    import time
+
+    deadline = time.monotonic() + 30
+    while not ready.exists():  # the stand-in ignores stops from here on
+        assert time.monotonic() < deadline, "the router's stand-in did not start"
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(30) == 0, "a stop is an orderly end"
+    err = proc.stderr.read()
+    assert "the router did not end within 1 s of the stop; killing it" in err, err
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)

@@ -18,7 +18,7 @@ from clusterspec.commands import host_var
 from clusterspec.config import ClusterConfig
 from clusterspec.loading import load_config
 from clusterspec.node_scripts import NODE_SCRIPTS, node_script
-from clusterspec.paths import BIN, DEPLOY_ENV, MANIFEST, MEMBERS_ENV, NIXL_ENV, ROUTER_POOL, UNITS_FILE
+from clusterspec.paths import BIN, DEPLOY_ENV, MANIFEST, MEMBERS_ENV, NIXL_ENV, UNITS_FILE
 from clusterspec.quoting import parse_env_file, systemd_expand
 from clusterspec.render import NodeRender, render_cluster, render_node, served
 from clusterspec.userdata import USER_DATA_LIMIT, parse_user_data, scripts_asset, unbundle
@@ -255,9 +255,13 @@ def test_plan_and_user_data_agree(layout: str, tmp_path: Path, shipped: Callable
             assert unit_argv[0] == f"{BIN}/gptoss-exec"
             final = served(unit_argv)
             if f"{BIN}/gptoss-router-pool" in unit_argv:
-                # The router's servers come from its pool file, at their names: the shipped step adds them.
-                pool = tmp_path / f"{r.node.name}-pool"
-                pool.write_text(files[ROUTER_POOL][0])
+                # The router's settings and servers come from the fleet's document (the stack's SSM parameter,
+                # which gptoss-members copies to the node): the shipped step adds them.
+                from clusterspec.commands import router_fleet
+
+                pool = tmp_path / f"{r.node.name}-fleet"
+                cfg = load_config(LAYOUTS[layout])
+                pool.write_text(router_fleet(cfg, next(p for p in cfg.layout.proxies if p.node == r.node.name)))
                 res = subprocess.run([str(shipped("gptoss-router-pool")), str(pool), "--", "printf", "%s\\0", *final],
                                      env={"PATH": os.environ["PATH"], **env}, capture_output=True, text=True, timeout=30, check=True)  # fmt: skip
                 final = res.stdout.split("\0")[:-1]

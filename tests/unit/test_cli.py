@@ -219,6 +219,66 @@ def test_destroy_asks_for_the_stack_name_and_runs_cdk_only_when_it_is_typed(
     assert ran == [("destroy", "GptOss8k1kProd", ["config=examples/production-3p8d.yaml"], ["--force"])]
 
 
+def test_a_surge_that_finds_no_capacity_is_deployed_again_in_place_and_says_so(
+    checkout: Path, account: None, monkeypatch: pytest.MonkeyPatch, capsys: Any
+) -> None:
+    """decode-3's group could not launch its surge replacement (InsufficientInstanceCapacity, in its own
+    scaling activities since the deploy began) and the stack rolled back: the deploy says so and deploys
+    the same change with rollout.surge=off, whose preview and confirmation run again."""
+    from cluster_ops import rollout
+
+    ran: list[tuple[str, list[str]]] = []
+    codes = iter([1, 0])
+    monkeypatch.setattr(stack, "cdk", lambda verb, cfg, context, extra: ran.append((verb, context)) or next(codes))
+    monkeypatch.setattr(stack, "deployed_status", lambda cfg: "UPDATE_ROLLBACK_COMPLETE")
+    previews: list[tuple[str, list[str]]] = []
+
+    def preview(cfg: Any, context: list[str], assembly: Path) -> rollout.Rollout:
+        previews.append((cfg.rollout.surge, context))
+        surge = cfg.rollout.surge != "off"
+        return rollout.Rollout(kept=["decode-0"], replaced=["decode-3"], batch={"decode-3": 1}, surge={"decode-3": surge})
+
+    monkeypatch.setattr(rollout, "preview", preview)
+    autoscaling = boto3.client("autoscaling", region_name=REGION, aws_access_key_id="x", aws_secret_access_key="x")
+    stub = Stubber(autoscaling)
+    ice = ("Could not launch On-Demand Instances. InsufficientInstanceCapacity - We currently do not have sufficient "
+           "trn3.48xlarge capacity in the Availability Zone you requested (us-east-2a). Launching EC2 instance failed.")  # fmt: skip
+    later = dt.datetime.now(dt.UTC) + dt.timedelta(seconds=5)
+    earlier = dt.datetime(2026, 1, 1, tzinfo=dt.UTC)
+    activity = {"ActivityId": "a", "AutoScalingGroupName": "gptoss-prod-decode-3", "Cause": "rolling update", "Progress": 100}
+    stub.add_response("describe_scaling_activities", {"Activities": [
+        {**activity, "StartTime": later, "StatusCode": "Failed", "StatusMessage": ice, "Description": "Launching a new EC2 instance.  Status Reason: " + ice},
+        {**activity, "ActivityId": "b", "StartTime": earlier, "StatusCode": "Failed", "StatusMessage": "an old failure", "Description": "Launching"},
+    ]}, {"AutoScalingGroupName": "gptoss-prod-decode-3"})  # fmt: skip
+    stub.activate()
+    monkeypatch.setattr(common, "session", lambda cfg: Session(autoscaling=autoscaling))
+    assert cli.main(["deploy", *PROD, "--yes"]) == 0
+    stub.assert_no_pending_responses()
+    assert [c for v, c in ran if v == "deploy"] == [["config=examples/production-3p8d.yaml"], ["config=examples/production-3p8d.yaml", "rollout.surge=off"]]
+    assert [surge for surge, _ in previews] == ["auto", "off"]
+    err = capsys.readouterr().err
+    assert ("the surge found no capacity for a replacement (decode-3: Could not launch On-Demand Instances. InsufficientInstanceCapacity - We "
+            "currently do not have sufficient trn3.48xlarge capacity") in err, err  # fmt: skip
+    assert ("Deploying the same change again without surge (rollout.surge=off): each node's instance goes before its replacement "
+            "launches, at most 1 per role at a time") in err, err  # fmt: skip
+
+
+def test_a_failed_deploy_for_another_cause_is_not_deployed_again(checkout: Path, account: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    from cluster_ops import rollout
+
+    ran: list[str] = []
+    monkeypatch.setattr(stack, "cdk", lambda verb, cfg, context, extra: ran.append(verb) or 1)
+    monkeypatch.setattr(stack, "failure_line", lambda cfg: None)
+    monkeypatch.setattr(rollout, "preview", lambda cfg, context, assembly: rollout.Rollout(replaced=["decode-3"], batch={"decode-3": 1}, surge={"decode-3": True}))
+    autoscaling = boto3.client("autoscaling", region_name=REGION, aws_access_key_id="x", aws_secret_access_key="x")
+    stub = Stubber(autoscaling)
+    stub.add_response("describe_scaling_activities", {"Activities": []}, {"AutoScalingGroupName": "gptoss-prod-decode-3"})
+    stub.activate()
+    monkeypatch.setattr(common, "session", lambda cfg: Session(autoscaling=autoscaling))
+    assert cli.main(["deploy", *PROD, "--yes"]) == 1
+    assert ran == ["deploy"], "no capacity failure of a surge: nothing is deployed again"
+
+
 def test_make_deploy_keeps_cdks_approval_prompt() -> None:
     r = subprocess.run(["make", "-n", "deploy", "CDK_ARGS=-c config=examples/production-3p8d.yaml"], cwd=ROOT, capture_output=True, text=True)
     (line,) = [x for x in r.stdout.splitlines() if "gptoss deploy" in x]

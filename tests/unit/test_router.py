@@ -33,8 +33,9 @@ import boto3
 import pytest
 
 from clusterspec import telemetry
+from clusterspec.commands import router_fleet
 from clusterspec.loading import load_config
-from clusterspec.paths import WHEELS_DIR, member_host
+from clusterspec.paths import WHEELS_DIR, member_host, router_parameter
 from clusterspec.quoting import env_file as render_env_file
 from clusterspec.render import cluster_env, render_cluster
 from tests.conftest import ROOT, fake_command
@@ -434,6 +435,12 @@ def _members_env(tmp: Path, url: str, node: str = "decode-1", kind: str = "vllm-
     env = {**os.environ, **CREDS, "PATH": f"{bindir}{os.pathsep}{os.environ['PATH']}", "AWS_ENDPOINT_URL": url,
            "GPTOSS_CLUSTER_ENV": str(env_file), "GPTOSS_MEMBERS_ENV": str(tmp / "members.env"), "GPTOSS_HOSTS_FILE": str(tmp / "etc" / "hosts")}  # fmt: skip
     ec2 = boto3.client("ec2", endpoint_url=url, region_name="us-east-2", aws_access_key_id="testing", aws_secret_access_key="testing")
+    if kind == "vllm-router":
+        # The routers' settings and pool: the stack's one SSM parameter (gptoss-members copies it to the node).
+        ssm = boto3.client("ssm", endpoint_url=url, region_name="us-east-2", aws_access_key_id="testing", aws_secret_access_key="testing")
+        proxy = next(p for p in cfg.layout.proxies if p.kind == "vllm-router")
+        ssm.put_parameter(Name=router_parameter(cfg.cluster_name), Value=router_fleet(cfg, proxy), Type="String", Overwrite=True)
+        env["GPTOSS_ROUTER_FLEET"] = str(tmp / "router-fleet")
     return env, ec2
 
 
@@ -544,6 +551,48 @@ def test_a_surge_replacement_takes_its_nodes_name_only_when_its_group_lets_the_o
     # Every other member kept its address throughout.
     hosts = (tmp_path / "etc" / "hosts").read_text()
     assert all(f"{ip} {n}.gptoss.internal" in hosts for n, ip in FLEET_IPS.items() if n != "prefill-1"), hosts
+
+
+def test_a_new_router_setting_or_member_restarts_the_routers_one_node_at_a_time(moto_url: str, tmp_path: Path, shipped: Any) -> None:
+    """The fleet's router document (the stack's SSM parameter) changes: each router node's members sync
+    copies it and restarts its router in its turn, node index x 60 s after it saw the change, never
+    all at once; an unchanged document restarts nothing."""
+    env, ec2 = _members_env(tmp_path, moto_url)  # decode-1: index 1
+    ssm = boto3.client("ssm", endpoint_url=moto_url, region_name="us-east-2", aws_access_key_id="testing", aws_secret_access_key="testing")
+    fleet = Ec2Fleet(ec2)
+    for node, ip in FLEET_IPS.items():
+        fleet.launch(node, ip)
+    (tmp_path / "etc").mkdir()
+    (tmp_path / "etc" / "hosts").write_text("127.0.0.1 localhost\n")
+    env |= {"GPTOSS_RUN_DIR": str(tmp_path), "GPTOSS_SYSTEMCTL": str(tmp_path / "bin" / "systemctl")}
+    doc = tmp_path / "router-fleet"
+    res = _members(shipped, env, "hosts")
+    assert res.returncode == 0 and "the fleet's router settings and pool" in res.stdout, res.stdout + res.stderr
+    assert doc.read_text() == router_fleet(_cfg("vllm-router"), _cfg("vllm-router").layout.proxies[0])
+    # The router starts with it (gptoss-router-pool keeps a copy of what it started with).
+    subprocess.run([str(shipped("gptoss-router-pool")), str(doc), "--", "true"], check=True, timeout=30)
+    assert _members(shipped, env, "sync").returncode == 0 and not (tmp_path / "systemctl.log").exists(), "nothing changed: nothing restarts"
+    changed = doc.read_text().replace("arg --health-check-timeout-secs\narg 1\n", "arg --health-check-timeout-secs\narg 2\n")
+    assert changed != doc.read_text()
+    ssm.put_parameter(Name="/gptoss/gptoss-8k1k/router", Value=changed, Type="String", Overwrite=True)
+    res = _members(shipped, env, "sync")
+    assert res.returncode == 0 and "this node's router restarts in its turn, in 60 s (one router every 60 s)" in res.stdout, res.stdout
+    assert doc.read_text() == changed and not (tmp_path / "systemctl.log").exists(), "its turn has not come"
+    assert _members(shipped, env, "sync").returncode == 0 and not (tmp_path / "systemctl.log").exists(), "still not"
+    (tmp_path / "router-roll-due").write_text(str(int(time.time()) - 1))  # its turn came (60 s later)
+    res = _members(shipped, env, "sync")
+    assert "restarting this node's router with the fleet's new settings and pool" in res.stdout, res.stdout
+    assert (tmp_path / "systemctl.log").read_text() == "try-restart gptoss-proxy.service\n"
+    # Once restarted (gptoss-router-pool copies the new document), nothing is due any more.
+    subprocess.run([str(shipped("gptoss-router-pool")), str(doc), "--", "true"], check=True, timeout=30)
+    assert _members(shipped, env, "sync").returncode == 0 and (tmp_path / "systemctl.log").read_text().count("try-restart") == 1
+    assert not (tmp_path / "router-roll-due").exists()
+    # decode-0 (index 0) restarts at the first sync that sees a change.
+    env0 = env | {"GPTOSS_CLUSTER_ENV": str(tmp_path / "cluster0.env")}
+    (tmp_path / "cluster0.env").write_text(Path(env["GPTOSS_CLUSTER_ENV"]).read_text().replace("GPTOSS_NODE=decode-1", "GPTOSS_NODE=decode-0"))
+    ssm.put_parameter(Name="/gptoss/gptoss-8k1k/router", Value=changed + "pool decode 9 9 8200 8200\n", Type="String", Overwrite=True)
+    res = _members(shipped, env0, "sync")
+    assert "in its turn, in 0 s" in res.stdout and (tmp_path / "systemctl.log").read_text().count("try-restart") == 2, res.stdout
 
 
 def test_the_toy_proxys_members_wait_for_its_group_and_restart_it_when_one_is_replaced(moto_url: str, tmp_path: Path, shipped: Any) -> None:

@@ -106,7 +106,10 @@ def test_either_kind_deploys_anywhere_the_router_on_the_references_layout_too(sy
     from tests.stacks.test_template import of_type
 
     t = synth_variant(**{"serving.proxy.kind": "vllm-router"})
-    assert not of_type(t, "AWS::SSM::Parameter"), "no members parameter: nodes read the members from EC2"
+    # One parameter: the routers' settings and pool (read at run time); the members' addresses come from EC2.
+    ((_, param),) = of_type(t, "AWS::SSM::Parameter").items()
+    assert (param["Properties"]["Name"], param["Properties"]["Type"], param["Properties"]["Tier"]) == ("/gptoss/gptoss-8k1k/router", "String", "Standard")
+    assert param["Properties"]["Value"].splitlines()[-2:] == ["pool prefill 0 0 8100 8105", "pool decode 0 0 8200 8200"]
     assert not of_type(t, "AWS::ElasticLoadBalancingV2::LoadBalancer"), "one router: no load balancer"
     roles = {lid: r for lid, r in of_type(t, "AWS::IAM::Role").items() if lid.startswith(("Prefill", "Decode"))}
     statements = {lid: r["Properties"].get("Policies", [{}])[0].get("PolicyDocument", {}).get("Statement", []) for lid, r in roles.items()}
@@ -119,29 +122,48 @@ def test_either_kind_deploys_anywhere_the_router_on_the_references_layout_too(sy
     # The members' read (CDK may merge it with the health watch's other read on '*').
     assert any("ec2:DescribeInstances" in json.dumps(st["Action"]) and st["Resource"] == "*" for st in statements[decode]), statements[decode]
     assert not [st for st in statements[prefill] if "ec2:DescribeInstances" in json.dumps(st) or ".whl" in json.dumps(st)]
+    # The router's node reads that one parameter; the prefill node reads none.
+    reads = [st for st in statements[decode] if st["Action"] == "ssm:GetParameter"]
+    assert [json.dumps(st["Resource"]) for st in reads] == [json.dumps({"Fn::Join": ["", ["arn:", {"Ref": "AWS::Partition"}, ":ssm:us-east-2:", {"Ref": "AWS::AccountId"}, ":parameter/gptoss/gptoss-8k1k/router"]]})]
+    assert not [st for st in statements[prefill] if "ssm:GetParameter" in json.dumps(st)]
     toy = synth_variant(decode_instances="8", **{"serving.proxy.kind": "toy"})
     toy_roles = [r for lid, r in of_type(toy, "AWS::IAM::Role").items() if lid.startswith("Decode")]
     assert toy_roles and all(".whl" not in json.dumps(r) for r in toy_roles), "the toy proxy needs no wheel"
 
 
-def test_the_router_pool_is_one_line_per_node_and_expands_to_every_server(tmp_path: Any, shipped: Any) -> None:
-    cfg = load_config({"decode_instances": 8})
-    r = render_cluster(cfg)[-1]
-    pool = r.files["/etc/gptoss/router-pool"][0]
-    assert pool.splitlines() == ([f"prefill prefill-{i}.gptoss.internal 8100 8115" for i in range(3)]
-                                 + [f"decode decode-{d}.gptoss.internal 8200 8200" for d in range(8)])  # fmt: skip
-    (tmp_path / "pool").write_text(pool)
-    res = subprocess.run([str(shipped("gptoss-router-pool")), str(tmp_path / "pool"), "--", "printf", "%s\\n", "router"],
+def test_the_fleets_router_document_is_a_few_lines_for_any_fleet_and_expands_to_every_server(tmp_path: Any, shipped: Any) -> None:
+    """The routers' settings and pool are the fleet's (one SSM parameter, read at run time), not a node's:
+    one `pool` line per run of nodes of one role and port range, so 8 decode nodes or 800 are one line."""
+    from clusterspec.commands import router_fleet
+
+    cfg = load_config({"decode_instances": 9})
+    doc = router_fleet(cfg, cfg.layout.proxies[0])
+    lines = doc.splitlines()
+    assert lines[0] == "domain gptoss.internal"
+    assert [x for x in lines if x.startswith("pool ")] == ["pool prefill 0 2 8100 8115", "pool prefill 3 3 8100 8105", "pool decode 0 8 8200 8200"]
+    assert lines[1:5] == ["arg --vllm-pd-disaggregation", "arg --kv-connector", "arg nixl", "arg --prefill-policy"]
+    assert "arg --request-timeout-secs" in lines and lines[lines.index("arg --request-timeout-secs") + 1] == "arg 1800"
+    (tmp_path / "fleet").write_text(doc)
+    res = subprocess.run([str(shipped("gptoss-router-pool")), str(tmp_path / "fleet"), "--", "printf", "%s\\n", "router"],
                          env={"PATH": "/usr/bin:/bin"}, capture_output=True, text=True, timeout=30, check=True)  # fmt: skip
-    out = res.stdout.split()
-    assert out[0] == "router" and len(out) == 1 + 2 * (48 + 8)
+    out = res.stdout.split("\n")[:-1]
+    settings = [x.removeprefix("arg ") for x in lines if x.startswith("arg ")]
+    assert out[0] == "router" and out[1 : 1 + len(settings)] == settings
+    urls = out[1 + len(settings) :]
+    assert len(urls) == 2 * (3 * 16 + 6 + 9)
     # Every server by its node's name: gptoss-members keeps the names at the current addresses.
-    assert out[1:3] == ["--prefill", "http://prefill-0.gptoss.internal:8100"] and out[-2:] == ["--decode", "http://decode-7.gptoss.internal:8200"]
+    assert urls[:2] == ["--prefill", "http://prefill-0.gptoss.internal:8100"] and urls[-2:] == ["--decode", "http://decode-8.gptoss.internal:8200"]
+    assert urls[2 * 53 : 2 * 54] == ["--prefill", "http://prefill-3.gptoss.internal:8105"] and "http://prefill-3.gptoss.internal:8106" not in urls
+    assert (tmp_path / "fleet.started").read_text() == doc, "what the running router started with, for gptoss-members to compare"
     # A malformed line: the router does not start with a hole in its pool.
-    (tmp_path / "pool").write_text(pool.replace("decode-5.gptoss.internal", "decode-5 ; rm"))
-    res = subprocess.run([str(shipped("gptoss-router-pool")), str(tmp_path / "pool"), "--", "true"], env={"PATH": "/usr/bin:/bin"},
-                         capture_output=True, text=True, timeout=30)  # fmt: skip
-    assert res.returncode == 1 and "not ROLE HOST FIRST LAST" in res.stderr
+    for bad, said in ((doc.replace("pool decode 0 8", "pool decode 0 8 ; rm"), "not pool ROLE FIRST LAST FIRST_PORT LAST_PORT"),
+                      (doc.replace("domain gptoss.internal\n", ""), "names no members' domain"),
+                      ("\n".join(x for x in lines if not x.startswith("pool ")), "names no server"),
+                      ("", "is missing or empty")):  # fmt: skip
+        (tmp_path / "fleet").write_text(bad)
+        res = subprocess.run([str(shipped("gptoss-router-pool")), str(tmp_path / "fleet"), "--", "true"], env={"PATH": "/usr/bin:/bin"},
+                             capture_output=True, text=True, timeout=30)  # fmt: skip
+        assert res.returncode == 1 and said in res.stderr, (said, res.stderr)
 
 
 # The router's whole command line for the production layout (3 prefill + 8 decode instances), typed
@@ -201,5 +223,5 @@ def test_a_router_node_of_the_production_layout_snapshot(snapshot: Any) -> None:
     cfg = load_config({"config": str(ROOT / "examples" / "production-3p8d.yaml")})
     (router,) = [r for r in render_cluster(cfg) if r.node.name == "decode-0"]
     files = {path: text for path, (text, _) in sorted(router.files.items()) if not path.startswith("/opt/gptoss/bin/")}
-    assert "/etc/gptoss/router-pool" in files and "/etc/systemd/system/gptoss-proxy.service" in files
+    assert "/etc/gptoss/router-pool" not in files and "/etc/systemd/system/gptoss-proxy.service" in files
     assert files == snapshot(extension_class=JSONSnapshotExtension)

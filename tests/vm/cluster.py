@@ -22,9 +22,10 @@ from pathlib import Path
 from typing import Any
 
 from clusterspec import telemetry
+from clusterspec.commands import router_fleet
 from clusterspec.config import ClusterConfig
 from clusterspec.loading import load_config
-from clusterspec.paths import WHEELS_DIR
+from clusterspec.paths import WHEELS_DIR, router_parameter
 from clusterspec.render import NodeRender, render_cluster
 from clusterspec.userdata import launch_inputs, node_digest, scripts_asset, user_data
 from tests.vm import profile
@@ -100,7 +101,9 @@ class VmCluster:
         # 2 minutes (1): an AWS CLI call costs a software-emulated guest about 20 s of CPU, and
         # every process it starts seconds.
         healing = {"members_poll_s": 90, "watch_interval_s": 120} | context.get("healing", {})
-        self.cfg = load_config(context | {"model": model, "boot": boot, "healing": healing})
+        # A leaving instance runs two members polls more (the spec's rule for rollout.drain_s).
+        rollout = {"drain_s": 2 * healing["members_poll_s"] + 10} | context.get("rollout", {})
+        self.cfg = load_config(context | {"model": model, "boot": boot, "healing": healing, "rollout": rollout})
         renders = render_cluster(self.cfg)
         self.renders = {r.node.name: r for r in renders if r.node.name in NODES}
         data = scripts_asset(renders)
@@ -109,6 +112,10 @@ class VmCluster:
         self.aws.put(self.scripts_uri, data)
         router_uri = None
         if self.cfg.proxy_kind == "vllm-router":
+            # The routers' settings and pool, the one SSM parameter the stack writes (read at run time).
+            proxy = next(p for p in self.cfg.layout.proxies if p.kind == "vllm-router")
+            self.aws.client("ssm").put_parameter(Name=router_parameter(self.cfg.cluster_name), Value=router_fleet(self.cfg, proxy),
+                                                 Type="String", Overwrite=True)  # fmt: skip
             wheel = self.cfg.serving.proxy.router.wheel
             router_uri = f"s3://{ASSET_BUCKET}/router/{wheel}"
             self.aws.put(router_uri, (WHEELS_DIR / wheel).read_bytes())
