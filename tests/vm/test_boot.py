@@ -316,13 +316,15 @@ def test_first_boot_serves_with_the_plans_commands_in_the_tested_order(cluster: 
         while True:
             names = cloudwatch.list_metrics(Namespace="GptOss/gptoss-8k1k")["Metrics"]
             published = {m["MetricName"] for m in names if {"Name": "Node", "Value": node} in m["Dimensions"]}
-            if per_node <= published or time.monotonic() > deadline:
+            # The metrics and the journal's streams within the same two intervals (one pass of the
+            # collector publishes the metrics before it ships the journal: both are waited for).
+            streams = {s["logStreamName"] for s in logs.describe_log_streams(logGroupName="/gptoss/gptoss-8k1k")["logStreams"]}
+            if (per_node <= published and f"{node}/gptoss-stage.service" in streams) or time.monotonic() > deadline:
                 break
             time.sleep(10)
         assert per_node - published == set(), f"{node}: not published within two intervals of serving"
         assert {"UnitsNotReady", "ServersDown", "StagingFailing"} <= {m["MetricName"] for m in names}
-        streams = logs.describe_log_streams(logGroupName="/gptoss/gptoss-8k1k")["logStreams"]
-        assert f"{node}/gptoss-stage.service" in {s["logStreamName"] for s in streams}
+        assert f"{node}/gptoss-stage.service" in streams, f"{node}: its journal not shipped within two intervals of serving"
 
 
 def test_reboot_reuses_the_array_the_checkpoint_and_the_compile_cache(cluster: VmCluster) -> None:
