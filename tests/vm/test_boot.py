@@ -316,8 +316,8 @@ def test_first_boot_serves_with_the_plans_commands_in_the_tested_order(cluster: 
         while True:
             names = cloudwatch.list_metrics(Namespace="GptOss/gptoss-8k1k")["Metrics"]
             published = {m["MetricName"] for m in names if {"Name": "Node", "Value": node} in m["Dimensions"]}
-            # The metrics and the journal's streams within the same two intervals (one pass of the
-            # collector publishes the metrics before it ships the journal: both are waited for).
+            # The metrics and the journal's streams within the same two intervals (the collector ships
+            # them apart, each on its own thread: one can land a moment after the other).
             streams = {s["logStreamName"] for s in logs.describe_log_streams(logGroupName="/gptoss/gptoss-8k1k")["logStreams"]}
             if (per_node <= published and f"{node}/gptoss-stage.service" in streams) or time.monotonic() > deadline:
                 break
