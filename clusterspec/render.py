@@ -197,11 +197,12 @@ def _members_env(cfg: ClusterConfig, node: Node) -> dict[str, str]:
         return {}
     routed = any(p.kind == "vllm-router" for p in proxies)
     env = {
-        # A router's members are in the fleet's document (its pool), read at run time; the toy proxy's are here.
+        # A router's members and settings: the fleet's SSM parameter (router_fleet), read at run time; the toy's are here.
         "GPTOSS_MEMBERS_NEED": "" if routed else " ".join(members_needed(cfg, node)),
         "GPTOSS_MEMBERS_DOMAIN": MEMBERS_DOMAIN,
         # A router follows names in /etc/hosts; the toy proxy takes addresses and restarts when one changes.
         "GPTOSS_MEMBERS_FORM": "hosts" if routed else "env",
+        "GPTOSS_ROUTER_PARAMETER": router_parameter(cfg.cluster_name) if routed else "",
         "GPTOSS_MEMBERS_RESTART": "" if routed else "gptoss-proxy.service gptoss-group-health.service",
     }
     if routed:
