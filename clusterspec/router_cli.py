@@ -12,14 +12,16 @@ from __future__ import annotations
 import argparse
 import functools
 import hashlib
+import logging
 import sys
 import types
 import zipfile
 from pathlib import Path
-from typing import NoReturn
+from typing import Any, NoReturn
 
 from clusterspec.errors import SpecError, rule_error
 from clusterspec.paths import WHEELS_DIR
+from clusterspec.router_rules import refusal
 
 FIELD = "serving.proxy.router.extra_flags"
 
@@ -29,7 +31,9 @@ def _refused(field: str, value: object, rule: str, fix: str) -> SpecError:
 
 
 class _Parser(argparse.ArgumentParser):
-    """argparse that raises instead of printing usage and exiting."""
+    """argparse that raises instead of printing usage and exiting; carries the wheel's RouterArgs (its Python checks)."""
+
+    router_args: Any = None
 
     def error(self, message: str) -> NoReturn:
         raise argparse.ArgumentError(None, message)
@@ -56,6 +60,9 @@ def router_parser(wheel: Path, sha256: str) -> argparse.ArgumentParser:
         del sys.modules[name]
     parser = _Parser(prog="vllm-router", allow_abbrev=False, exit_on_error=False, add_help=False)
     module.RouterArgs.add_cli_args(parser, use_router_prefix=False)
+    parser.router_args = module.RouterArgs
+    # Its checks log advice for a node's journal ("The main --policy flag will be ignored"); plan says nothing of it.
+    logging.getLogger(name).disabled = True
     return parser
 
 
@@ -79,6 +86,31 @@ def check_router_argv(modeled: list[str], extra: list[tuple[str, str | None]], w
     for name, value in extra:
         argv += [name] + ([value] if value is not None else [])
     try:
-        parser.parse_args(argv)
+        parsed = parser.parse_args(argv)
     except argparse.ArgumentError as e:
         raise _refused(FIELD, [n for n, _ in extra], f"vllm-router refuses the command line: {e}", "fix the flags' values") from None
+    refused = start_refusal(parser, parsed)
+    if refused is not None:
+        flag, why = refused
+        # A modeled flag's value is inside the wheel's rules by its spec bounds (tests/unit/test_router_rules.py).
+        given = dict(extra)
+        shown: object = [n for n, _ in extra] if flag is None else f"{flag} {given.get(flag, getattr(parsed, by_option[flag].dest))}"
+        raise _refused(FIELD, shown, f"vllm-router (the pinned wheel) refuses it at start: {why if flag is None else f'{flag} {why}'}",
+                       "change the value the router names (it would exit at every start on every router node)")  # fmt: skip
+
+
+def start_refusal(parser: argparse.ArgumentParser, parsed: argparse.Namespace) -> tuple[str | None, str] | None:
+    """The first value of a parsed command line that the router refuses at start, (flag or None, why): its
+    Python checks (the wheel's own RouterArgs._validate_router_args, as gptoss-router calls it),
+    then its Rust core's rules (router_rules)."""
+    try:
+        parser.router_args.from_cli_args(parsed, use_router_prefix=False)._validate_router_args()  # type: ignore[attr-defined]
+    except ValueError as e:
+        return None, str(e)
+    numeric = {a.option_strings[0]: a for a in parser._actions if a.option_strings and a.type in (int, float)}
+    values = {flag: getattr(parsed, a.dest) for flag, a in numeric.items()}
+    for flag, a in numeric.items():
+        why = refusal(flag, values[flag], float_flag=a.type is float, values=values)
+        if why is not None:
+            return flag, why
+    return None
