@@ -19,7 +19,7 @@ DEPLOY_ARGS ?=
 YES ?=
 NODE_MAJOR := 22
 
-.PHONY: setup synth plan local local-down test test-vm vm-root lint bootstrap deploy destroy diff bench-scale bench-synth bench-rollout bench-ready bench-proxy diagrams clean
+.PHONY: setup synth plan local local-down test test-vm vm-root lint bootstrap deploy destroy diff bench-scale bench-synth bench-rollout bench-ready bench-proxy bench-policy diagrams clean
 
 setup: .make/python .make/node .make/system .make/hf-clients .make/aws-cli .make/router-wheel
 
@@ -151,6 +151,10 @@ vm-root:
 # vLLM's router vs the toy proxy over the same fake servers on loopback: req/s and added latency at 1, 32, 128 clients.
 bench-proxy: setup
 	$(PY) -m tests.bench_proxy $(BENCH_ARGS)
+
+# Each router policy over fake servers that serve only vLLM's routes, bounded engines, uneven work: queue waits and spread.
+bench-policy: setup
+	$(PY) -m tests.bench_policy $(BENCH_ARGS)
 
 # Time to ready: the default layout's nodes booted in VMs with fake servers of known compile and load times.
 bench-ready: setup .make/vm-system

@@ -317,11 +317,11 @@ class ClusterConfig(Frozen):
         return self.compile_cache_s3_uri is not None or self.compile_cache_bucket
 
     def router_policy(self, role: str) -> str:
-        """The router's policy for one role: the spec's, else power_of_two over two or more servers, round_robin over one."""
+        """The router's policy for one role: the spec's, else round_robin (make bench-policy: the pinned router's
+        power_of_two balances on /get_load, a route vLLM's servers do not serve, and queues as random does)."""
         r = self.serving.proxy.router
         chosen = r.prefill_policy if role == "prefill" else r.decode_policy
-        servers = len(self.layout.replicas) if role == "prefill" else len(self.layout.decode_nodes)
-        return chosen or ("power_of_two" if servers >= 2 else "round_robin")
+        return chosen or "round_robin"
 
     @property
     def load_balanced(self) -> bool:

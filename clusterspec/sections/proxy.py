@@ -42,8 +42,9 @@ class Router(Frozen):
     )
     prefill_policy: RouterPolicy | None = Field(
         None,
-        description="Unset: power_of_two (least loaded of two random servers; needs no tokenizer route on the servers) "
-        "with two or more prefill servers, round_robin with one (vllm-router 0.1.17 refuses power_of_two over one server).",
+        description="Unset: round_robin. Measured (make bench-policy, docs/benchmarks.md): vllm-router 0.1.17's power_of_two "
+        "asks each server for /get_load, which vLLM's servers answer 404, so it picks between two servers on nothing and "
+        "queues as random does; round_robin queued least over uneven requests (it refuses power_of_two over one server).",
     )
     decode_policy: RouterPolicy | None = Field(None, description="The same rule for the decode servers.")
     health_check_interval_s: int = Field(1, ge=1, le=300, description="How often the router asks every server's /health.")

@@ -11,11 +11,16 @@ exactly the parameters that prefill server returned for that prompt (it recomput
 address (0.0.0.0) would send the KV handshake nowhere. Anything else is answered 400 and
 counted as a violation.
 
-Both answer GET /health and GET /stats (requests served, violations, request times).
-Latency per role is a flag. Standard library only.
+Both answer GET /health, GET /metrics (vLLM's gauges of running and waiting requests and KV
+cache use, under vLLM's names) and GET /stats (requests served, violations, request times, the
+time each request waited for an engine slot, and every path asked but /health and /stats; a
+path vLLM's API server does not serve, e.g. SGLang's /get_load, is answered 404 as vLLM does). Latency per role is a flag,
+plus a cost per token (prefill: per word of the prompt; decode: per output token). An engine of
+--slots slots runs that many requests at once and queues the rest, as vLLM's scheduler does past
+max_num_seqs. Standard library only.
 
     python3 vllm_pd.py --role prefill|decode --host IP --port P [--side-channel-port N]
-                       [--latency-ms MS] [--engines JSON]
+                       [--latency-ms MS] [--ms-per-token MS] [--slots N] [--engines JSON]
 """
 
 from __future__ import annotations
@@ -56,13 +61,17 @@ def main() -> None:
     p.add_argument("--port", type=int, required=True)
     p.add_argument("--side-channel-port", type=int, default=5559)
     p.add_argument("--latency-ms", type=float, default=0)
+    p.add_argument("--ms-per-token", type=float, default=0)
+    p.add_argument("--slots", type=int, default=0, help="requests the engine runs at once (0: no limit)")
     # decode: {engine id: [node address, side channel port]} of every prefill server.
     p.add_argument("--engines", default="{}")
     args = p.parse_args()
     engines = json.loads(args.engines)
     side_host = os.environ.get("VLLM_NIXL_SIDE_CHANNEL_HOST", "localhost")
     lock = threading.Lock()
-    stats: dict[str, Any] = {"served": 0, "violations": [], "times": []}
+    stats: dict[str, Any] = {"served": 0, "violations": [], "times": [], "waits_ms": [], "asked": {}}
+    slots = threading.BoundedSemaphore(args.slots) if args.slots else None
+    busy = [0]  # completions in the server: running and waiting for a slot
 
     class Handler(http.server.BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
@@ -92,7 +101,23 @@ def main() -> None:
             if self.path == "/stats":
                 with lock:
                     return self._json(stats)
-            self._json({"error": "not found"}, 404)
+            if self.path == "/metrics":
+                # vLLM's Prometheus page, with the scheduler's gauges of this engine (running, waiting).
+                with lock:
+                    running, waiting = busy[0] - max(0, busy[0] - (args.slots or busy[0])), max(0, busy[0] - (args.slots or busy[0]))
+                    stats["asked"][self.path] = stats["asked"].get(self.path, 0) + 1
+                text = (f'vllm:num_requests_running{{model_name="gpt-oss"}} {running}.0\n'
+                        f'vllm:num_requests_waiting{{model_name="gpt-oss"}} {waiting}.0\n'
+                        f'vllm:kv_cache_usage_perc{{model_name="gpt-oss"}} {running / (args.slots or 1):.2f}\n').encode()  # fmt: skip
+                self.send_response(200)
+                self.send_header("Content-Type", "text/plain; version=0.0.4")
+                self.send_header("Content-Length", str(len(text)))
+                self.end_headers()
+                self.wfile.write(text)
+                return None
+            with lock:
+                stats["asked"][self.path] = stats["asked"].get(self.path, 0) + 1
+            self._json({"detail": "Not Found"}, 404)
 
         def do_POST(self) -> None:
             body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
@@ -101,7 +126,20 @@ def main() -> None:
             req = json.loads(body or b"{}")
             prompt = str(req.get("prompt", ""))
             kv = req.get("kv_transfer_params") or {}
-            time.sleep(args.latency_ms / 1000)
+            tokens = len(prompt.split()) if args.role == "prefill" else int(req.get("max_tokens", 16))
+            queued = time.monotonic()
+            with lock:
+                busy[0] += 1
+            if slots is not None:
+                slots.acquire()
+            waited = time.monotonic() - queued
+            try:
+                time.sleep((args.latency_ms + args.ms_per_token * tokens) / 1000)
+            finally:
+                if slots is not None:
+                    slots.release()
+                with lock:
+                    busy[0] -= 1
             if args.role == "prefill":
                 if kv.get("do_remote_decode") is not True or req.get("max_tokens") != 1:
                     return self._violation(f"prefill got max_tokens={req.get('max_tokens')} kv_transfer_params={kv}")
@@ -122,6 +160,7 @@ def main() -> None:
             with lock:
                 stats["served"] += 1
                 stats["times"].append(round(time.time(), 3))
+                stats["waits_ms"].append(round(waited * 1000, 1))
             self._json(answer)
 
     http.server.ThreadingHTTPServer.request_queue_size = 1024  # a listen backlog like uvicorn's, not socketserver's 5

@@ -63,8 +63,8 @@ def _address(node: str) -> str:
     return f"{NET}.{1 if role == 'prefill' else 2}.{int(index) + 1}"
 
 
-def _cfg(kind: str) -> Any:
-    return load_config({**FLEET, "serving.proxy.kind": kind})
+def _cfg(kind: str, overrides: dict[str, Any] | None = None) -> Any:
+    return load_config({**FLEET, "serving.proxy.kind": kind} | (overrides or {}))
 
 
 def _free(host: str, port: int) -> bool:
@@ -192,10 +192,13 @@ def _substitute(argv: list[str], names: dict[str, str]) -> list[str]:
     return out
 
 
-def _fleet(kind: str, tmp: Path, router_venv: Path | None, prefill_ms: float = PREFILL_MS, decode_ms: float = DECODE_MS, gate: bool = True) -> Fleet:
+def _fleet(kind: str, tmp: Path, router_venv: Path | None, prefill_ms: float = PREFILL_MS, decode_ms: float = DECODE_MS, gate: bool = True,
+           overrides: dict[str, Any] | None = None, server_args: dict[str, list[str]] | None = None) -> Fleet:  # fmt: skip
     """Start the fake servers and the rendered proxies or routers of a 2-decode, 6-replica fleet (gate=False: each
-    router bound to the endpoint itself, without its API gate: only `make bench-proxy` asks, to measure the gate's cost)."""
-    cfg = _cfg(kind)
+    router bound to the endpoint itself, without its API gate: only `make bench-proxy` asks, to measure the gate's cost).
+    `overrides` change the spec (the benchmarks' policies); `server_args` add flags of the fake servers by role."""
+    cfg = _cfg(kind, overrides)
+    extra = server_args or {}
     s = cfg.serving
     fleet = Fleet(kind, tmp)
     names = {n.name: _address(n.name) for n in cfg.layout.nodes}
@@ -212,12 +215,12 @@ def _fleet(kind: str, tmp: Path, router_venv: Path | None, prefill_ms: float = P
             engines[engine_id(ip, port)] = [ip, side_port]
             name = f"{ip}:{port}"
             fleet.commands[name] = [sys.executable, str(FAKES), "--role", "prefill", "--host", ip, "--port", str(port),
-                                    "--side-channel-port", str(side_port), "--latency-ms", str(prefill_ms)]  # fmt: skip
+                                    "--side-channel-port", str(side_port), "--latency-ms", str(prefill_ms), *extra.get("prefill", [])]  # fmt: skip
             fleet.envs[name] = {**os.environ, "VLLM_NIXL_SIDE_CHANNEL_HOST": side}
     for n in cfg.layout.decode_nodes:
         name = f"{names[n.name]}:{s.decode.http_port}"
         fleet.commands[name] = [sys.executable, str(FAKES), "--role", "decode", "--host", names[n.name], "--port", str(s.decode.http_port),
-                                "--latency-ms", str(decode_ms), "--engines", json.dumps(engines)]  # fmt: skip
+                                "--latency-ms", str(decode_ms), "--engines", json.dumps(engines), *extra.get("decode", [])]  # fmt: skip
         fleet.envs[name] = dict(os.environ)
     for name in fleet.commands:
         host, port = name.split(":")
@@ -785,3 +788,26 @@ def test_the_pinned_routers_admin_routes_answer_on_loopback_and_never_at_the_end
         router.wait(60)
         for p in procs:
             p.kill()
+
+
+def test_the_pinned_routers_power_of_two_balances_on_a_route_vllm_does_not_serve(router_venv: Path, tmp_path: Path) -> None:
+    """Why the default policy is round_robin: with power_of_two, the pinned router asks every server for
+    /get_load (SGLang's route), which a vLLM API server answers 404 (the fakes serve only vLLM's routes:
+    /health, /metrics, the API); with the default it asks nothing of the kind."""
+    for policy, expect_get_load in (("power_of_two", True), (None, False)):
+        overrides = {} if policy is None else {"serving.proxy.router.prefill_policy": policy, "serving.proxy.router.decode_policy": policy}
+        (tmp_path / str(policy)).mkdir()
+        fleet = _fleet("vllm-router", tmp_path / str(policy), router_venv, overrides=overrides)
+        try:
+            for i in range(12):
+                host, port = fleet.endpoints[i % len(fleet.endpoints)]
+                body = json.dumps({"model": "m", "prompt": f"load {i}", "max_tokens": 2}).encode()
+                req = urllib.request.Request(f"http://{host}:{port}/v1/completions", body, {"Content-Type": "application/json"})
+                assert json.loads(urllib.request.urlopen(req, timeout=30).read())["choices"][0]["text"] == " ok"
+            time.sleep(2)  # the routers' load polls (power_of_two's run every second or so)
+            asked = {name: fleet.stats(name)["asked"] for name in fleet.procs}
+        finally:
+            fleet.stop()
+        get_load = sum(a.get("/get_load", 0) for a in asked.values())
+        assert (get_load > 0) is expect_get_load, (policy, asked)
+        assert not any(set(a) - {"/get_load", "/metrics"} for a in asked.values()), asked

@@ -177,8 +177,9 @@ ROUTER_3P8D = [
     "--port", "8010",
     "--vllm-pd-disaggregation",
     "--kv-connector", "nixl",
-    "--prefill-policy", "power_of_two",
-    "--decode-policy", "power_of_two",
+    # round_robin: the pinned router's power_of_two balances on a route vLLM does not serve (make bench-policy).
+    "--prefill-policy", "round_robin",
+    "--decode-policy", "round_robin",
     "--health-check-endpoint", "/health",
     "--health-check-interval-secs", "1",
     "--health-check-timeout-secs", "1",
@@ -211,7 +212,7 @@ def test_the_production_routers_command_line_is_the_typed_one_on_every_router_no
     # The same command line, run as the node runs it, parses with the pinned router's own parser.
     pinned = load_config({}).serving.proxy.router
     parsed = router_parser(WHEELS_DIR / pinned.wheel, pinned.sha256).parse_args(ROUTER_3P8D[4:] + ROUTER_3P8D_POOL)
-    assert parsed.request_timeout_secs == 1800 and parsed.prefill_policy == "power_of_two"
+    assert parsed.request_timeout_secs == 1800 and parsed.prefill_policy == "round_robin"
 
 
 def test_a_router_node_of_the_production_layout_snapshot(snapshot: Any) -> None:
