@@ -52,6 +52,39 @@ def _feeds(rs: list[NodeRender], routed: bool) -> str:
     return f"decode-{feeds[0]}" if len(feeds) == 1 else f"decode-{feeds[0]}..{feeds[-1]}"
 
 
+def control_plane(cfg: ClusterConfig) -> dict[str, float]:
+    """What the fleet asks of itself and of AWS each second, from the spec: the routers' health
+    checks (every router checks every server each interval), the members' reads (each proxy or
+    router node asks EC2, and a router node SSM, every healing.members_poll_s) and the nodes'
+    metrics (one PutMetricData per node per observability interval, up to 1,000 values each)."""
+    layout, r = cfg.layout, cfg.serving.proxy.router
+    routers = len(layout.proxies) if cfg.proxy_kind == "vllm-router" else 0
+    servers = len(layout.replicas) + len(layout.decode_nodes)
+    poll = cfg.healing.members_poll_s
+    return {
+        "routers": routers,
+        "servers": servers if routers else 0,
+        "health_checks_per_s": routers * servers / r.health_check_interval_s,
+        "health_checks_per_server_per_s": routers / r.health_check_interval_s,
+        "ec2_describe_instances_per_s": len(layout.proxies) / poll,
+        "ssm_get_parameter_per_s": routers / poll,
+        "put_metric_data_per_s": len(layout.nodes) / cfg.observability.interval_s,
+    }
+
+
+def control_plane_lines(cfg: ClusterConfig) -> list[str]:
+    c = control_plane(cfg)
+    lines = []
+    if c["routers"]:
+        lines.append(f"  control plane: {c['routers']:g} routers check {c['servers']:,.0f} servers: {c['health_checks_per_s']:,.0f} checks/s "
+                     f"({c['health_checks_per_server_per_s']:g}/s a server)")  # fmt: skip
+    if cfg.layout.proxies:
+        n = len(cfg.layout.proxies)
+        reads = f"EC2 {c['ec2_describe_instances_per_s']:.2f}" + (f" + SSM {c['ssm_get_parameter_per_s']:.2f}" if c["routers"] else "")
+        lines.append(f"    AWS calls/s: members {reads} ({n} node{'s' if n != 1 else ''}), metrics {c['put_metric_data_per_s']:.2f}")
+    return lines
+
+
 def summary(cfg: ClusterConfig, renders: list[NodeRender]) -> str:
     """The plan in 80 columns: what is deployed, where the endpoint is, what bills."""
     from cluster_ops import cost
@@ -78,6 +111,7 @@ def summary(cfg: ClusterConfig, renders: list[NodeRender]) -> str:
         what = f"vLLM router {s.proxy.router.version}" if cfg.proxy_kind == "vllm-router" else "the examples' toy proxy"
         lines.append(f"  proxy: {what} on {_span(names) if len(names) > 1 else names[0]}")
         lines.append(f"    why: {cfg.proxy_kind_reason} (serving.proxy.kind)")
+        lines += control_plane_lines(cfg)
     lines += pin_lines(cfg)
     lines.append(f"  idle cores: {sum(n.idle_cores for n in layout.nodes)}")
     fleet_cells = cells(layout, cfg.cell_nodes)
@@ -169,6 +203,7 @@ def plan_document(cfg: ClusterConfig, renders: list[NodeRender]) -> dict[str, An
         },
         "proxy": {"kind": cfg.proxy_kind, "why": cfg.proxy_kind_reason, "nodes": [p.node for p in layout.proxies],
                   "health_path": cfg.proxy_health_path},
+        "control_plane": control_plane(cfg),
         "load_balancer": {"internal_nlb": cfg.load_balanced, "port": cfg.serving.proxy.port if cfg.serving.disaggregated else cfg.serving.server.port},
         "feeds": feeds,
         "cells": [{"name": c.name, "role": c.role, "nodes": [n.name for n in c.nodes]} for c in cells(layout, cfg.cell_nodes)],

@@ -251,7 +251,7 @@ def compute_layout(
     for r in all_replicas:
         groups[r.decode_server].append(r)
     # The toy proxy with one decode server: the tested placement, on prefill node A. Otherwise one
-    # proxy or router on each decode node, so losing a node loses one endpoint, not all (and a
+    # proxy on each decode node, or a router on each of the first max_routers, so losing a node loses one endpoint, not all (and a
     # router outlives the loss of any prefill node it routes to). A toy proxy routes to its own
     # group; a router to every server of the fleet.
     every_decode = tuple(range(decode_instances))
@@ -263,7 +263,8 @@ def compute_layout(
             decode_servers=every_decode if proxy_kind == "vllm-router" else (d,),
             kind=proxy_kind,
         )
-        for d in range(decode_instances)
+        # Routers on the first max_routers decode nodes only (toy proxies: one per decode server, each its group's).
+        for d in range(decode_instances if proxy_kind == "toy" else min(decode_instances, serving.proxy.router.max_routers))
     )
     return Layout(
         decode_instances=decode_instances,

@@ -72,6 +72,12 @@ class Router(Frozen):
         description="The router itself, on 127.0.0.1 (its admin routes answer there alone); clients reach serving.proxy.port, "
         "where gptoss-router passes on only the OpenAI API and the health routes.",
     )  # fmt: skip
+    max_routers: int = Field(
+        8, ge=1, le=64,
+        description="Routers run on the first this many decode nodes (each behind the load balancer); the others serve "
+        "only. Every router health-checks every server each interval and its node reads EC2 and SSM each members poll, "
+        "so this bounds the control plane as the fleet grows (plan prints its load).",
+    )  # fmt: skip
     extra_flags: tuple[ExtraFlag, ...] = Field(
         (), description="Router flags the spec does not model; checked against the pinned router's own parser at plan time."
     )

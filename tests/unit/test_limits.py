@@ -87,7 +87,7 @@ def test_sizing_a_fleet_renders_one_node_per_shape_not_every_node(monkeypatch: p
     cfg = load_config({"decode_instances": "8"}).model_copy(update={"decode_instances": 400})
     size = limits.estimate(cfg)
     assert size.nodes == len(cfg.layout.nodes) == 550
-    assert len(rendered) == len(limits.shapes(cfg.layout)) <= 16
+    assert len(rendered) == len(limits.shapes(cfg.layout)) <= 18  # decode nodes with and without a router
     assert len(set(rendered)) == len(rendered)
 
 

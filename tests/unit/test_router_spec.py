@@ -226,3 +226,44 @@ def test_a_router_node_of_the_production_layout_snapshot(snapshot: Any) -> None:
     files = {path: text for path, (text, _) in sorted(router.files.items()) if not path.startswith("/opt/gptoss/bin/")}
     assert "/etc/gptoss/router-pool" not in files and "/etc/systemd/system/gptoss-proxy.service" in files
     assert files == snapshot(extension_class=JSONSnapshotExtension)
+
+
+def test_routers_run_on_the_first_max_routers_decode_nodes_so_the_control_plane_stays_bounded(synth_variant: Any) -> None:
+    """Every router checks every server each second and its node reads EC2 and SSM each members poll:
+    with a router on every decode node that grows with the square of the fleet (200 decode: 200 x 1,400
+    servers = 280,000 checks/s; 1,000 routers reading EC2 every 30 s: 33 calls/s). Routers run on the
+    first serving.proxy.router.max_routers (8) decode nodes; plan prints the load."""
+    from cluster_ops.plan_view import control_plane
+
+    # (fleet, routers, servers, checks/s, EC2 DescribeInstances/s), typed: 16 replicas a prefill node, 6 prefill replicas a decode server.
+    for ctx, routers, servers, checks, ec2 in (
+        ({"config": str(ROOT / "examples" / "production-3p8d.yaml")}, 8, 3 * 16 + 8, 448, 8 / 30),
+        ({"decode_instances": 200}, 8, 200 * 6 + 200, 11_200, 8 / 30),
+        ({"decode_instances": 200, "serving.proxy.router.max_routers": 3}, 3, 1_400, 4_200, 3 / 30),
+        ({"decode_instances": 4}, 4, 4 * 6 + 4, 112, 4 / 30),
+    ):
+        c = control_plane(load_config(ctx))
+        assert (c["routers"], c["servers"], c["health_checks_per_s"], c["health_checks_per_server_per_s"]) == (routers, servers, checks, routers), ctx
+        assert c["ec2_describe_instances_per_s"] == pytest.approx(ec2) and c["ssm_get_parameter_per_s"] == pytest.approx(ec2), ctx
+    huge = load_config({"decode_instances": 8}).model_copy(update={"decode_instances": 1000})
+    assert control_plane(huge)["routers"] == 8 and control_plane(huge)["ec2_describe_instances_per_s"] == pytest.approx(8 / 30)
+    toy = control_plane(load_config({}))
+    assert (toy["routers"], toy["health_checks_per_s"], toy["ec2_describe_instances_per_s"]) == (0, 0, pytest.approx(1 / 30))
+    # The load balancer's targets and the routers' rights follow: 3 of 8 decode nodes.
+    t = synth_variant(decode_instances="8", **{"serving.proxy.router.max_routers": "3"})
+    groups = {lid: g for lid, g in of_type_all(t, "AWS::AutoScaling::AutoScalingGroup").items()}
+    targeted = sorted(lid[:7] for lid, g in groups.items() if g["Properties"].get("TargetGroupARNs"))
+    assert targeted == ["Decode0", "Decode1", "Decode2"], targeted
+    roles = {lid: json.dumps(r) for lid, r in of_type_all(t, "AWS::IAM::Role").items() if lid.startswith("Decode")}
+    readers = sorted(lid[:7] for lid, r in roles.items() if "ssm:GetParameter" in r)
+    assert readers == ["Decode0", "Decode1", "Decode2"], readers
+    plan = subprocess.run([str(ROOT / ".venv" / "bin" / "gptoss"), "plan", "-c", "decode_instances=200"], capture_output=True, text=True, cwd=ROOT, check=True)
+    assert "  proxy: vLLM router 0.1.17 on decode-0..7\n" in plan.stdout
+    assert "  control plane: 8 routers check 1,400 servers: 11,200 checks/s (8/s a server)\n" in plan.stdout
+    assert "    AWS calls/s: members EC2 0.27 + SSM 0.27 (8 nodes), metrics 4.58\n" in plan.stdout
+
+
+def of_type_all(t: dict[str, Any], kind: str) -> dict[str, Any]:
+    from tests.stacks.test_template import of_type
+
+    return dict(of_type(t, kind))
