@@ -35,6 +35,14 @@ def run(args: argparse.Namespace, extra: list[str]) -> int:
         if answer != str(nodes):
             raise common.CliError(f"not confirmed ({answer!r} is not {nodes}): nothing was deployed.", 1)
     context = common.context_args(args)
+    if "--no-rollback" in extra and cfg.healing.report_unhealthy:
+        # Kept for inspection (docs/node.md): a node that failed must stay as it failed, not ask its
+        # group for a new instance (which would boot and fail again, and take the evidence with it).
+        print("--no-rollback: a node that fails is kept as it failed for inspection; no node asks its group to replace it "
+              "(healing.report_unhealthy=false for this deploy; a later deploy without it replaces every node to turn it back on)",
+              file=sys.stderr)  # fmt: skip
+        context = [*context, "healing.report_unhealthy=false"]
+        cfg = cfg.model_copy(update={"healing": cfg.healing.model_copy(update={"report_unhealthy": False})})
     image = resolve_image(cfg, args, "deploy")
     code, r, started = _deploy(cfg, args, context + image, extra)
     if code != 0 and r is not None and any(r.surge.values()):

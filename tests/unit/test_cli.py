@@ -574,3 +574,17 @@ def test_settings_another_choice_makes_irrelevant_are_said_after_the_target_line
     ]
     assert cli.main(["plan", "-c", "decode_instances=8", "-c", "serving.proxy.router.health_check_timeout_s=3"]) == 0
     assert [line for line in capsys.readouterr().err.splitlines() if line.startswith("note:")] == [], "the recipe's own values are never noted"
+
+
+def test_a_deploy_kept_for_inspection_asks_no_node_to_replace_itself(checkout: Path, account: None, monkeypatch: pytest.MonkeyPatch, capsys: Any) -> None:
+    """docs/node.md: deploy with --no-rollback, look at the failed node, then destroy. A failed node's
+    health watch would otherwise ask its group for a new instance (which boots, fails again and takes
+    the evidence with it): the deploy turns that off for this deploy and says so."""
+    ran: list[tuple[str, list[str], list[str]]] = []
+    monkeypatch.setattr(stack, "cdk", lambda verb, cfg, context, extra: ran.append((verb, context, extra)) or 0)
+    assert cli.main(["deploy", *PROD, "--no-rollback", "--require-approval", "never"]) == 0
+    (synth, deploy_call) = ran
+    assert synth[1] == ["config=examples/production-3p8d.yaml", "healing.report_unhealthy=false", "gptoss:first-deploy=true"]
+    assert deploy_call[1] == ["config=examples/production-3p8d.yaml", "healing.report_unhealthy=false"]
+    assert deploy_call[2][2:] == ["--no-rollback", "--require-approval", "never"]
+    assert "--no-rollback: a node that fails is kept as it failed for inspection; no node asks its group to replace it" in capsys.readouterr().err
