@@ -19,7 +19,7 @@ DEPLOY_ARGS ?=
 YES ?=
 NODE_MAJOR := 22
 
-.PHONY: setup synth plan local local-down test test-vm vm-root lint bootstrap deploy destroy diff bench-scale bench-synth bench-rollout bench-ready bench-proxy bench-policy diagrams clean
+.PHONY: setup synth plan local local-down test test-vm vm-root lint bootstrap deploy destroy diff bench-scale bench-synth bench-rollout bench-ready bench-proxy bench-policy bench-health diagrams clean
 
 setup: .make/python .make/node .make/system .make/hf-clients .make/aws-cli .make/router-wheel
 
@@ -155,6 +155,10 @@ bench-proxy: setup
 # Each router policy over fake servers that serve only vLLM's routes, bounded engines, uneven work: queue waits and spread.
 bench-policy: setup
 	$(PY) -m tests.bench_policy $(BENCH_ARGS)
+
+# The routers' health checks with servers whose /health waits for their tokenizing event loop: saturated, dead, hung; old and new settings.
+bench-health: setup
+	$(PY) -m tests.bench_health $(BENCH_ARGS)
 
 # Time to ready: the default layout's nodes booted in VMs with fake servers of known compile and load times.
 bench-ready: setup .make/vm-system

@@ -99,6 +99,7 @@ def node_config(cfg: ClusterConfig, node: Node, servers: list[dict[str, str]], u
         "node": node.name,
         "role": node.role,
         "interval_s": cfg.observability.interval_s,
+        "hang_s": cfg.healing.engine_hang_s,
         "log_group": log_group(cfg),
         "servers": servers,
         "units": units,

@@ -32,7 +32,7 @@ CHANGES: dict[str, dict[str, str]] = {
     "a node script (one line of gptoss-retry)": {},
     "the image": {"ami_id": "ami-0fedcba9876543210"},
     "a decode server flag (max_num_seqs)": {"serving.decode.max_num_seqs": "4"},
-    "a router setting (health_check_timeout_s)": {"serving.proxy.router.health_check_timeout_s": "2"},
+    "a router setting (health_check_timeout_s)": {"serving.proxy.router.health_check_timeout_s": "12"},
     "one more decode node": {"decode_instances": "+1"},
 }
 

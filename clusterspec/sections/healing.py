@@ -58,6 +58,12 @@ class HealingConfig(Frozen):
         21600, ge=600, le=7 * 86400,
         description="The window of the replacement budgets (Auto Scaling's own record of terminations).",
     )  # fmt: skip
+    engine_hang_s: int = Field(
+        600, ge=0, le=86400,
+        description="A server whose engine holds requests and counts no prompt or generated token for this long, while its "
+        "/health answers (the routers cannot tell), is killed by the node's collector and started again by systemd; "
+        "0 turns it off. Read from vLLM's own /metrics each observability interval.",
+    )  # fmt: skip
     grace_s: int = Field(
         900, ge=0, le=7200,
         description="The group's health-check grace period: EC2 status checks count from this long after a launch.",

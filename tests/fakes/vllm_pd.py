@@ -63,6 +63,11 @@ def main() -> None:
     p.add_argument("--latency-ms", type=float, default=0)
     p.add_argument("--ms-per-token", type=float, default=0)
     p.add_argument("--slots", type=int, default=0, help="requests the engine runs at once (0: no limit)")
+    # vLLM's API server tokenizes a prompt on its one event loop, which also answers /health: a burst of
+    # long prompts delays /health (upstream reports seconds). ms of loop time per prompt word.
+    p.add_argument("--loop-ms-per-word", type=float, default=0)
+    # A hung engine: from this many seconds after start no completion finishes, while /health still answers.
+    p.add_argument("--hang-after-s", type=float, default=None)
     # decode: {engine id: [node address, side channel port]} of every prefill server.
     p.add_argument("--engines", default="{}")
     args = p.parse_args()
@@ -72,6 +77,9 @@ def main() -> None:
     stats: dict[str, Any] = {"served": 0, "violations": [], "times": [], "waits_ms": [], "asked": {}}
     slots = threading.BoundedSemaphore(args.slots) if args.slots else None
     busy = [0]  # completions in the server: running and waiting for a slot
+    tokens_total = {"prompt": 0, "generation": 0}  # vLLM's counters, as its /metrics shows them
+    started = time.monotonic()
+    event_loop = threading.Lock()  # the API server's one loop: prompt tokenization and /health take turns
 
     class Handler(http.server.BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
@@ -97,6 +105,8 @@ def main() -> None:
 
         def do_GET(self) -> None:
             if self.path == "/health":
+                with event_loop:
+                    pass
                 return self._json({})
             if self.path == "/stats":
                 with lock:
@@ -106,9 +116,14 @@ def main() -> None:
                 with lock:
                     running, waiting = busy[0] - max(0, busy[0] - (args.slots or busy[0])), max(0, busy[0] - (args.slots or busy[0]))
                     stats["asked"][self.path] = stats["asked"].get(self.path, 0) + 1
-                text = (f'vllm:num_requests_running{{model_name="gpt-oss"}} {running}.0\n'
-                        f'vllm:num_requests_waiting{{model_name="gpt-oss"}} {waiting}.0\n'
-                        f'vllm:kv_cache_usage_perc{{model_name="gpt-oss"}} {running / (args.slots or 1):.2f}\n').encode()  # fmt: skip
+                    prompt_total, generation_total = tokens_total["prompt"], tokens_total["generation"]
+                text = ("# HELP vllm:num_requests_running Number of requests in model execution batches.\n"
+                        "# TYPE vllm:num_requests_running gauge\n"
+                        f'vllm:num_requests_running{{engine="0",model_name="gpt-oss"}} {running}.0\n'
+                        f'vllm:num_requests_waiting{{engine="0",model_name="gpt-oss"}} {waiting}.0\n'
+                        f'vllm:kv_cache_usage_perc{{engine="0",model_name="gpt-oss"}} {running / (args.slots or 1):.2f}\n'
+                        f'vllm:prompt_tokens_total{{engine="0",model_name="gpt-oss"}} {prompt_total}.0\n'
+                        f'vllm:generation_tokens_total{{engine="0",model_name="gpt-oss"}} {generation_total}.0\n').encode()  # fmt: skip
                 self.send_response(200)
                 self.send_header("Content-Type", "text/plain; version=0.0.4")
                 self.send_header("Content-Length", str(len(text)))
@@ -127,6 +142,9 @@ def main() -> None:
             prompt = str(req.get("prompt", ""))
             kv = req.get("kv_transfer_params") or {}
             tokens = len(prompt.split()) if args.role == "prefill" else int(req.get("max_tokens", 16))
+            if args.loop_ms_per_word:
+                with event_loop:
+                    time.sleep(args.loop_ms_per_word * len(prompt.split()) / 1000)
             queued = time.monotonic()
             with lock:
                 busy[0] += 1
@@ -135,6 +153,11 @@ def main() -> None:
             waited = time.monotonic() - queued
             try:
                 time.sleep((args.latency_ms + args.ms_per_token * tokens) / 1000)
+                while args.hang_after_s is not None and time.monotonic() - started >= args.hang_after_s:
+                    time.sleep(1)  # the engine makes no progress; the request stays in it
+                with lock:
+                    tokens_total["prompt"] += len(prompt.split())
+                    tokens_total["generation"] += 1 if args.role == "prefill" else tokens
             finally:
                 if slots is not None:
                     slots.release()

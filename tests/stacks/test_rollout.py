@@ -88,13 +88,13 @@ def test_without_surge_the_two_node_default_says_it_is_down(assembly: Callable[.
 def test_a_router_setting_replaces_no_instance_and_changes_only_the_fleets_document(assembly: Callable[..., Path]) -> None:
     """The routers' settings are the fleet's SSM parameter, read at run time (the routers restart one node
     at a time to take them): no node's launch template changes."""
-    changed = PROD | {"serving.proxy.router.health_check_timeout_s": "2", "serving.proxy.router.request_timeout_s": "900"}
+    changed = PROD | {"serving.proxy.router.health_check_timeout_s": "12", "serving.proxy.router.request_timeout_s": "900"}
     r = _rollout(assembly, PROD, changed)
     assert (r.replaced, r.launched, r.removed) == ([], [], []) and len(r.kept) == 11
     assert rollout.describe(load_config(changed), r) == ["this deploy replaces no instance (11 running nodes keep their own)"]
     params = {p: json.loads((assembly(**c) / f"{STACK}.template.json").read_text())["Resources"] for p, c in (("before", PROD), ("after", changed))}
     values = {k: next(r["Properties"]["Value"] for r in v.values() if r["Type"] == "AWS::SSM::Parameter") for k, v in params.items()}
-    assert "arg --health-check-timeout-secs\narg 1\n" in values["before"] and "arg --health-check-timeout-secs\narg 2\n" in values["after"]
+    assert "arg --health-check-timeout-secs\narg 10\n" in values["before"] and "arg --health-check-timeout-secs\narg 12\n" in values["after"]
     assert "arg --request-timeout-secs\narg 900\n" in values["after"]
 
 

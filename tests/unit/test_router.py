@@ -386,8 +386,11 @@ def test_router_keeps_serving_when_a_prefill_replica_or_a_decode_server_dies(
 ) -> None:
     cfg = _cfg("vllm-router")
     r = cfg.serving.proxy.router
-    # How long a dead server can still be picked: failed checks in a row, the last one's timeout, a second's slack.
-    window = r.health_failure_threshold * r.health_check_interval_s + r.health_check_timeout_s + 1
+    # How long a dead server can still be picked: failed checks in a row, two seconds' slack. A killed
+    # server refuses connections, so its checks fail at once, not after the check's timeout (a
+    # server that stops answering takes the timeout more: bench-health's hung and dead rows).
+    window = r.health_failure_threshold * r.health_check_interval_s + 2
+    assert KILL_PREFILL_AT + window < RESTART_PREFILL_AT and KILL_DECODE_AT + window < DURATION_S, "each window ends inside the run"
     probe = RouterTelemetry(f"http://{_address('decode-0')}:{r.metrics_port}/metrics")
     run, _, who = _scenario("vllm-router", tmp_path_factory.mktemp("router-run"), router_venv, probe)
     router = _numbers(run, who, window)
@@ -575,7 +578,7 @@ def test_a_new_router_setting_or_member_restarts_the_routers_one_node_at_a_time(
     # The router starts with it (gptoss-router-pool keeps a copy of what it started with).
     subprocess.run([str(shipped("gptoss-router-pool")), str(doc), "--", "true"], check=True, timeout=30)
     assert _members(shipped, env, "sync").returncode == 0 and not (tmp_path / "systemctl.log").exists(), "nothing changed: nothing restarts"
-    changed = doc.read_text().replace("arg --health-check-timeout-secs\narg 1\n", "arg --health-check-timeout-secs\narg 2\n")
+    changed = doc.read_text().replace("arg --health-check-timeout-secs\narg 10\n", "arg --health-check-timeout-secs\narg 12\n")
     assert changed != doc.read_text()
     ssm.put_parameter(Name="/gptoss/gptoss-8k1k/router", Value=changed, Type="String", Overwrite=True)
     res = _members(shipped, env, "sync")

@@ -182,9 +182,10 @@ ROUTER_3P8D = [
     "--decode-policy", "round_robin",
     "--health-check-endpoint", "/health",
     "--health-check-interval-secs", "1",
-    "--health-check-timeout-secs", "1",
-    "--health-failure-threshold", "2",
-    "--health-success-threshold", "1",
+    # vLLM's /health waits for its tokenizing event loop: 10 s, 3 failures, 2 passes (make bench-health).
+    "--health-check-timeout-secs", "10",
+    "--health-failure-threshold", "3",
+    "--health-success-threshold", "2",
     "--retry-max-retries", "3",
     "--retry-initial-backoff-ms", "20",
     "--retry-max-backoff-ms", "500",
