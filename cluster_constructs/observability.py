@@ -67,8 +67,8 @@ def dashboard_body(cfg: ClusterConfig, *, region: str, lb: tuple[str, str] | Non
                            f"{len(cfg.layout.nodes)} nodes. Logs: log group `{telemetry.log_group(cfg)}`, one stream per node and unit."},
         },
         _widget(
-            "Fleet: units not ready (worst node), servers down, staging failing",
-            [[telemetry.namespace(cfg), name, "Cluster", cfg.cluster_name] for name in ("UnitsNotReady", "ServersDown", "StagingFailing")],
+            "Fleet: units not ready (worst node), servers down, staging failing, replacement held",
+            [[telemetry.namespace(cfg), name, "Cluster", cfg.cluster_name] for name in ("UnitsNotReady", "ServersDown", "StagingFailing", "ReplacementHeld")],
             x=0, y=2, stat="Maximum",
         ),
     ]  # fmt: skip
@@ -193,6 +193,10 @@ class FleetObservability(Construct):
         self.alarms = [
             alarm("ServersDown", "ServersDown", 1, 3 * period,
                   "A server that answered on its instance (since its boot, a restart or a reboot) has stopped answering for 3 periods."),
+            alarm("ReplacementHeld", "ReplacementHeld", 1, period,
+                  "A node that cannot serve wants its instance replaced, and the node's or the fleet's replacement budget "
+                  "(healing.node_replacements, fleet_replacements within budget_window_s) says no: it stays as it is until someone looks. "
+                  "gptoss status and the node's gptoss-health-watch journal say why."),
             alarm("StagingFailing", "StagingFailing", 1, 15 * period,
                   "Staging (the instance store, checkpoint, examples, caches) has been failing on a node for 15 periods."),
             alarm("UnitsNotReady", "UnitsNotReady", 1, boot_window,

@@ -81,6 +81,7 @@ CLUSTER_METRICS = (
     Metric("UnitsNotReady", "Count", "cluster", "units of the plan failed, starting, stopped or not answering (a oneshot that succeeded is done), on the worst node"),
     Metric("ServersDown", "Count", "cluster", "servers that answered earlier on this instance (a restart or a reboot remembers) and no longer do"),
     Metric("StagingFailing", "Count", "cluster", "1 while gptoss-stage.service or gptoss-nvme.service has failed or is retrying"),
+    Metric("ReplacementHeld", "Count", "cluster", "1 while a node's health watch wants its instance replaced and a replacement budget says no"),
 )
 ALL_METRICS = SERVER_METRICS + NODE_METRICS + ROUTER_METRICS + CLUSTER_METRICS
 

@@ -181,7 +181,7 @@ def test_the_dashboard_has_a_graph_per_role_and_the_load_balancer(
 
 NODES_3P8D = [*(f"prefill-{i}" for i in range(3)), *(f"decode-{i}" for i in range(8))]
 FLEET_ALARMS_3P8D = {
-    "gptoss-8k1k-ServersDown", "gptoss-8k1k-StagingFailing", "gptoss-8k1k-UnitsNotReady", "gptoss-8k1k-NlbUnhealthyHosts",
+    "gptoss-8k1k-ServersDown", "gptoss-8k1k-StagingFailing", "gptoss-8k1k-UnitsNotReady", "gptoss-8k1k-NlbUnhealthyHosts", "gptoss-8k1k-ReplacementHeld",
     "gptoss-8k1k-EndpointDown", "gptoss-8k1k-RouterErrors", "gptoss-8k1k-RouterCannotReachServers", "gptoss-8k1k-NodeReplaced",
     "gptoss-8k1k-NodeCannotBeReplaced",
 }  # fmt: skip
@@ -218,7 +218,7 @@ def test_without_a_topic_the_stack_makes_one_says_how_to_subscribe_and_warns_whi
     alarms = of_type(t, "AWS::CloudWatch::Alarm")
     assert {a["Properties"]["AlarmName"] for a in alarms.values()} == {
         "gptoss-8k1k-NodeSilent-prefill-0", "gptoss-8k1k-NodeSilent-decode-0", "gptoss-8k1k-ServersDown", "gptoss-8k1k-StagingFailing",
-        "gptoss-8k1k-UnitsNotReady", "gptoss-8k1k-NodeReplaced", "gptoss-8k1k-NodeCannotBeReplaced",
+        "gptoss-8k1k-UnitsNotReady", "gptoss-8k1k-NodeReplaced", "gptoss-8k1k-NodeCannotBeReplaced", "gptoss-8k1k-ReplacementHeld",
     }, "a NodeSilent alarm per node, and the fleet's (no router, no load balancer in the tested layout)"  # fmt: skip
     for a in alarms.values():
         assert a["Properties"]["AlarmActions"] == [{"Ref": topic_id}], a["Properties"]["AlarmName"]
@@ -329,6 +329,8 @@ ALARMS_3P8D = {
     # name: (namespace, metric, statistic, period s, evaluation periods, threshold, comparison, missing data)
     "gptoss-8k1k-ServersDown": ("GptOss/gptoss-8k1k", "ServersDown", "Maximum", 60, 3, 1, "GreaterThanOrEqualToThreshold", "notBreaching"),
     "gptoss-8k1k-StagingFailing": ("GptOss/gptoss-8k1k", "StagingFailing", "Maximum", 60, 15, 1, "GreaterThanOrEqualToThreshold", "notBreaching"),
+    # A held replacement pages at once: the node already waited out its own grace before asking.
+    "gptoss-8k1k-ReplacementHeld": ("GptOss/gptoss-8k1k", "ReplacementHeld", "Maximum", 60, 1, 1, "GreaterThanOrEqualToThreshold", "notBreaching"),
     # 83 periods of 5 minutes: the deploy gate's 24900 s, longer than a node within its limits takes to serve.
     "gptoss-8k1k-UnitsNotReady": ("GptOss/gptoss-8k1k", "UnitsNotReady", "Maximum", 300, 83, 1, "GreaterThanOrEqualToThreshold", "notBreaching"),
     "gptoss-8k1k-NodeReplaced": ("AWS/Events", "MatchedEvents", "Sum", 60, 1, 1, "GreaterThanOrEqualToThreshold", "notBreaching"),

@@ -1010,3 +1010,16 @@ def test_the_engine_watch_gets_its_bound_from_the_spec() -> None:
     node = cfg.layout.nodes[0]
     doc = json.loads(telemetry.node_config(cfg, node, [], []))
     assert doc["hang_s"] == 900 and json.loads(telemetry.node_config(load_config({}), node, [], []))["hang_s"] == 600
+
+
+def test_a_held_replacement_is_published_while_the_health_watch_holds_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """gptoss-health-watch writes watch/budget-spent (with the reason) when a budget stops it from asking
+    for a replacement, and removes it when nothing is wanted: ReplacementHeld is 1 exactly then."""
+    mod, c, _ = _states_collector(tmp_path, monkeypatch, {})
+    monkeypatch.setattr(mod, "RUN_DIR", tmp_path / "run")
+    assert _values(c.collect(1000.0))["ReplacementHeld"] == 0
+    (tmp_path / "run" / "watch").mkdir(parents=True)
+    (tmp_path / "run" / "watch" / "budget-spent").write_text("prefill-1 was replaced 2 times in the last 21600s (its budget is 2): ...\n")
+    assert _values(c.collect(1060.0))["ReplacementHeld"] == 1
+    (tmp_path / "run" / "watch" / "budget-spent").unlink()
+    assert _values(c.collect(1120.0))["ReplacementHeld"] == 0

@@ -824,10 +824,23 @@ def test_the_health_watch_stops_asking_for_replacements_past_the_node_and_the_fl
         r, marked = watch("within", [term(1, "prefill-1"), term(2, "decode-3"), launch, term(7, "prefill-1"), term(7, "decode-0"),
                                      term(0.5, "prefill-1", cluster="other"), term(0.5, "decode-1", cluster="other")])  # fmt: skip
         assert r.returncode == 0 and marked == ["i-0abc"], r.stdout + r.stderr
+        assert not (tmp_path / "within" / "watch" / "budget-spent").exists(), "asked, not held"
         # This node was replaced twice in the window: its budget is spent.
         r, marked = watch("node", [term(1, "prefill-1"), term(5, "prefill-1")])
         assert r.returncode == 0 and marked == [], r.stdout + r.stderr
         assert "not asking for a replacement: prefill-1 was replaced 2 times in the last 21600s (its budget is 2); this node stays as it is" in r.stderr
+        # What the collector publishes as ReplacementHeld (its alarm pages), with the reason; gone once nothing is wanted.
+        held = tmp_path / "node" / "watch" / "budget-spent"
+        assert held.read_text().startswith("prefill-1 was replaced 2 times in the last 21600s (its budget is 2): gptoss-node-check.service failed"), held.read_text()
+        (tmp_path / "node" / "node-check.failed").unlink()
+        (tmp_path / "node" / "watch" / "gptoss-node-check.service").unlink()
+        fake_command(bin_dir, "systemctl", 'for u; do case $u in *.service) printf "ActiveState=active\\n\\n";; esac; done\n')
+        env_again = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "GPTOSS_CLUSTER_ENV": str(tmp_path / "cluster.env"),
+                     "GPTOSS_RUN_DIR": str(tmp_path / "node"), "GPTOSS_STATE_DIR": str(tmp_path / "node-state"),
+                     "GPTOSS_HEALTH_FILE": str(tmp_path / "health"), "GPTOSS_SYSTEMCTL": str(bin_dir / "systemctl")}  # fmt: skip
+        again = subprocess.run([str(shipped("gptoss-health-watch")), "120", "3", "2", "3", "21600"], env=env_again, capture_output=True, text=True, timeout=120)
+        assert again.returncode == 0 and not held.exists(), again.stdout + again.stderr
+        fake_command(bin_dir, "systemctl", 'for u; do case $u in gptoss-node-check.service) printf "ActiveState=failed\\nSubState=failed\\nNRestarts=0\\n\\n";; *.service) printf "ActiveState=active\\n\\n";; esac; done\n')
         # Three of the cluster's nodes in the window: the fleet's budget is spent.
         r, marked = watch("fleet", [term(1, "decode-0"), term(2, "decode-1"), term(3, "prefill-0")])
         assert r.returncode == 0 and marked == [], r.stdout + r.stderr
