@@ -166,11 +166,13 @@ ROUTER_NODE_ARGS = 8
 
 def router_fleet(cfg: ClusterConfig, proxy: ProxyPlacement) -> str:
     """What every router of the fleet reads at run time (the stack's SSM parameter, which
-    gptoss-members copies to the node): the members' domain, the router's settings (one `arg`
+    gptoss-members copies to the node): the members' domain, how far apart the routers restart for
+    a new document (gptoss-members reads it), the router's settings (one `arg`
     line per token) and its pool (one `pool ROLE FIRST LAST FIRST_PORT LAST_PORT` line per run
     of consecutive nodes of one role and port range: a few lines for any fleet size).
     gptoss-router-pool turns it into the router's arguments."""
-    lines = [f"domain {MEMBERS_DOMAIN}"] + [f"arg {t}" for t in router_argv(cfg, bin_dir="-")[ROUTER_NODE_ARGS:]]
+    lines = [f"domain {MEMBERS_DOMAIN}", f"restart_gap {cfg.serving.proxy.router.restart_gap_s}"]
+    lines += [f"arg {t}" for t in router_argv(cfg, bin_dir="-")[ROUTER_NODE_ARGS:]]
     runs: list[list[Any]] = []
     for role, node, first, last in router_pool(cfg, proxy):
         i = int(node.rpartition("-")[2])

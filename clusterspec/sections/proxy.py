@@ -78,6 +78,12 @@ class Router(Frozen):
         description="The router itself, on 127.0.0.1 (its admin routes answer there alone); clients reach serving.proxy.port, "
         "where gptoss-router passes on only the OpenAI API and the health routes.",
     )  # fmt: skip
+    restart_gap_s: int = Field(
+        60, ge=5, le=3600,
+        description="A new router setting or pool restarts the routers one at a time, node index x this apart (decode-0 at "
+        "once, decode-1 this much later, ...): longer than a router takes to serve again after a restart. Run-time data "
+        "(the fleet's SSM parameter): changing it replaces no instance.",
+    )  # fmt: skip
     max_routers: int = Field(
         8, ge=1, le=64,
         description="Routers run on the first this many decode nodes (each behind the load balancer); the others serve "

@@ -599,6 +599,11 @@ def test_a_new_router_setting_or_member_restarts_the_routers_one_node_at_a_time(
     ssm.put_parameter(Name="/gptoss/gptoss-8k1k/router", Value=changed + "pool decode 9 9 8200 8200\n", Type="String", Overwrite=True)
     res = _members(shipped, env0, "sync")
     assert "in its turn, in 0 s" in res.stdout and (tmp_path / "systemctl.log").read_text().count("try-restart") == 2, res.stdout
+    # The gap is the fleet's (serving.proxy.router.restart_gap_s, in the document): 45 s apart now, no instance replaced for it.
+    subprocess.run([str(shipped("gptoss-router-pool")), str(doc), "--", "true"], check=True, timeout=30)
+    ssm.put_parameter(Name="/gptoss/gptoss-8k1k/router", Value=doc.read_text().replace("restart_gap 60\n", "restart_gap 45\n"), Type="String", Overwrite=True)
+    res = _members(shipped, env, "sync")
+    assert "this node's router restarts in its turn, in 45 s (one router every 45 s)" in res.stdout, res.stdout
 
 
 def test_the_toy_proxys_members_wait_for_its_group_and_restart_it_when_one_is_replaced(moto_url: str, tmp_path: Path, shipped: Any) -> None:

@@ -141,7 +141,8 @@ def test_the_fleets_router_document_is_a_few_lines_for_any_fleet_and_expands_to_
     lines = doc.splitlines()
     assert lines[0] == "domain gptoss.internal"
     assert [x for x in lines if x.startswith("pool ")] == ["pool prefill 0 2 8100 8115", "pool prefill 3 3 8100 8105", "pool decode 0 8 8200 8200"]
-    assert lines[1:5] == ["arg --vllm-pd-disaggregation", "arg --kv-connector", "arg nixl", "arg --prefill-policy"]
+    assert lines[1] == "restart_gap 60", "the routers restart 60 s apart for a new document (serving.proxy.router.restart_gap_s)"
+    assert lines[2:6] == ["arg --vllm-pd-disaggregation", "arg --kv-connector", "arg nixl", "arg --prefill-policy"]
     assert "arg --request-timeout-secs" in lines and lines[lines.index("arg --request-timeout-secs") + 1] == "arg 1800"
     (tmp_path / "fleet").write_text(doc)
     res = subprocess.run([str(shipped("gptoss-router-pool")), str(tmp_path / "fleet"), "--", "printf", "%s\\n", "router"],
@@ -158,6 +159,7 @@ def test_the_fleets_router_document_is_a_few_lines_for_any_fleet_and_expands_to_
     # A malformed line: the router does not start with a hole in its pool.
     for bad, said in ((doc.replace("pool decode 0 8", "pool decode 0 8 ; rm"), "not pool ROLE FIRST LAST FIRST_PORT LAST_PORT"),
                       (doc.replace("domain gptoss.internal\n", ""), "names no members' domain"),
+                      (doc.replace("restart_gap 60", "restart_gap soon"), "not restart_gap SECONDS"),
                       ("\n".join(x for x in lines if not x.startswith("pool ")), "names no server"),
                       ("", "is missing or empty")):  # fmt: skip
         (tmp_path / "fleet").write_text(bad)
