@@ -16,6 +16,7 @@ role is out; without it, a batch's nodes are out until they serve.
 
 from __future__ import annotations
 
+import datetime as dt
 import hashlib
 import json
 import sys
@@ -328,9 +329,9 @@ def surge_found_no_capacity(cfg: ClusterConfig, autoscaling: Any, nodes: list[st
     return ""
 
 
-def say(cfg: ClusterConfig, r: Rollout | None) -> None:
-    """The preview, on stderr."""
-    lines = describe(cfg, r) if r is not None else [f"{cfg.stack_name} is not deployed: a deploy launches all {len(cfg.layout.nodes)} nodes at once"]
+def say(cfg: ClusterConfig, r: Rollout | None, ready_min: float | None = None) -> None:
+    """The preview, on stderr (with the time a node took to serve at the last deploy, when known)."""
+    lines = describe(cfg, r, ready_min) if r is not None else [f"{cfg.stack_name} is not deployed: a deploy launches all {len(cfg.layout.nodes)} nodes at once"]
     for line in lines:
         print(line, file=sys.stderr)
 
@@ -404,6 +405,39 @@ def progress(cfg: ClusterConfig, cfn: Any, autoscaling: Any) -> list[str]:
         lines.append(f"  {n}: {p.phase} (group launches v{p.group_version or '?'}; runs {runs}){batch}")
     lines.append("  waits for: " + ("; ".join(waiting) if waiting else "nothing in progress (CloudFormation is between steps)"))
     return lines
+
+
+def measured_ready_min(cfn: Any, stack_name: str) -> float | None:
+    """A node's time to serve at the last deploy: the longest wait of a deploy gate (a WaitCondition,
+    from its CREATE_IN_PROGRESS to its CREATE_COMPLETE: the node's launch, boot, staging, load and
+    first completion), from the events of the stack and its cells, in minutes; None when none
+    completed (a first deploy without gates, wait_for_ready false) or CloudFormation does not say."""
+    from botocore.exceptions import BotoCoreError, ClientError
+
+    longest = None
+    stacks = [stack_name]
+    try:
+        while stacks:
+            name = stacks.pop(0)
+            for page in cfn.get_paginator("list_stack_resources").paginate(StackName=name):
+                stacks += [r["PhysicalResourceId"] for r in page["StackResourceSummaries"]
+                           if r["ResourceType"] == "AWS::CloudFormation::Stack" and r.get("PhysicalResourceId")]  # fmt: skip
+            done: dict[str, Any] = {}
+            # Newest first: each gate's last completion, then the start that came before it.
+            for page in cfn.get_paginator("describe_stack_events").paginate(StackName=name):
+                for e in page["StackEvents"]:
+                    if e.get("ResourceType") != "AWS::CloudFormation::WaitCondition":
+                        continue
+                    lid, state = e["LogicalResourceId"], e.get("ResourceStatus")
+                    if state == "CREATE_COMPLETE" and lid not in done:
+                        done[lid] = e["Timestamp"]
+                    elif state == "CREATE_IN_PROGRESS" and isinstance(done.get(lid), dt.datetime):
+                        took = (done[lid] - e["Timestamp"]).total_seconds() / 60
+                        longest = took if longest is None else max(longest, took)
+                        done[lid] = "measured"
+    except (BotoCoreError, ClientError):
+        return None
+    return longest
 
 
 def _in_progress(cfn: Any, stack_name: str) -> list[str]:

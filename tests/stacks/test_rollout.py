@@ -284,3 +284,41 @@ def test_status_says_nothing_of_a_rollout_when_none_runs() -> None:
                       {"StackName": STACK})  # fmt: skip
     stub.activate()
     assert rollout.progress(load_config({}), cfn, autoscaling=None) == []
+
+
+def test_the_time_a_deploy_states_is_the_last_deploys_slowest_gate() -> None:
+    """A node's time to serve, for 'about B x T min': the longest wait of a deploy gate (a WaitCondition
+    from CREATE_IN_PROGRESS to CREATE_COMPLETE) in the stack's cells at their last completion; an
+    earlier, slower attempt of the same gate does not count; other resources' events do not either."""
+    import datetime as dt
+
+    cfn = boto3.client("cloudformation", region_name="us-east-2", aws_access_key_id="x", aws_secret_access_key="x")
+    stub = Stubber(cfn)
+    cell = f"arn:aws:cloudformation:us-east-2:123456789012:stack/{STACK}-Decode/1"
+    t0 = dt.datetime(2026, 12, 3, 10, 0, tzinfo=dt.UTC)
+
+    def event(lid: str, kind: str, state: str, minutes: float) -> dict[str, Any]:
+        return {"StackId": cell, "EventId": f"{lid}-{state}-{minutes}", "StackName": STACK, "LogicalResourceId": lid, "ResourceType": kind,
+                "ResourceStatus": state, "Timestamp": t0 + dt.timedelta(minutes=minutes)}  # fmt: skip
+
+    stub.add_response("list_stack_resources", {"StackResourceSummaries": [
+        {"LogicalResourceId": "Decode", "PhysicalResourceId": cell, "ResourceType": "AWS::CloudFormation::Stack",
+         "LastUpdatedTimestamp": t0, "ResourceStatus": "UPDATE_COMPLETE"}]}, {"StackName": STACK})  # fmt: skip
+    stub.add_response("describe_stack_events", {"StackEvents": []}, {"StackName": STACK})
+    stub.add_response("list_stack_resources", {"StackResourceSummaries": []}, {"StackName": cell})
+    gate, wait = "Decode0Ready1a2b", "AWS::CloudFormation::WaitCondition"
+    stub.add_response("describe_stack_events", {"StackEvents": [  # newest first
+        event("Decode1Ready9f8e", wait, "CREATE_COMPLETE", 300 + 41),
+        event(gate, wait, "CREATE_COMPLETE", 300 + 38),
+        event("Decode1Ready9f8e", wait, "CREATE_IN_PROGRESS", 300 + 4),
+        event(gate, wait, "CREATE_IN_PROGRESS", 300),
+        event("Decode0Group", "AWS::AutoScaling::AutoScalingGroup", "UPDATE_COMPLETE", 299),
+        event(gate, wait, "CREATE_COMPLETE", 200),  # an earlier deploy's attempt, slower: not the last
+        event(gate, wait, "CREATE_IN_PROGRESS", 100),
+    ]}, {"StackName": cell})  # fmt: skip
+    stub.activate()
+    assert rollout.measured_ready_min(cfn, STACK) == pytest.approx(38.0)
+    stub.assert_no_pending_responses()
+    # CloudFormation does not say (denied, throttled): no time, not a traceback.
+    stub.add_client_error("list_stack_resources", "AccessDenied", "not allowed", 403, expected_params={"StackName": STACK})
+    assert rollout.measured_ready_min(cfn, STACK) is None

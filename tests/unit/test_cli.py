@@ -62,6 +62,21 @@ class Session:
         return self.clients.get(name)
 
 
+def gates_took(minutes: float, rounds: int = 1) -> Any:
+    """CloudFormation (Stubber) whose stack's one deploy gate took MINUTES at the last deploy, for ROUNDS previews."""
+    cfn = boto3.client("cloudformation", region_name=REGION, aws_access_key_id="x", aws_secret_access_key="x")
+    stub = Stubber(cfn)
+    t0 = dt.datetime(2026, 12, 3, 10, 0, tzinfo=dt.UTC)
+    for _ in range(rounds):
+        stub.add_response("list_stack_resources", {"StackResourceSummaries": []}, {"StackName": "GptOss8k1kProd"})
+        stub.add_response("describe_stack_events", {"StackEvents": [
+            {"StackId": "s", "EventId": f"e{i}", "StackName": "GptOss8k1kProd", "LogicalResourceId": "Decode3Ready", "ResourceType":
+             "AWS::CloudFormation::WaitCondition", "ResourceStatus": state, "Timestamp": t0 + dt.timedelta(minutes=m)}
+            for i, (state, m) in enumerate((("CREATE_COMPLETE", minutes), ("CREATE_IN_PROGRESS", 0)))]}, {"StackName": "GptOss8k1kProd"})  # fmt: skip
+    stub.activate()
+    return cfn
+
+
 def failing(service: str, operation: str, code: str, message: str = "") -> Any:
     client = boto3.client(service, region_name=REGION, aws_access_key_id="x", aws_secret_access_key="x",
                           config=Config(retries={"max_attempts": 1}))  # fmt: skip
@@ -251,12 +266,14 @@ def test_a_surge_that_finds_no_capacity_is_deployed_again_in_place_and_says_so(
         {**activity, "ActivityId": "b", "StartTime": earlier, "StatusCode": "Failed", "StatusMessage": "an old failure", "Description": "Launching"},
     ]}, {"AutoScalingGroupName": "gptoss-prod-decode-3"})  # fmt: skip
     stub.activate()
-    monkeypatch.setattr(common, "session", lambda cfg: Session(autoscaling=autoscaling))
+    monkeypatch.setattr(common, "session", lambda cfg: Session(autoscaling=autoscaling, cloudformation=gates_took(37, rounds=2)))
     assert cli.main(["deploy", *PROD, "--yes"]) == 0
     stub.assert_no_pending_responses()
     assert [c for v, c in ran if v == "deploy"] == [["config=examples/production-3p8d.yaml"], ["config=examples/production-3p8d.yaml", "rollout.surge=off"]]
     assert [surge for surge, _ in previews] == ["auto", "off"]
     err = capsys.readouterr().err
+    # The stated time is the last deploy's slowest gate, CloudFormation's own record.
+    assert "decode: 1 batch, at most 0 of 8 out (surge: each replacement serves before its old instance goes), minimum serving decode 8/8, about 37 min (1 x 37 min, a node's time to serve at the last deploy)" in err, err
     assert ("the surge found no capacity for a replacement (decode-3: Could not launch On-Demand Instances. InsufficientInstanceCapacity - We "
             "currently do not have sufficient trn3.48xlarge capacity") in err, err  # fmt: skip
     assert ("Deploying the same change again without surge (rollout.surge=off): each node's instance goes before its replacement "
@@ -274,7 +291,7 @@ def test_a_failed_deploy_for_another_cause_is_not_deployed_again(checkout: Path,
     stub = Stubber(autoscaling)
     stub.add_response("describe_scaling_activities", {"Activities": []}, {"AutoScalingGroupName": "gptoss-prod-decode-3"})
     stub.activate()
-    monkeypatch.setattr(common, "session", lambda cfg: Session(autoscaling=autoscaling))
+    monkeypatch.setattr(common, "session", lambda cfg: Session(autoscaling=autoscaling, cloudformation=gates_took(37)))
     assert cli.main(["deploy", *PROD, "--yes"]) == 1
     assert ran == ["deploy"], "no capacity failure of a surge: nothing is deployed again"
 
