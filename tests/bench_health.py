@@ -133,8 +133,6 @@ def _scenario(kind: str, settings: dict[str, int], venv: Path, tmp: Path, client
         if kind == "dead":
             row["out_after_s"] = max(out_at) if out_at else float("nan")
             row["failed_after_out"] = sum(1 for t in failed if killed_at is not None and t > killed_at + row["out_after_s"] + 1)
-        if kind == "hung":
-            row["stuck"] = sum(1 for t in failed if t >= seconds - 1)  # requests still in the hung engine at the end
         return row
     finally:
         fleet.stop()
