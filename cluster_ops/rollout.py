@@ -329,8 +329,9 @@ def surge_found_no_capacity(cfg: ClusterConfig, autoscaling: Any, nodes: list[st
     return ""
 
 
-def say(cfg: ClusterConfig, r: Rollout | None, ready_min: float | None = None) -> None:
-    """The preview, on stderr (with the time a node took to serve at the last deploy, when known)."""
+def say(cfg: ClusterConfig, r: Rollout | None) -> None:
+    """The preview, on stderr; a replacement's time from the last deploy's gates (measured_ready_min), when CloudFormation says."""
+    ready_min = measured_ready_min(common.session(cfg).client("cloudformation"), cfg.stack_name) if r is not None and r.replaced else None
     lines = describe(cfg, r, ready_min) if r is not None else [f"{cfg.stack_name} is not deployed: a deploy launches all {len(cfg.layout.nodes)} nodes at once"]
     for line in lines:
         print(line, file=sys.stderr)

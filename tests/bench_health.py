@@ -32,6 +32,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from tests.bench_policy import completion
 from tests.bench_proxy import _router_venv
 from tests.unit.test_router import PORTS, _fleet
 
@@ -53,7 +54,7 @@ def _scenario(kind: str, settings: dict[str, int], venv: Path, tmp: Path, client
     servers: dict[str, list[str]] = {"prefill": ["--loop-ms-per-word", "5"], "decode": ["--loop-ms-per-word", "0.5"]}
     fleet = _fleet("vllm-router", tmp, venv, prefill_ms=30, decode_ms=60, server_args=servers,
                    overrides={f"serving.proxy.router.{k}": v for k, v in settings.items()})  # fmt: skip
-    victim = sorted(n for n in fleet.procs if not n.endswith(":28200"))[0]
+    victim = sorted(n for n in fleet.procs if not n.endswith(f":{PORTS['serving.decode.http_port']}"))[0]
     internal = [(host, PORTS["serving.proxy.router.internal_port"]) for host, _ in fleet.endpoints]
     try:
         if kind == "hung":
@@ -76,15 +77,7 @@ def _scenario(kind: str, settings: dict[str, int], venv: Path, tmp: Path, client
             while time.monotonic() < stop:
                 n += 1
                 body = json.dumps({"model": "m", "prompt": " ".join([f"c{i}r{n}"] * words), "max_tokens": 4})
-                good = False
-                try:
-                    conn = http.client.HTTPConnection(host, port, timeout=max(5.0, stop - time.monotonic() + 1))
-                    conn.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
-                    resp = conn.getresponse()
-                    good = resp.status == 200 and json.loads(resp.read())["choices"][0]["text"] == " ok"
-                    conn.close()
-                except (OSError, http.client.HTTPException, ValueError, KeyError):
-                    pass
+                good = completion(host, port, body, max(5.0, stop - time.monotonic() + 1))
                 with lock:
                     if good:
                         ok[0] += 1

@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from tests.bench_proxy import _percentile, _router_venv
-from tests.unit.test_router import _fleet
+from tests.unit.test_router import PORTS, _fleet
 
 POLICIES = ("random", "round_robin", "power_of_two", "cache_aware", "consistent_hash")
 SERVERS = {
@@ -44,6 +44,19 @@ SERVERS = {
     "decode": ["--slots", "4", "--ms-per-token", "4"],
 }
 PREFILL_MS = DECODE_MS = 5
+
+
+def completion(host: str, port: int, body: str, timeout: float) -> bool:
+    """One completion through an endpoint, on its own connection: whether it answered with text."""
+    try:
+        conn = http.client.HTTPConnection(host, port, timeout=timeout)
+        conn.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        ok = resp.status == 200 and bool(json.loads(resp.read())["choices"][0]["text"])
+        conn.close()
+        return ok
+    except (OSError, http.client.HTTPException, ValueError, KeyError, IndexError):
+        return False
 
 
 def _run(policy: str, venv: Path, tmp: Path, clients: int, seconds: float) -> dict[str, Any]:
@@ -65,15 +78,7 @@ def _run(policy: str, venv: Path, tmp: Path, clients: int, seconds: float) -> di
                 words = 10 if rng.random() < 0.5 else 150
                 body = json.dumps({"model": "gpt-oss", "prompt": " ".join([f"c{i}r{n}"] * words), "max_tokens": rng.choice([8, 128])})
                 t = time.monotonic()
-                ok = False
-                try:
-                    conn = http.client.HTTPConnection(host, port, timeout=60)
-                    conn.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
-                    resp = conn.getresponse()
-                    ok = resp.status == 200 and bool(json.loads(resp.read())["choices"][0]["text"])
-                    conn.close()
-                except (OSError, http.client.HTTPException, ValueError, KeyError):
-                    pass
+                ok = completion(host, port, body, 60)
                 with lock:
                     if ok:
                         latencies.append((time.monotonic() - t) * 1000)
@@ -92,7 +97,7 @@ def _run(policy: str, venv: Path, tmp: Path, clients: int, seconds: float) -> di
             served = []
             for name in fleet.procs:
                 st = fleet.stats(name)
-                if ("8200" in name) != (role == "decode"):
+                if name.endswith(f":{PORTS['serving.decode.http_port']}") != (role == "decode"):
                     continue
                 waits += st["waits_ms"]
                 served.append(st["served"])

@@ -72,8 +72,7 @@ def _deploy(cfg: ClusterConfig, args: argparse.Namespace, context: list[str], ex
     with tempfile.TemporaryDirectory(prefix="gptoss-assembly-") as assembly:
         # Synthesized once: what the rollout is computed from is what is deployed (cdk deploy --app DIR).
         r = rollout.preview(cfg, context, Path(assembly))
-        measured = rollout.measured_ready_min(common.session(cfg).client("cloudformation"), cfg.stack_name) if r is not None and r.replaced else None
-        rollout.say(cfg, r, measured)
+        rollout.say(cfg, r)
         if r is not None:
             rollout.confirm(cfg, r, yes=args.yes)
         started = dt.datetime.now(dt.UTC)

@@ -29,8 +29,7 @@ def run(args: argparse.Namespace, extra: list[str]) -> int:
     with tempfile.TemporaryDirectory(prefix="gptoss-assembly-") as assembly:
         r = rollout.preview(cfg, context, Path(assembly))
         code = stack.cdk("diff", cfg, context, ["--app", assembly, *extra])
-        measured = rollout.measured_ready_min(common.session(cfg).client("cloudformation"), cfg.stack_name) if r is not None and r.replaced else None
-        rollout.say(cfg, r, measured)
+        rollout.say(cfg, r)
     return code
 
 

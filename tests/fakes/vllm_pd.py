@@ -114,7 +114,8 @@ def main() -> None:
             if self.path == "/metrics":
                 # vLLM's Prometheus page, with the scheduler's gauges of this engine (running, waiting).
                 with lock:
-                    running, waiting = busy[0] - max(0, busy[0] - (args.slots or busy[0])), max(0, busy[0] - (args.slots or busy[0]))
+                    running = min(busy[0], args.slots) if args.slots else busy[0]
+                    waiting = busy[0] - running
                     stats["asked"][self.path] = stats["asked"].get(self.path, 0) + 1
                     prompt_total, generation_total = tokens_total["prompt"], tokens_total["generation"]
                 text = ("# HELP vllm:num_requests_running Number of requests in model execution batches.\n"
@@ -176,7 +177,6 @@ def main() -> None:
                 node, side_port = engines[engine]
                 if kv != expected_params(prompt, engine, node, side_port):
                     return self._violation(f"decode got kv_transfer_params={kv}, not what {engine} returned for this prompt")
-                tokens = int(req.get("max_tokens", 16))
                 answer = {"id": "cmpl-decode", "object": "text_completion", "model": req.get("model"),
                           "choices": [{"index": 0, "text": " ok", "finish_reason": "length"}],
                           "usage": {"prompt_tokens": 4, "completion_tokens": tokens, "total_tokens": 4 + tokens}}  # fmt: skip
