@@ -608,6 +608,11 @@ def test_a_new_router_setting_or_member_restarts_the_routers_one_node_at_a_time(
 
 def test_the_toy_proxys_members_wait_for_its_group_and_restart_it_when_one_is_replaced(moto_url: str, tmp_path: Path, shipped: Any) -> None:
     env, ec2 = _members_env(tmp_path, moto_url, node="decode-1", kind="toy")
+    # The node's gptoss-group-health unit, as rendered: the group's health routes a replaced member must answer.
+    (render,) = [r for r in render_cluster(_cfg("toy")) if r.node.name == "decode-1"]
+    unit = tmp_path / "gptoss-group-health.service"
+    unit.write_text(render.files["/etc/systemd/system/gptoss-group-health.service"][0])
+    env["GPTOSS_GROUP_HEALTH_UNIT"] = str(unit)
     fleet = Ec2Fleet(ec2)
     fleet.launch("decode-1", FLEET_IPS["decode-1"])
     fleet.launch("prefill-0", FLEET_IPS["prefill-0"])  # another group's: never waited for
@@ -627,8 +632,21 @@ def test_the_toy_proxys_members_wait_for_its_group_and_restart_it_when_one_is_re
     res = _members(shipped, env, "sync")
     assert res.returncode == 0 and not (tmp_path / "systemctl.log").exists(), res.stdout + res.stderr
     fleet.replace("prefill-1", f"{NET}.1.99")
+    # Launched, not serving yet (staging, compiling): the proxy keeps serving with the members it has.
     res = _members(shipped, env, "sync")
-    assert res.returncode == 0 and "a member's address changed" in res.stdout, res.stdout + res.stderr
+    silent = " ".join(f"http://{NET}.1.99:{port}/health" for port in (28100, 28101, 28102))  # prefill-1's three replicas of decode-1's group
+    assert res.returncode == 0 and f"a member's address changed (GPTOSS_HOST_PREFILL_1={NET}.1.99); the proxy restarts once its servers answer there (not yet: {silent})" in res.stdout, res.stdout + res.stderr
+    assert f"GPTOSS_HOST_PREFILL_1={NET}.1.2" in (tmp_path / "members.env").read_text() and not (tmp_path / "systemctl.log").exists()
+    # Two of its three replicas answer: still not.
+    servers = [_health_only(f"{NET}.1.99", port) for port in (28100, 28101)]
+    res = _members(shipped, env, "sync")
+    assert f"(not yet: http://{NET}.1.99:28102/health)" in res.stdout and not (tmp_path / "systemctl.log").exists(), res.stdout + res.stderr
+    servers.append(_health_only(f"{NET}.1.99", 28102))
+    res = _members(shipped, env, "sync")
+    for server in servers:
+        server.shutdown()
+        server.server_close()
+    assert res.returncode == 0 and "a member's address changed and its servers answer there" in res.stdout, res.stdout + res.stderr
     assert f"GPTOSS_HOST_PREFILL_1={NET}.1.99" in (tmp_path / "members.env").read_text()
     assert (tmp_path / "systemctl.log").read_text() == "try-restart gptoss-proxy.service gptoss-group-health.service\n"
     # A member gone (its group replacing it): the proxy keeps the addresses it has, nothing restarts.
@@ -636,6 +654,24 @@ def test_the_toy_proxys_members_wait_for_its_group_and_restart_it_when_one_is_re
     res = _members(shipped, env, "sync")
     assert res.returncode == 0 and "not running now: prefill-1" in res.stdout, res.stdout
     assert (tmp_path / "systemctl.log").read_text().count("try-restart") == 1
+
+
+def _health_only(host: str, port: int) -> Any:
+    """A server whose /health answers 200 (a replaced member's server, once it serves)."""
+    import http.server
+
+    class Health(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            self.send_response(200 if self.path == "/health" else 404)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        def log_message(self, format: str, *args: Any) -> None:  # the test's output stays its own
+            return
+
+    server = http.server.ThreadingHTTPServer((host, port), Health)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server
 
 
 def test_a_member_that_never_runs_fails_the_wait_by_name(moto_url: str, tmp_path: Path, shipped: Any) -> None:
