@@ -50,6 +50,11 @@ def test_ci_runs_the_vm_scenarios_and_checks_their_count() -> None:
     ci = (ROOT / ".ci" / "run").read_text()
     assert "make test\n" in ci and "make test-vm" in ci and "scripts/check_junit.py" in ci
     assert "pytest.skip" not in "".join(p.read_text() for p in (ROOT / "tests" / "vm").glob("*.py"))
+    # Every scenario: none deselected, and the report must hold as many passes as there are scenarios.
+    (line,) = [x for x in ci.splitlines() if x.startswith("make test-vm")]
+    assert " -k" not in line and "-m " not in line, line
+    scenarios = sum(p.read_text().count("\ndef test_") for p in (ROOT / "tests" / "vm").glob("test_*.py"))
+    assert scenarios == 9 and f"--expect-at-least {scenarios}" in ci
 
 
 def test_make_test_vm_without_root_exits_non_zero_with_one_line() -> None:
