@@ -637,6 +637,8 @@ def test_the_toy_proxys_members_wait_for_its_group_and_restart_it_when_one_is_re
     silent = " ".join(f"http://{NET}.1.99:{port}/health" for port in (28100, 28101, 28102))  # prefill-1's three replicas of decode-1's group
     assert res.returncode == 0 and f"a member's address changed (GPTOSS_HOST_PREFILL_1={NET}.1.99); the proxy restarts once its servers answer there (not yet: {silent})" in res.stdout, res.stdout + res.stderr
     assert f"GPTOSS_HOST_PREFILL_1={NET}.1.2" in (tmp_path / "members.env").read_text() and not (tmp_path / "systemctl.log").exists()
+    res = _members(shipped, env, "sync")  # the next poll, nothing new: said once, not at every poll
+    assert res.returncode == 0 and res.stdout == "" and not (tmp_path / "systemctl.log").exists(), res.stdout + res.stderr
     # Two of its three replicas answer: still not.
     servers = [_health_only(f"{NET}.1.99", port) for port in (28100, 28101)]
     res = _members(shipped, env, "sync")
