@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 import http.server
 import json
 import os
@@ -165,22 +164,32 @@ class _QuietServer(http.server.ThreadingHTTPServer):
         """Drop the traceback of a client that hung up (curl's --max-time)."""
 
 
-@pytest.fixture
-def health_server(tmp_path: Path) -> Iterator[str]:
-    """A loopback HTTP server answering 200 on /health, /healthcheck and /ready; yields its base URL."""
-    root = tmp_path / "health-root"
-    root.mkdir()
-    for route in ("health", "healthcheck", "ready"):
-        (root / route).write_text("ok")
+class _HealthRoutes(http.server.BaseHTTPRequestHandler):
+    """200 on /health, /healthcheck and /ready; 404 elsewhere."""
 
-    class Handler(http.server.SimpleHTTPRequestHandler):
-        def log_message(self, format: str, *args: Any) -> None:
-            """Keep test output clean."""
+    def do_GET(self) -> None:
+        self.send_response(200 if self.path in ("/health", "/healthcheck", "/ready") else 404)
+        self.send_header("Content-Length", "0")
+        self.end_headers()
 
-    server = _QuietServer(("127.0.0.1", 0), functools.partial(Handler, directory=str(root)))
+    def log_message(self, format: str, *args: Any) -> None:
+        """Keep test output clean."""
+
+
+def serve_health(host: str = "127.0.0.1", port: int = 0) -> http.server.ThreadingHTTPServer:
+    """A loopback HTTP server answering the health routes, serving until shut down."""
+    server = _QuietServer((host, port), _HealthRoutes)
     threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server
+
+
+@pytest.fixture
+def health_server() -> Iterator[str]:
+    """A loopback HTTP server answering 200 on /health, /healthcheck and /ready; yields its base URL."""
+    server = serve_health()
     yield f"http://127.0.0.1:{server.server_address[1]}"
     server.shutdown()
+    server.server_close()
 
 
 # ---- the node's files, as tests run them -------------------------------------------------

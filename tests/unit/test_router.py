@@ -38,7 +38,7 @@ from clusterspec.loading import load_config
 from clusterspec.paths import WHEELS_DIR, member_host, router_parameter
 from clusterspec.quoting import env_file as render_env_file
 from clusterspec.render import cluster_env, render_cluster
-from tests.conftest import ROOT, fake_command
+from tests.conftest import ROOT, fake_command, serve_health
 from tests.fakes.vllm_pd import engine_id
 
 AWS_CLI = ROOT / ".aws-cli" / "1.46.3"
@@ -640,10 +640,10 @@ def test_the_toy_proxys_members_wait_for_its_group_and_restart_it_when_one_is_re
     res = _members(shipped, env, "sync")  # the next poll, nothing new: said once, not at every poll
     assert res.returncode == 0 and res.stdout == "" and not (tmp_path / "systemctl.log").exists(), res.stdout + res.stderr
     # Two of its three replicas answer: still not.
-    servers = [_health_only(f"{NET}.1.99", port) for port in (28100, 28101)]
+    servers = [serve_health(f"{NET}.1.99", port) for port in (28100, 28101)]
     res = _members(shipped, env, "sync")
     assert f"(not yet: http://{NET}.1.99:28102/health)" in res.stdout and not (tmp_path / "systemctl.log").exists(), res.stdout + res.stderr
-    servers.append(_health_only(f"{NET}.1.99", 28102))
+    servers.append(serve_health(f"{NET}.1.99", 28102))
     res = _members(shipped, env, "sync")
     for server in servers:
         server.shutdown()
@@ -656,24 +656,6 @@ def test_the_toy_proxys_members_wait_for_its_group_and_restart_it_when_one_is_re
     res = _members(shipped, env, "sync")
     assert res.returncode == 0 and "not running now: prefill-1" in res.stdout, res.stdout
     assert (tmp_path / "systemctl.log").read_text().count("try-restart") == 1
-
-
-def _health_only(host: str, port: int) -> Any:
-    """A server whose /health answers 200 (a replaced member's server, once it serves)."""
-    import http.server
-
-    class Health(http.server.BaseHTTPRequestHandler):
-        def do_GET(self) -> None:
-            self.send_response(200 if self.path == "/health" else 404)
-            self.send_header("Content-Length", "0")
-            self.end_headers()
-
-        def log_message(self, format: str, *args: Any) -> None:  # the test's output stays its own
-            return
-
-    server = http.server.ThreadingHTTPServer((host, port), Health)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    return server
 
 
 def test_a_member_that_never_runs_fails_the_wait_by_name(moto_url: str, tmp_path: Path, shipped: Any) -> None:
