@@ -196,9 +196,18 @@ class VmCluster:
         if wait:
             self.vms[name].wait_ssh(600)
 
-    def reboot(self, fakes: dict[str, Any] | None = None) -> None:
-        """`reboot` in each guest: every disk stays (QEMU runs with -no-reboot: power on again)."""
-        self._each(lambda vm: (vm.ssh("systemctl reboot", check=False, timeout=30), vm.wait_exit(300)))
+    def reboot(self, fakes: dict[str, Any] | None = None, *, crash: frozenset[str] = frozenset()) -> None:
+        """`reboot` in each guest: every disk stays (QEMU runs with -no-reboot: power on again). The
+        nodes in `crash` lose power instead (pull_the_plug: nothing flushed), in the same wave."""
+
+        def down(vm: Vm) -> None:
+            if vm.name in crash:
+                vm.kill()
+            else:
+                vm.ssh("systemctl reboot", check=False, timeout=30)
+                vm.wait_exit(300)
+
+        self._each(down)
         self.fakes = self.fakes if fakes is None else fakes
         for vm in self.running():
             self._power_on(vm, self.fakes)

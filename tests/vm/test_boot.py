@@ -327,13 +327,22 @@ def test_first_boot_serves_with_the_plans_commands_in_the_tested_order(cluster: 
         assert f"{node}/gptoss-stage.service" in streams, f"{node}: its journal not shipped within two intervals of serving"
 
 
+# What a crash can leave on prefill-0: a shard cut short beside an intact marker (the reboot's wave).
+CUT_SHARD = "model-00003-of-00014.safetensors"
+
+
 def test_reboot_reuses_the_array_the_checkpoint_and_the_compile_cache(cluster: VmCluster) -> None:
+    """One wave, two ways down: decode-0 reboots (`systemctl reboot`, with an operator's drop-in);
+    prefill-0 crashes (a shard cut short, then the plug pulled: the next scenario checks its repair).
+    Both keep their array and compile cache, decode-0 its whole checkpoint, and neither signals again."""
     downloads_before = {n: len(cluster.vms[n].records("hub.jsonl")) for n in NODES}
+    TIMES["downloads before the crash"] = downloads_before["prefill-0"]
     # An operator's `systemctl edit gptoss-decode` (a drop-in directory): kept, honoured, and the node still starts.
     decode = cluster.vms["decode-0"]
     decode.ssh("mkdir -p /etc/systemd/system/gptoss-decode.service.d && "
                "printf '[Service]\\nEnvironment=OPERATOR_DROPIN=1\\n' > /etc/systemd/system/gptoss-decode.service.d/override.conf")  # fmt: skip
-    cluster.reboot(LATER)
+    cluster.vms["prefill-0"].ssh(f"truncate -s 100 {MODEL}/{CUT_SHARD} && sync")
+    cluster.reboot(LATER, crash=frozenset({"prefill-0"}))
     for node in NODES:
         assert_boot_finished(cluster, node)
     cluster.wait_ready(600)
@@ -347,8 +356,8 @@ def test_reboot_reuses_the_array_the_checkpoint_and_the_compile_cache(cluster: V
     for node in NODES:
         nvme = cluster.journal(node, "gptoss-nvme.service")
         assert "striping" not in nvme and "making an XFS" not in nvme and "mounted /dev/md" in nvme, nvme
-        assert "verified against its marker" in cluster.journal(node, "gptoss-stage.service")
-        assert len(cluster.vms[node].records("hub.jsonl")) == downloads_before[node], f"{node} downloaded again"
+    assert "verified against its marker" in cluster.journal("decode-0", "gptoss-stage.service")
+    assert len(decode.records("hub.jsonl")) == downloads_before["decode-0"], "decode-0 downloaded again"
     for port in range(8100, 8106):
         ready = [r for r in cluster.this_boot("prefill-0", cluster.vms["prefill-0"].records(f"vllm-{port}.jsonl")) if r["event"] == "ready"]
         assert ready and ready[-1]["compiled"] is False
@@ -360,20 +369,17 @@ def test_reboot_reuses_the_array_the_checkpoint_and_the_compile_cache(cluster: V
 
 
 def test_a_crash_after_staging_never_serves_the_damaged_checkpoint(cluster: VmCluster) -> None:
-    shard = "model-00003-of-00014.safetensors"
+    """prefill-0's crash in the reboot's wave left a shard cut short beside an intact marker: staging
+    finds it, fetches that shard alone, and the node serves (the wave waited for it)."""
+    assert "downloads before the crash" in TIMES, "this scenario checks the crash of the reboot scenario's wave: run that one first"
     vm = cluster.vms["prefill-0"]
-    before = len(vm.records("hub.jsonl"))
-    # What a crash can leave: a shard cut short beside an intact marker. Then the plug is pulled.
-    vm.ssh(f"truncate -s 100 {MODEL}/{shard} && sync")
-    cluster.pull_the_plug("prefill-0")
-    cluster.power_on("prefill-0")
-    assert_boot_finished(cluster, "prefill-0")
-    cluster.wait_ready(600)
     stage = cluster.journal("prefill-0", "gptoss-stage.service")
-    assert "cannot be served as it is: repairing" in stage and f"removed the damaged {shard}" in stage, stage
-    assert [r["file"] for r in vm.records("hub.jsonl")[before:]] == [shard], "only the damaged shard is fetched again"
-    size = int(vm.ssh(f"stat -c %s {MODEL}/{shard}").stdout)
-    assert size == int(vm.ssh(f"stat -c %s /srv/hub/openai/gpt-oss-120b/{shard}").stdout)
+    assert "cannot be served as it is: repairing" in stage and f"removed the damaged {CUT_SHARD}" in stage, stage
+    before = int(TIMES["downloads before the crash"])
+    assert [r["file"] for r in vm.records("hub.jsonl")[before:]] == [CUT_SHARD], "only the damaged shard is fetched again"
+    size = int(vm.ssh(f"stat -c %s {MODEL}/{CUT_SHARD}").stdout)
+    assert size == int(vm.ssh(f"stat -c %s /srv/hub/openai/gpt-oss-120b/{CUT_SHARD}").stdout)
+    assert cluster.not_ready() == {}
 
 
 def test_a_killed_server_comes_back_with_growing_back_off(cluster: VmCluster) -> None:
