@@ -8,7 +8,7 @@ cache are, each node's deploy gate), puts the stack's assets in the cluster's AW
 the host, tests/vm/aws.py), and says which nodes changed: a changed node's group replaces its
 instance (a new VM: new root disk, new instance id, new address, blank instance store),
 `launch()` does that. A node's loss (`replace()`) is the same without a deploy. A reboot keeps
-every disk; pulling the plug is a hard reset of the same instance.
+every disk; a crash in its wave (the plug pulled) is a hard reset of the same instance.
 """
 
 from __future__ import annotations
@@ -190,15 +190,10 @@ class VmCluster:
         # fake Hub expects: the one the harness put in the cluster's Secrets Manager (the host's moto).
         vm.start({"devices": DEVICES, "secrets": {"hf_token": HF_TOKEN}} | fakes)
 
-    def power_on(self, name: str, *, wait: bool = True) -> None:
-        """Start a node's VM again (after pull_the_plug): the same instance, every disk kept."""
-        self._power_on(self.vms[name], self.fakes)
-        if wait:
-            self.vms[name].wait_ssh(600)
-
     def reboot(self, fakes: dict[str, Any] | None = None, *, crash: frozenset[str] = frozenset()) -> None:
         """`reboot` in each guest: every disk stays (QEMU runs with -no-reboot: power on again). The
-        nodes in `crash` lose power instead (pull_the_plug: nothing flushed), in the same wave."""
+        nodes in `crash` lose power instead (QEMU killed: nothing flushed that the guest had not
+        written), in the same wave, and are powered on again the same way."""
 
         def down(vm: Vm) -> None:
             if vm.name in crash:
@@ -212,10 +207,6 @@ class VmCluster:
         for vm in self.running():
             self._power_on(vm, self.fakes)
         self._each(lambda vm: vm.wait_ssh(600))
-
-    def pull_the_plug(self, name: str) -> None:
-        """Kill a VM's QEMU: no shutdown, nothing flushed that the guest had not written."""
-        self.vms[name].kill()
 
     def stop(self) -> None:
         for vm in self.vms.values():

@@ -327,16 +327,17 @@ def test_first_boot_serves_with_the_plans_commands_in_the_tested_order(cluster: 
         assert f"{node}/gptoss-stage.service" in streams, f"{node}: its journal not shipped within two intervals of serving"
 
 
-# What a crash can leave on prefill-0: a shard cut short beside an intact marker (the reboot's wave).
+# What a crash can leave on prefill-0: a shard cut short beside an intact marker (the reboot's wave),
+# and how many downloads each node's Hub had recorded before that wave.
 CUT_SHARD = "model-00003-of-00014.safetensors"
+DOWNLOADS_BEFORE_THE_WAVE: dict[str, int] = {}
 
 
 def test_reboot_reuses_the_array_the_checkpoint_and_the_compile_cache(cluster: VmCluster) -> None:
     """One wave, two ways down: decode-0 reboots (`systemctl reboot`, with an operator's drop-in);
     prefill-0 crashes (a shard cut short, then the plug pulled: the next scenario checks its repair).
     Both keep their array and compile cache, decode-0 its whole checkpoint, and neither signals again."""
-    downloads_before = {n: len(cluster.vms[n].records("hub.jsonl")) for n in NODES}
-    TIMES["downloads before the crash"] = downloads_before["prefill-0"]
+    DOWNLOADS_BEFORE_THE_WAVE.update({n: len(cluster.vms[n].records("hub.jsonl")) for n in NODES})
     # An operator's `systemctl edit gptoss-decode` (a drop-in directory): kept, honoured, and the node still starts.
     decode = cluster.vms["decode-0"]
     decode.ssh("mkdir -p /etc/systemd/system/gptoss-decode.service.d && "
@@ -357,7 +358,7 @@ def test_reboot_reuses_the_array_the_checkpoint_and_the_compile_cache(cluster: V
         nvme = cluster.journal(node, "gptoss-nvme.service")
         assert "striping" not in nvme and "making an XFS" not in nvme and "mounted /dev/md" in nvme, nvme
     assert "verified against its marker" in cluster.journal("decode-0", "gptoss-stage.service")
-    assert len(decode.records("hub.jsonl")) == downloads_before["decode-0"], "decode-0 downloaded again"
+    assert len(decode.records("hub.jsonl")) == DOWNLOADS_BEFORE_THE_WAVE["decode-0"], "decode-0 downloaded again"
     for port in range(8100, 8106):
         ready = [r for r in cluster.this_boot("prefill-0", cluster.vms["prefill-0"].records(f"vllm-{port}.jsonl")) if r["event"] == "ready"]
         assert ready and ready[-1]["compiled"] is False
@@ -371,12 +372,11 @@ def test_reboot_reuses_the_array_the_checkpoint_and_the_compile_cache(cluster: V
 def test_a_crash_after_staging_never_serves_the_damaged_checkpoint(cluster: VmCluster) -> None:
     """prefill-0's crash in the reboot's wave left a shard cut short beside an intact marker: staging
     finds it, fetches that shard alone, and the node serves (the wave waited for it)."""
-    assert "downloads before the crash" in TIMES, "this scenario checks the crash of the reboot scenario's wave: run that one first"
+    assert "prefill-0" in DOWNLOADS_BEFORE_THE_WAVE, "this scenario checks the crash of the reboot scenario's wave: run that one first"
     vm = cluster.vms["prefill-0"]
     stage = cluster.journal("prefill-0", "gptoss-stage.service")
     assert "cannot be served as it is: repairing" in stage and f"removed the damaged {CUT_SHARD}" in stage, stage
-    before = int(TIMES["downloads before the crash"])
-    assert [r["file"] for r in vm.records("hub.jsonl")[before:]] == [CUT_SHARD], "only the damaged shard is fetched again"
+    assert [r["file"] for r in vm.records("hub.jsonl")[DOWNLOADS_BEFORE_THE_WAVE["prefill-0"]:]] == [CUT_SHARD], "only the damaged shard is fetched again"
     size = int(vm.ssh(f"stat -c %s {MODEL}/{CUT_SHARD}").stdout)
     assert size == int(vm.ssh(f"stat -c %s /srv/hub/openai/gpt-oss-120b/{CUT_SHARD}").stdout)
     assert cluster.not_ready() == {}
