@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 import socket
 import subprocess
@@ -24,13 +25,19 @@ class MotoServer:
     URLs by that name), `127.0.0.1` where a guest's relay needs an address.
     """
 
-    def __init__(self, log: Path, *, host: str = "localhost", timeout: float = 60, extended: bool = False) -> None:
-        # extended: moto with what the stack needs of CloudFormation and moto lacks (cluster_ops/local_aws.py).
-        server = [sys.executable, "-m", "cluster_ops.local_aws"] if extended else [str(Path(sys.executable).parent / "moto_server")]
+    def __init__(
+        self, log: Path, *, host: str = "localhost", timeout: float = 60, extended: bool = False, module: str | None = None,
+        env: dict[str, str] | None = None,
+    ) -> None:  # fmt: skip
+        # extended: moto with what the stack needs of CloudFormation and moto lacks (cluster_ops/local_aws.py);
+        # module: another such launcher (python -m <module>, moto_server's arguments), with `env` added.
+        if module is None and extended:
+            module = "cluster_ops.local_aws"
+        server = [sys.executable, "-m", module] if module else [str(Path(sys.executable).parent / "moto_server")]
         # Port 0: the kernel picks a free port as moto binds it, and moto says which. (A port found
         # free and handed over later can be taken meanwhile by another run on this machine.)
         self.proc = subprocess.Popen([*server, "-H", "127.0.0.1", "-p", "0"], cwd=Path(__file__).resolve().parent.parent,
-                                     stdout=log.open("w"), stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)  # fmt: skip
+                                     stdout=log.open("w"), stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=os.environ | (env or {}))  # fmt: skip
         deadline = time.monotonic() + timeout
         self.port = 0
         while True:

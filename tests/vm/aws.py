@@ -11,6 +11,7 @@ its node's group, and terminates the record when it destroys the VM.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +24,13 @@ ASSET_BUCKET = "gptoss-vm-assets"
 # The cluster's compile cache: a bucket of the stack's own (deploy.env names it).
 CACHE_BUCKET = "gptoss-vm-compile-cache"
 SUBNET_CIDR = "10.42.0.0/20"
+# What CloudFormation tags a group's instances with (the stack's name, the group's logical id).
+STACK = "GptOss8k1kStack"
+
+
+def group_logical_id(node: str) -> str:
+    """A node's group's logical id, as the CDK makes one (a name and a hash)."""
+    return f"{node.replace('-', '').title()}Group0A1B2C3D"
 
 
 class HostAws:
@@ -30,7 +38,10 @@ class HostAws:
 
     def __init__(self, workdir: Path, cluster: str) -> None:
         self.cluster = cluster
-        self.server = MotoServer(workdir / "moto.log", host="127.0.0.1")
+        # CloudFormation's SignalResource, which moto lacks, is accepted and recorded there (a surge's signal).
+        self.signals_file = workdir / "group-signals.jsonl"
+        self.server = MotoServer(workdir / "moto.log", host="127.0.0.1", module="tests.vm.moto_signals",
+                                 env={"GPTOSS_VM_SIGNALS": str(self.signals_file)})  # fmt: skip
         self.port, self.url = self.server.port, self.server.url
         for bucket in (ASSET_BUCKET, CACHE_BUCKET):
             self.client("s3").create_bucket(Bucket=bucket, CreateBucketConfiguration={"LocationConstraint": REGION})
@@ -72,29 +83,48 @@ class HostAws:
 
     # ---- what EC2 and Auto Scaling do for the nodes -------------------------------------------
 
-    def launch(self, node: str, role: str, ip: str) -> str:
+    def launch(self, node: str, role: str, ip: str, *, rolling_update: bool = False) -> str:
         """The instance that now holds `node`: its record with the identity tags and its address,
-        in its node's group (made on first use); returns its instance id."""
+        in its node's group (made on first use, MaxSize 2 as with surge); returns its instance id.
+        `rolling_update`: launched by CloudFormation's rolling update of the node's group, so it
+        carries the aws:cloudformation tags CloudFormation puts on the instances of a group it made."""
         ec2, autoscaling = self.client("ec2"), self.client("autoscaling")
         tags = [{"Key": "gptoss:cluster", "Value": self.cluster}, {"Key": "gptoss:role", "Value": role}, {"Key": "gptoss:node", "Value": node}]
+        if rolling_update:
+            tags += [{"Key": "aws:cloudformation:stack-name", "Value": STACK}, {"Key": "aws:cloudformation:logical-id", "Value": group_logical_id(node)}]
         (instance,) = ec2.run_instances(ImageId=self.image, MinCount=1, MaxCount=1, SubnetId=self.subnet, PrivateIpAddress=ip,
                                         TagSpecifications=[{"ResourceType": "instance", "Tags": tags}])["Instances"]  # fmt: skip
         group = f"{self.cluster}-{node}"
         if not autoscaling.describe_auto_scaling_groups(AutoScalingGroupNames=[group])["AutoScalingGroups"]:
             template = ec2.create_launch_template(LaunchTemplateName=group, LaunchTemplateData={"ImageId": self.image})
             autoscaling.create_auto_scaling_group(
-                AutoScalingGroupName=group, MinSize=0, MaxSize=1, DesiredCapacity=0, VPCZoneIdentifier=self.subnet,
+                AutoScalingGroupName=group, MinSize=0, MaxSize=2, DesiredCapacity=0, VPCZoneIdentifier=self.subnet,
                 LaunchTemplate={"LaunchTemplateId": template["LaunchTemplate"]["LaunchTemplateId"]},
             )  # fmt: skip
         autoscaling.attach_instances(AutoScalingGroupName=group, InstanceIds=[instance["InstanceId"]])
         return str(instance["InstanceId"])
+
+    def leave(self, instance_id: str) -> None:
+        """Its group starts terminating the instance (a surge's replacement signalled): moto has no
+        Terminating:Wait, the state the drain hook holds it in, so it goes to Standby, which the
+        nodes read the same way (any state but InService or Pending* is leaving)."""
+        autoscaling = self.client("autoscaling")
+        (i,) = autoscaling.describe_auto_scaling_instances(InstanceIds=[instance_id])["AutoScalingInstances"]
+        autoscaling.enter_standby(AutoScalingGroupName=i["AutoScalingGroupName"], InstanceIds=[instance_id], ShouldDecrementDesiredCapacity=True)
+
+    def group_signals(self) -> list[dict[str, Any]]:
+        """Every SignalResource call the nodes made, oldest first."""
+        text = self.signals_file.read_text() if self.signals_file.exists() else ""
+        return [json.loads(line) for line in text.splitlines() if line.strip()]
 
     def terminate(self, instance_id: str) -> None:
         """The instance is gone (destroyed, or replaced by its group)."""
         autoscaling = self.client("autoscaling")
         groups = autoscaling.describe_auto_scaling_instances(InstanceIds=[instance_id])["AutoScalingInstances"]
         for g in groups:
-            autoscaling.detach_instances(AutoScalingGroupName=g["AutoScalingGroupName"], InstanceIds=[instance_id], ShouldDecrementDesiredCapacity=True)
+            # One that left (Standby) no longer counts in the group's desired capacity.
+            autoscaling.detach_instances(AutoScalingGroupName=g["AutoScalingGroupName"], InstanceIds=[instance_id],
+                                         ShouldDecrementDesiredCapacity=g["LifecycleState"] != "Standby")  # fmt: skip
         self.client("ec2").terminate_instances(InstanceIds=[instance_id])
 
     def health(self, instance_id: str) -> str:

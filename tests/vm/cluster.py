@@ -7,15 +7,17 @@ rendering), fills in what CloudFormation fills in (where the scripts asset and t
 cache are, each node's deploy gate), puts the stack's assets in the cluster's AWS (one moto on
 the host, tests/vm/aws.py), and says which nodes changed: a changed node's group replaces its
 instance (a new VM: new root disk, new instance id, new address, blank instance store),
-`launch()` does that. A node's loss (`replace()`) is the same without a deploy. A reboot keeps
-every disk; a crash in its wave (the plug pulled) is a hard reset of the same instance.
+`launch()` does that (the old instance first, then the new). With surge,
+`surge()` launches the replacement beside the running instance (both on the subnet, a hub:
+tests/vm/link.py) and `retire()` lets the old one go as CloudFormation does once the replacement
+signalled its group. A reboot keeps every disk; a crash in its wave (the plug pulled) is a hard
+reset of the same instance.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import socket
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -31,7 +33,8 @@ from clusterspec.userdata import launch_inputs, node_digest, scripts_asset, user
 from tests.vm import profile
 from tests.vm.aws import ASSET_BUCKET, CACHE_BUCKET, HostAws
 from tests.vm.image import Image
-from tests.vm.machine import Vm, free_port
+from tests.vm.link import Hub
+from tests.vm.machine import Vm
 
 NODES = ("prefill-0", "decode-0")
 # The guest's stand-in for the wait condition handle's presigned URL (fake-waitcondition).
@@ -74,10 +77,11 @@ class VmCluster:
         self.workdir = workdir
         self.image, self.accel = image, accel
         self.aws = HostAws(workdir, "gptoss-8k1k")
-        # The private link between the two identities' VMs (a replacement takes its predecessor's end).
-        a, b = free_port(socket.SOCK_DGRAM), free_port(socket.SOCK_DGRAM)
-        self.links = {"prefill-0": (a, b), "decode-0": (b, a)}
+        # The cluster's subnet: every instance's NIC on one hub.
+        self.hub = Hub()
         self.vms: dict[str, Vm] = {}
+        # A surge's old instance of a node, running beside its replacement until `retire` ends it.
+        self.leaving: dict[str, Vm] = {}
         self.generations = {n: -1 for n in NODES}
         self.instance_ids: dict[str, str] = {}
         self.cfg: ClusterConfig | None = None
@@ -158,28 +162,47 @@ class VmCluster:
             self._new_instance(name, reach_aws=(aws or {}).get(name, True), fakes=self.fakes | (faults or {}).get(name, {}))
         self._each(lambda vm: vm.wait_ssh(600), [self.vms[n] for n in nodes])
 
-    def replace(self, name: str, fakes: dict[str, Any] | None = None) -> float:
-        """A node's instance is lost (its VM destroyed, root and instance store with it); its group
-        launches one of the same identity from the same template. Returns when the loss happened
-        (time.monotonic()); the new VM is booting."""
-        lost = time.monotonic()
-        self._new_instance(name, reach_aws=True, fakes=fakes)
-        return lost
+    def surge(self, name: str, fakes: dict[str, Any] | None = None) -> None:
+        """A changed node's rolling update with surge (MaxSize 2, MinInstancesInService 1): its group
+        launches the replacement from the new template beside the running instance, tagged by
+        CloudFormation; the old one keeps running and serving (`leaving`) until `retire`. Returns
+        once the replacement accepts the harness's login."""
+        assert name in self.pending, f"{name} did not change: nothing to roll"
+        self.pending.discard(name)
+        self.leaving[name] = self.vms[name]
+        self._new_instance(name, reach_aws=True, fakes=self.fakes if fakes is None else fakes, keep_old=True)
+        self.vms[name].wait_ssh(600)
 
-    def _new_instance(self, name: str, *, reach_aws: bool, fakes: dict[str, Any] | None = None) -> None:
+    def retire(self, name: str) -> float:
+        """What CloudFormation does once the surge's replacement signalled SUCCESS to its group: it
+        terminates the old instance, which the group's drain hook holds in Terminating:Wait for
+        rollout.drain_s, still running (`drained` ends it). Returns when (time.monotonic())."""
+        self.aws.leave(self.leaving[name].instance_id)
+        return time.monotonic()
+
+    def drained(self, name: str) -> None:
+        """The drain hook's time is up: EC2 shuts the old instance down (an ACPI power-off: systemd
+        stops its units) and it is gone."""
+        old = self.leaving.pop(name)
+        old.shutdown()
+        old.kill()
+        self.hub.leave(old.link)
+        self.aws.terminate(old.instance_id)
+
+    def _new_instance(self, name: str, *, reach_aws: bool, fakes: dict[str, Any] | None = None, keep_old: bool = False) -> None:
         assert self.cfg is not None
         old = self.vms.get(name)
-        if old is not None:
+        if old is not None and not keep_old:
             old.kill()
+            self.hub.leave(old.link)
             self.aws.terminate(self.instance_ids[name])
         self.generations[name] += 1
         gen = self.generations[name]
         index = NODES.index(name)
         ip = address(index, gen)
-        local, peer = self.links[name]
-        vm = Vm(name, index, self.workdir / f"{name}-{gen}", self.image, ip, self.accel, local, peer,
+        vm = Vm(name, index, self.workdir / f"{name}-{gen}", self.image, ip, self.accel, self.hub.join(), gen,
                 aws_port=self.aws.port if reach_aws else None)  # fmt: skip
-        self.instance_ids[name] = self.aws.launch(name, name.split("-")[0], ip)
+        self.instance_ids[name] = self.aws.launch(name, name.split("-")[0], ip, rolling_update=keep_old)
         vm.instance_id = self.instance_ids[name]
         vm.seed(self.user_data(name))
         self.vms[name] = vm
@@ -209,8 +232,9 @@ class VmCluster:
         self._each(lambda vm: vm.wait_ssh(600))
 
     def stop(self) -> None:
-        for vm in self.vms.values():
+        for vm in [*self.vms.values(), *self.leaving.values()]:
             vm.kill()
+        self.hub.stop()
         self.aws.stop()
 
     def running(self) -> list[Vm]:

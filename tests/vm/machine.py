@@ -7,7 +7,8 @@ What maps to what:
   replaces them with blank ones;
 - a NoCloud seed (cloud-localds) carries the user data the project renders, and the
   instance id: the same id models a restart of the same instance, a new VM a new instance;
-- a private link between the VMs (a QEMU socket netdev on loopback) is the VPC subnet;
+- a private link between the VMs (a QEMU socket netdev to a hub on loopback, tests/vm/link.py) is
+  the VPC subnet;
 - a restricted user-mode NIC (no route anywhere) lets the harness log in over SSH, and relays
   the guest's AWS (10.0.2.100:5000) to the host's moto, the cluster's one AWS (tests/vm/aws.py);
 - QEMU's fw_cfg passes the fakes' settings (IMDS address, server delays, faults).
@@ -92,8 +93,10 @@ class Vm:
     image: Image
     ip: str
     accel: str
-    link_local: int
-    link_peer: int
+    # The hub's port for this guest's NIC on the cluster's subnet (tests/vm/link.py).
+    link: int
+    # Which instance of its node this is (0 first): a replacement's NIC gets a MAC of its own.
+    generation: int = 0
     prefix: int = 20
     ssh_port: int = field(default_factory=free_port)
     proc: subprocess.Popen[bytes] | None = None
@@ -122,7 +125,7 @@ class Vm:
 
     @property
     def vpc_mac(self) -> str:
-        return f"52:54:00:42:00:{self.index + 1:02x}"
+        return f"52:54:00:42:{self.generation:02x}:{self.index + 1:02x}"
 
 
     def blank_instance_store(self) -> None:
@@ -163,7 +166,7 @@ class Vm:
             "-drive", f"file={self.workdir / 'seed.img'},if=virtio,format=raw,readonly=on",
             "-netdev", f"user,id=mgmt,restrict=on,hostfwd=tcp:127.0.0.1:{self.ssh_port}-:22{self._aws_forward()}",
             "-device", f"virtio-net-pci,netdev=mgmt,mac={self.mgmt_mac}",
-            "-netdev", f"socket,id=vpc,udp=127.0.0.1:{self.link_peer},localaddr=127.0.0.1:{self.link_local}",
+            "-netdev", f"socket,id=vpc,udp=127.0.0.1:{self.link},localaddr=127.0.0.1:0",
             "-device", f"virtio-net-pci,netdev=vpc,mac={self.vpc_mac}",
             "-fw_cfg", f"name=opt/gptoss/fakes,file={fw}",
             "-serial", f"file:{console}", "-display", "none", "-monitor", "none", "-no-reboot",
