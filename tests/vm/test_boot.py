@@ -547,7 +547,7 @@ def test_a_surge_replaces_prefill_0_beside_the_old_one_and_a_client_of_the_route
     left = cluster.retire("prefill-0")
     decode.wait_until(f"grep -q '^{new.ip} prefill-0.gptoss.internal' /etc/hosts && "
                       "curl -sf http://127.0.0.1:8000/readiness | grep -q '\"prefill\":{\"healthy\":6,\"total\":6}'",
-                      drain_s - 10, "the router following the name to the replacement while the old one drains")  # fmt: skip
+                      drain_s - (time.monotonic() - left), "the router following the name to the replacement while the old one drains")  # fmt: skip
     moved = time.monotonic() - left
     time.sleep(max(0.0, drain_s - (time.monotonic() - left)))
     cluster.drained("prefill-0")
