@@ -1,7 +1,7 @@
 """A deployed cluster of guest VMs: render with the project's code, launch, replace, restart, inspect.
 
 Each node identity (prefill-0, decode-0) is held by one VM at a time, as an Auto Scaling group of
-one holds one instance. `deploy()` is what `cdk deploy` does: it renders each node's user data
+one holds one instance (two during a surge). `deploy()` is what `cdk deploy` does: it renders each node's user data
 with the same function the stack uses (tests/unit prove the stack embeds exactly that
 rendering), fills in what CloudFormation fills in (where the scripts asset and the compile
 cache are, each node's deploy gate), puts the stack's assets in the cluster's AWS (one moto on
