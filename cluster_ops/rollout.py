@@ -277,6 +277,13 @@ def describe(cfg: ClusterConfig, r: Rollout, ready_min: float | None = None) -> 
         lines += [f"  {line}" for line in role_lines(cfg, r, ready_min)]
         if any(all(n in r.replaced and not r.surge.get(n) and r.batch.get(n) == 1 for n in names) for names in _by_role(cfg).values()):
             lines.append("  a role with every node in one batch and no surge serves nothing: the endpoint is down until the replacements serve")
+        moved = [n for n in cfg.layout.endpoint_nodes if n in r.replaced]
+        if moved and not cfg.load_balanced:
+            # The endpoint is the node's instance itself: a port forward is a session to that instance.
+            kind, lb = ("Proxy", ", or set proxy_load_balancer=true for one address through replacements") if cfg.serving.disaggregated else ("Server", "")
+            lines.append(f"  {_span(moved)} {'serves' if len(moved) == 1 else 'serve'} the endpoint with no load balancer: a client's "
+                         f"port forward (stack output {kind}PortForward) or address ends with the old instance; connect again once "
+                         f"it is gone (gptoss status shows the new address){lb}")  # fmt: skip
         if any(r.surge.get(n) for n in r.replaced):
             lines.append(f"  with surge a replacement must serve within {cfg.rollout.surge_timeout_s // 60} min (CloudFormation's limit), "
                          "or it is terminated and the deploy rolls back: a change whose nodes compile longer (a new image, a cold "

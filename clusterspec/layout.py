@@ -103,6 +103,11 @@ class Layout(Frozen):
         """Several proxies: by default they stand behind one internal load balancer."""
         return len(self.proxies) > 1
 
+    @property
+    def endpoint_nodes(self) -> tuple[str, ...]:
+        """The nodes clients reach: the proxies, or the one server of a single-instance recipe."""
+        return tuple(dict.fromkeys(p.node for p in self.proxies)) or (self.nodes[0].name,)
+
     def proxies_on(self, name: str) -> tuple[ProxyPlacement, ...]:
         """Proxies that run on node `name`."""
         return tuple(p for p in self.proxies if p.node == name)

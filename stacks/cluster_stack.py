@@ -105,8 +105,7 @@ class GptOssClusterStack(Stack):
             locations = [cache.uri if cache else None, config.model.s3_uri, config.examples.s3_uri, config.results_s3_uri]
             buckets += sorted({u.removeprefix("s3://").partition("/")[0] for u in locations if u})
             network.restrict_endpoints(buckets=buckets)
-        # The nodes clients reach: the proxies, or the one server of a single-instance recipe.
-        proxy_names = [p.node for p in layout.proxies] or [renders[0].node.name]
+        proxy_names = list(layout.endpoint_nodes)
         balancer = None
         if config.load_balanced:
             balancer = ProxyLoadBalancer(

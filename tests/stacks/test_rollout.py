@@ -20,6 +20,12 @@ from clusterspec.loading import load_config
 from tests.conftest import ROOT, STACK
 
 PROD = {"decode_instances": "8"}
+# The default layout is the reference's: its toy proxy runs on prefill-0.
+ENDPOINT_MOVES = (
+    "  prefill-0 serves the endpoint with no load balancer: a client's port forward (stack output ProxyPortForward) or address "
+    "ends with the old instance; connect again once it is gone (gptoss status shows the new address), or set "
+    "proxy_load_balancer=true for one address through replacements"
+)
 
 
 @pytest.fixture(scope="module")
@@ -73,6 +79,7 @@ def test_a_decode_flag_replaces_the_prefill_node_too_because_its_benchmark_unit_
     assert lines[1] == ("  prefill: 1 batch, at most 0 of 1 out (surge: each replacement serves before its old instance goes), minimum "
                         "serving prefill 1/1, about 1 x a node's time to serve (each batch waits for its deploy gates, up to 415 min each)")  # fmt: skip
     assert not any("serves nothing" in line for line in lines)
+    assert ENDPOINT_MOVES in lines
     assert lines[-1].startswith("  with surge a replacement must serve within 60 min (CloudFormation's limit)")
 
 
@@ -83,6 +90,26 @@ def test_without_surge_the_two_node_default_says_it_is_down(assembly: Callable[.
     lines = rollout.describe(load_config(after), r)
     assert lines[0].endswith("in batches (each node's group terminates its instance, then launches the new one): batch 1: decode-0, prefill-0")
     assert "  a role with every node in one batch and no surge serves nothing: the endpoint is down until the replacements serve" in lines
+    assert ENDPOINT_MOVES in lines
+
+
+def test_a_replaced_endpoint_node_is_named_unless_a_load_balancer_keeps_the_address() -> None:
+    """The default layout's endpoint is prefill-0's instance, where the reference runs its proxy (a port
+    forward is a session to it); behind the NLB it is one address. A single-instance recipe's endpoint
+    is its server, with no NLB to offer."""
+    both = rollout.Rollout(replaced=["decode-0", "prefill-0"], batch={"decode-0": 1, "prefill-0": 1}, surge={"decode-0": True, "prefill-0": True})
+    assert ENDPOINT_MOVES in rollout.describe(load_config({}), both)
+    assert not any("endpoint with no load balancer" in line for line in rollout.describe(load_config({"proxy_load_balancer": "true"}), both))
+    decode_only = rollout.Rollout(kept=["prefill-0"], replaced=["decode-0"], batch={"decode-0": 1}, surge={"decode-0": True})
+    assert not any("endpoint" in line for line in rollout.describe(load_config({}), decode_only))
+    routed = load_config({"serving.proxy.kind": "vllm-router"})  # the router runs on decode-0
+    lines = rollout.describe(routed, decode_only)
+    assert ENDPOINT_MOVES.replace("prefill-0", "decode-0") in lines
+    single = load_config({"recipe": "gptoss-20b-single"})
+    name = single.layout.nodes[0].name
+    lines = rollout.describe(single, rollout.Rollout(replaced=[name], batch={name: 1}, surge={name: True}))
+    assert (f"  {name} serves the endpoint with no load balancer: a client's port forward (stack output ServerPortForward) or "
+            "address ends with the old instance; connect again once it is gone (gptoss status shows the new address)") in lines  # fmt: skip
 
 
 def test_a_router_setting_replaces_no_instance_and_changes_only_the_fleets_document(assembly: Callable[..., Path]) -> None:
