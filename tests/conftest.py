@@ -273,6 +273,16 @@ def fake_command(folder: Path, name: str, body: str) -> Path:
     return p
 
 
+# The AWS CLI the nodes' scripts run in tests (`make setup` installs it: the Makefile's AWS_CLI).
+AWS_CLI = ROOT / ".aws-cli" / "1.46.3"
+
+
+def real_aws_cli(folder: Path) -> Path:
+    """`aws` in FOLDER: the real AWS CLI, for scripts and commands that call it by name."""
+    assert AWS_CLI.is_dir(), f"{AWS_CLI} is missing: `make setup` installs the AWS CLI the node scripts run"
+    return fake_command(folder, "aws", f'PYTHONPATH="{AWS_CLI}" exec "{sys.executable}" -m awscli "$@"\n')
+
+
 OTHER_RECIPES = ("gptoss-120b-single", "gptoss-20b-single", "gptoss-120b-di", "gptoss-20b-di")
 
 

@@ -26,11 +26,10 @@ import pytest
 from cluster_ops import cache
 from clusterspec.loading import load_config
 from clusterspec.render import cluster_env
-from tests.conftest import ROOT, fake_command
+from tests.conftest import real_aws_cli
 from tests.fakes import hub
 
 Shipped = Callable[[str], Path]
-AWS_CLI = ROOT / ".aws-cli" / "1.46.3"
 BUCKET = "gptoss-cache"
 CACHE = f"s3://{BUCKET}/neuron/2.33"
 CFG = load_config({"decode_instances": "2", "compile_cache_s3_uri": CACHE, "model": {"source": "s3", "s3_uri": f"s3://{BUCKET}/models/gpt-oss-120b"},
@@ -49,9 +48,8 @@ def cloud(moto_url: str, tmp_path: Path) -> dict[str, Any]:
     s3.create_bucket(Bucket=BUCKET, CreateBucketConfiguration={"LocationConstraint": "us-east-2"})
     role = boto3.client("iam", **kw).create_role(RoleName="gptoss-node", AssumeRolePolicyDocument="{}")["Role"]
     sts = boto3.client("sts", **kw)
-    assert AWS_CLI.is_dir(), f"{AWS_CLI} is missing: `make setup` installs the AWS CLI the node scripts run"
     bindir = tmp_path / "bin"
-    fake_command(bindir, "aws", f'PYTHONPATH="{AWS_CLI}" exec "{sys.executable}" -m awscli "$@"\n')
+    real_aws_cli(bindir)
 
     def node(name: str, instance_id: str, cache_dir: Path, image: str = "sdk-2.21") -> dict[str, str]:
         """The environment of node identity `name` running on instance `instance_id` of `image` (its venv's toolchain)."""

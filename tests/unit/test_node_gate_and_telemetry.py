@@ -32,7 +32,7 @@ from clusterspec import telemetry
 from clusterspec.loading import load_config
 from clusterspec.paths import USERDATA_DIR
 from clusterspec.render import cluster_env
-from tests.conftest import fake_command
+from tests.conftest import fake_command, real_aws_cli
 
 Shipped = Callable[[str], Path]
 
@@ -871,8 +871,6 @@ def surge_node(signal_node: Any, moto_url: str, tmp_path: Path) -> Iterator[Call
 
     import boto3
 
-    from tests.unit.test_router import AWS_CLI
-
     urllib.request.urlopen(urllib.request.Request(f"{moto_url}/moto-api/reset", method="POST"), timeout=10)
     ec2 = boto3.client("ec2", endpoint_url=moto_url, region_name="us-east-2", aws_access_key_id="testing", aws_secret_access_key="testing")
     instance = ec2.run_instances(ImageId="ami-12c6146b", MinCount=1, MaxCount=1)["Instances"][0]["InstanceId"]
@@ -880,7 +878,7 @@ def surge_node(signal_node: Any, moto_url: str, tmp_path: Path) -> Iterator[Call
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     bindir = tmp_path / "awsbin"
-    fake_command(bindir, "aws", f'PYTHONPATH="{AWS_CLI}" exec "{sys.executable}" -m awscli "$@"\n')
+    real_aws_cli(bindir)
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     (run_dir / "identity.env").write_text(f"GPTOSS_INSTANCE_ID={instance}\n")

@@ -23,7 +23,7 @@ import pytest
 from clusterspec.node_scripts import node_script, strip_comments, strip_python
 from clusterspec.paths import USERDATA_DIR
 from clusterspec.userdata import bundle
-from tests.conftest import ROOT, fake_command
+from tests.conftest import fake_command, real_aws_cli
 
 SCRIPTS = sorted(p for p in (USERDATA_DIR / "bin").iterdir() if p.is_file())
 BASH = [p for p in SCRIPTS if p.read_text().startswith("#!/usr/bin/env bash")]
@@ -787,12 +787,10 @@ def test_the_health_watch_stops_asking_for_replacements_past_the_node_and_the_fl
     terminations and other clusters' do not count."""
     from datetime import UTC, datetime, timedelta
 
-    aws_cli = ROOT / ".aws-cli" / "1.46.3"
-    assert aws_cli.is_dir(), f"{aws_cli} is missing: `make setup` installs the AWS CLI the node scripts run"
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _AutoScaling)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     bin_dir = tmp_path / "bin"
-    fake_command(bin_dir, "aws", f'PYTHONPATH="{aws_cli}" exec "{sys.executable}" -m awscli "$@"\n')
+    real_aws_cli(bin_dir)
     fake_command(bin_dir, "systemctl", 'for u; do case $u in gptoss-node-check.service) printf "ActiveState=failed\\nSubState=failed\\nNRestarts=0\\n\\n";; *.service) printf "ActiveState=active\\n\\n";; esac; done\n')
     (tmp_path / "cluster.env").write_text("GPTOSS_NODE=prefill-1\nGPTOSS_CLUSTER=gptoss-8k1k\nAWS_REGION=us-east-2\nGPTOSS_UNHEALTHY_BACKOFF_S=7200\nGPTOSS_UNHEALTHY_NEURON_ERRORS=20\n")
     (tmp_path / "health").write_text("gptoss-stage.service - -\n")

@@ -38,10 +38,9 @@ from clusterspec.loading import load_config
 from clusterspec.paths import WHEELS_DIR, member_host, router_parameter
 from clusterspec.quoting import env_file as render_env_file
 from clusterspec.render import cluster_env, render_cluster
-from tests.conftest import ROOT, fake_command, serve_health
+from tests.conftest import ROOT, fake_command, real_aws_cli, serve_health
 from tests.fakes.vllm_pd import engine_id
 
-AWS_CLI = ROOT / ".aws-cli" / "1.46.3"
 FAKES = ROOT / "tests" / "fakes" / "vllm_pd.py"
 GUEST_FAKES = ROOT / "tests" / "vm" / "guest" / "rootfs" / "usr" / "local" / "lib" / "fakes"
 TOY = ROOT / "tests" / "vm" / "guest" / "examples"
@@ -91,14 +90,13 @@ def router_venv(tmp_path_factory: pytest.TempPathFactory, shipped: Any, moto_url
     r = cfg.serving.proxy.router
     wheel = WHEELS_DIR / r.wheel
     assert wheel.is_file(), f"{wheel} is missing: `make setup` fetches the pinned router wheel"
-    assert AWS_CLI.is_dir(), f"{AWS_CLI} is missing: `make setup` installs the AWS CLI the node scripts run"
     tmp = tmp_path_factory.mktemp("router")
     url = moto_url
     s3 = boto3.client("s3", endpoint_url=url, region_name="us-east-2", **{k.lower(): v for k, v in CREDS.items() if k != "AWS_DEFAULT_REGION"})
     s3.create_bucket(Bucket="assets", CreateBucketConfiguration={"LocationConstraint": "us-east-2"})
     s3.upload_file(str(wheel), "assets", "0e2d912c.whl")
     bindir = tmp / "bin"
-    fake_command(bindir, "aws", f'PYTHONPATH="{AWS_CLI}" exec "{sys.executable}" -m awscli "$@"\n')
+    real_aws_cli(bindir)
     env_file = tmp / "cluster.env"
     node = next(n for n in cfg.layout.nodes if n.name == "decode-0")
     env_file.write_text(render_env_file(cluster_env(cfg, node)))
@@ -436,7 +434,7 @@ def _members_env(tmp: Path, url: str, node: str = "decode-1", kind: str = "vllm-
     env_file = tmp / "cluster.env"
     env_file.write_text(render_env_file(values))
     bindir = tmp / "bin"
-    fake_command(bindir, "aws", f'PYTHONPATH="{AWS_CLI}" exec "{sys.executable}" -m awscli "$@"\n')
+    real_aws_cli(bindir)
     fake_command(bindir, "systemctl", f'echo "$*" >> "{tmp}/systemctl.log"\n')
     env = {**os.environ, **CREDS, "PATH": f"{bindir}{os.pathsep}{os.environ['PATH']}", "AWS_ENDPOINT_URL": url,
            "GPTOSS_CLUSTER_ENV": str(env_file), "GPTOSS_MEMBERS_ENV": str(tmp / "members.env"), "GPTOSS_HOSTS_FILE": str(tmp / "etc" / "hosts")}  # fmt: skip
