@@ -15,11 +15,15 @@ from clusterspec.config import ClusterConfig
 
 
 def instance_lookup(*, region: str, cluster: str, node: str | None) -> str:
-    """A shell command that prints the id of the instance running now for a node (or any node of the cluster)."""
+    """A shell command that prints the id of the instance running now for a node (or any node of the cluster).
+
+    The oldest running one: during a surge a node has two, and the old one serves (and holds the
+    node's name) until its group lets it go, while the new one may not serve yet."""
     filters = f"Name=tag:gptoss:cluster,Values={cluster} Name=instance-state-name,Values=running"
     if node:
         filters += f" Name=tag:gptoss:node,Values={node}"
-    return f"aws ec2 describe-instances --region {region} --filters {filters} --query 'Reservations[0].Instances[0].InstanceId' --output text"
+    oldest = "sort_by(Reservations[].Instances[], &LaunchTime)[0].InstanceId"
+    return f"aws ec2 describe-instances --region {region} --filters {filters} --query '{oldest}' --output text"
 
 
 def port_forward_command(*, region: str, target: str, port: int, remote_host: str | None = None) -> str:

@@ -2,13 +2,19 @@
 
 from __future__ import annotations
 
+import http.server
 import json
+import os
+import subprocess
+import threading
+from pathlib import Path
 from typing import Any
 
+import boto3
 import pytest
 
 from clusterspec.loading import load_config
-from tests.conftest import Synth
+from tests.conftest import Synth, real_aws_cli
 
 
 def of_type(template: dict[str, Any], rtype: str) -> dict[str, dict[str, Any]]:
@@ -478,11 +484,66 @@ class TestOutputs:
         fwd = out["ProxyPortForward"]["Value"]
         assert fwd.startswith("aws ssm start-session --region us-east-2 --target $(aws ec2 describe-instances --region us-east-2 "
                               "--filters Name=tag:gptoss:cluster,Values=gptoss-8k1k Name=instance-state-name,Values=running "
-                              "Name=tag:gptoss:node,Values=prefill-0 --query 'Reservations[0].Instances[0].InstanceId' --output text)")  # fmt: skip
+                              "Name=tag:gptoss:node,Values=prefill-0 --query 'sort_by(Reservations[].Instances[], &LaunchTime)[0].InstanceId' --output text)")  # fmt: skip
         assert fwd.endswith("--document-name AWS-StartPortForwardingSession --parameters portNumber=8000,localPortNumber=8000")
         fleet = fleet_synth.template["Outputs"]
         assert "ProxyEndpointNlb" in json.dumps(fleet["ProxyUrl"]["Value"])
         assert "AWS-StartPortForwardingSessionToRemoteHost --parameters host=" in json.dumps(fleet["ProxyPortForward"]["Value"])
+
+    def test_the_port_forwards_lookup_finds_the_instance_that_serves_through_a_surge(self, default_synth: Synth, moto_url: str, tmp_path: Path) -> None:
+        """The output's own lookup, run by the AWS CLI the nodes run. Against moto: with a surge's two
+        running instances of prefill-0 it names the old one (it serves until its group lets it go), then
+        the new one once the old is terminated; never another cluster's or node's. EC2 promises no order,
+        so against a loopback EC2 that lists the newer instance first, it still names the older."""
+        fwd = default_synth.template["Outputs"]["ProxyPortForward"]["Value"]
+        lookup = fwd[fwd.index("$(") + 2 : fwd.index(")", fwd.index("--output text"))]
+        ec2 = boto3.client("ec2", endpoint_url=moto_url, region_name="us-east-2", aws_access_key_id="testing", aws_secret_access_key="testing")
+        image = ec2.describe_images()["Images"][0]["ImageId"]
+
+        def launch(cluster: str, node: str) -> str:
+            tags = [{"Key": "gptoss:cluster", "Value": cluster}, {"Key": "gptoss:node", "Value": node}]
+            return str(ec2.run_instances(ImageId=image, MinCount=1, MaxCount=1, TagSpecifications=[{"ResourceType": "instance", "Tags": tags}])["Instances"][0]["InstanceId"])
+
+        launch("gptoss-other", "prefill-0")  # the oldest of all, of another cluster
+        old = launch("gptoss-8k1k", "prefill-0")
+        launch("gptoss-8k1k", "decode-0")  # older than the replacement, another node
+        new = launch("gptoss-8k1k", "prefill-0")
+        real_aws_cli(tmp_path / "bin")
+
+        def found(endpoint: str) -> str:
+            env = {"PATH": f"{tmp_path / 'bin'}{os.pathsep}{os.environ['PATH']}", "HOME": str(tmp_path), "AWS_ENDPOINT_URL": endpoint,
+                   "AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing"}  # fmt: skip
+            done = subprocess.run(["bash", "-c", lookup], env=env, capture_output=True, text=True, timeout=60, check=False)
+            assert done.returncode == 0, done.stderr
+            return done.stdout.strip()
+
+        assert found(moto_url) == old
+        ec2.terminate_instances(InstanceIds=[old])
+        assert found(moto_url) == new
+
+        listed = [("i-0newer00000000001", "2026-12-04T10:30:00.000Z"), ("i-0older00000000001", "2026-12-04T09:00:00.000Z")]
+        body = "".join(f"<item><reservationId>r-{i}</reservationId><ownerId>123456789012</ownerId><instancesSet><item><instanceId>{i}"
+                       f"</instanceId><launchTime>{at}</launchTime></item></instancesSet></item>" for i, at in listed)  # fmt: skip
+        answer = (f'<DescribeInstancesResponse xmlns="http://ec2.amazonaws.com/doc/2016-11-15/"><requestId>1</requestId>'
+                  f"<reservationSet>{body}</reservationSet></DescribeInstancesResponse>").encode()  # fmt: skip
+
+        class Ec2(http.server.BaseHTTPRequestHandler):
+            def do_POST(self) -> None:
+                self.rfile.read(int(self.headers["Content-Length"]))
+                self.send_response(200)
+                self.send_header("Content-Length", str(len(answer)))
+                self.end_headers()
+                self.wfile.write(answer)
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Ec2)
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        try:
+            assert found(f"http://127.0.0.1:{server.server_address[1]}") == "i-0older00000000001"
+        finally:
+            server.shutdown()
 
 
 class TestQualityGates:
