@@ -22,26 +22,35 @@ class NodeInstance:
     state: str
     state_reason: str = ""  # EC2's StateReason message (why a node is still pending)
     reservation_id: str = ""  # the capacity reservation or block it runs in
+    newer: tuple[str, ...] = ()  # the node's other instances, launched after this one (a surge's replacement)
 
 
 def find_nodes(ec2: Any, cluster: str) -> dict[str, NodeInstance]:
-    """Instances tagged gptoss:cluster=CLUSTER that are pending or running, by node name."""
+    """Instances tagged gptoss:cluster=CLUSTER that are pending or running, by node name.
+
+    A node with two (a surge: the replacement launched beside the old one) is its oldest, which
+    serves and holds the node's name until its group lets it go (as gptoss-members and the port
+    forward's lookup choose); the others are listed as newer. EC2 lists in no promised order."""
     pages = ec2.get_paginator("describe_instances").paginate(
         Filters=[
             {"Name": "tag:gptoss:cluster", "Values": [cluster]},
             {"Name": "instance-state-name", "Values": ["pending", "running"]},
         ]
     )
-    out = {}
+    by_node: dict[str, list[dict[str, Any]]] = {}
     for page in pages:
         for res in page["Reservations"]:
             for i in res["Instances"]:
                 tags = {t["Key"]: t["Value"] for t in i.get("Tags", [])}
-                name = tags.get("gptoss:node", i["InstanceId"])
-                out[name] = NodeInstance(
-                    name, tags.get("gptoss:role", "?"), i["InstanceId"], i.get("PrivateIpAddress", ""), i["State"]["Name"],
-                    state_reason=i.get("StateReason", {}).get("Message", ""), reservation_id=i.get("CapacityReservationId", ""),
-                )  # fmt: skip
+                by_node.setdefault(tags.get("gptoss:node", i["InstanceId"]), []).append(i | {"Tags": tags})
+    out = {}
+    for name, found in by_node.items():
+        i, *newer = sorted(found, key=lambda i: (str(i.get("LaunchTime", "")), i["InstanceId"]))
+        out[name] = NodeInstance(
+            name, i["Tags"].get("gptoss:role", "?"), i["InstanceId"], i.get("PrivateIpAddress", ""), i["State"]["Name"],
+            state_reason=i.get("StateReason", {}).get("Message", ""), reservation_id=i.get("CapacityReservationId", ""),
+            newer=tuple(n["InstanceId"] for n in newer),
+        )  # fmt: skip
     return out
 
 

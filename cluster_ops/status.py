@@ -61,6 +61,8 @@ class Identity:
     last_cause: str = ""  # the group's words for the latest replacement or failed launch
     last_at: str = ""
     reported: str = ""  # what the node said of itself when it asked to be replaced (gptoss-health-watch)
+    private_ip: str = ""
+    newer: tuple[str, ...] = ()  # a replacement launched beside the instance (a surge), not holding the name yet
 
 
 @dataclass
@@ -116,7 +118,8 @@ def identities(
                 when = start.strftime("%Y-%m-%d %H:%M UTC") if hasattr(start, "strftime") else str(start or "")
             if terminated and logs is not None:
                 reported = _self_report(cfg, logs, n.name)
-        out.append(Identity(n.name, inst.instance_id if inst else "", inst.state if inst else "", replaced, cause, when, reported))
+        held = (inst.instance_id, inst.state, inst.private_ip, inst.newer) if inst else ("", "", "", ())
+        out.append(Identity(n.name, held[0], held[1], replaced, cause, when, reported, private_ip=held[2], newer=held[3]))
     return out
 
 

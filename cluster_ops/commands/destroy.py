@@ -60,7 +60,8 @@ def what_goes(cfg: ClusterConfig) -> str:
             + (", the compile cache bucket and the caches in it" if not cfg.compile_cache_s3_uri and cfg.compile_cache_bucket else ""))  # fmt: skip
     try:
         live = find_nodes(common.session(cfg).client("ec2"), cfg.cluster_name)
-        text += f"; running now: {len(live)} instance{'s' if len(live) != 1 else ''} tagged gptoss:cluster={cfg.cluster_name}"
+        count = sum(1 + len(n.newer) for n in live.values())  # a surge's replacement is an instance too
+        text += f"; running now: {count} instance{'s' if count != 1 else ''} tagged gptoss:cluster={cfg.cluster_name}"
     except Exception as e:
         reason = explain(e, region=cfg.region) or f"{type(e).__name__}"
         text += f"; could not list the running instances ({reason.split('. Fix')[0]})"

@@ -77,7 +77,9 @@ def identity_table(cfg: ClusterConfig, status: Any) -> Table:
     for col in ("node", "instance", "replaced", "latest replacement or failed launch"):
         t.add_column(col, overflow="fold")
     for i in status.identities:
-        instance = f"{i.instance_id} ({i.state})" if i.instance_id else "[red]none running[/]"
+        instance = f"{i.instance_id} ({', '.join(filter(None, [i.state, i.private_ip]))})" if i.instance_id else "[red]none running[/]"
+        if i.newer:
+            instance += f"; its replacement beside it: {', '.join(i.newer)}"
         why = " ".join(filter(None, [i.last_at, i.last_cause, f"- the node said: {i.reported}" if i.reported else ""])) or "-"
         t.add_row(i.node, instance, str(i.replaced), why)
     return t

@@ -491,6 +491,54 @@ def test_status_shows_each_identitys_instance_its_replacements_and_why(aws: None
     assert (got["decode-0"].replaced, got["decode-0"].last_cause) == (0, no_room["StatusMessage"])
 
 
+def test_status_names_each_nodes_instance_and_address_and_a_surges_replacement_beside_the_old_one(aws: None) -> None:
+    """During a surge a node has two instances: status and the commands that act on a node take the
+    old one, which serves and holds the name until its group lets it go, and show the replacement
+    beside it; the address is the one a client in the VPC connects to again after a replacement."""
+    from botocore.stub import Stubber
+    from rich.console import Console
+
+    from cluster_ops.commands.status import identity_table
+    from cluster_ops.remote import find_nodes
+    from cluster_ops.status import ClusterStatus, identities
+
+    cfg = load_config({})
+    ids = launch(cfg)
+    ec2 = boto3.client("ec2", region_name=REGION)
+    new = launch(cfg, ["prefill-0"])["prefill-0"]
+    ip = {i["InstanceId"]: i["PrivateIpAddress"] for r in ec2.describe_instances()["Reservations"] for i in r["Instances"]}
+
+    def table(client: Any) -> str:
+        console = Console(width=250, record=True)
+        console.print(identity_table(cfg, ClusterStatus(identities=identities(cfg, find_nodes(client, cfg.cluster_name), None))))
+        return console.export_text()
+
+    rows = table(ec2)
+    assert f"prefill-0 │ {ids['prefill-0']} (running, {ip[ids['prefill-0']]}); its replacement beside it: {new} │" in rows
+    assert f"decode-0  │ {ids['decode-0']} (running, {ip[ids['decode-0']]}) " in rows
+    ec2.terminate_instances(InstanceIds=[ids["prefill-0"]])
+    assert f"prefill-0 │ {new} (running, {ip[new]}) " in table(ec2)
+
+    # EC2 promises no order: listed newest first, the old instance is still the node's.
+    listed = [("i-0newer00000000001", dt.datetime(2026, 12, 4, 10, 30, tzinfo=dt.UTC)), ("i-0older00000000001", dt.datetime(2026, 12, 4, 9, 0, tzinfo=dt.UTC))]
+    tags = [{"Key": "gptoss:cluster", "Value": cfg.cluster_name}, {"Key": "gptoss:node", "Value": "prefill-0"}, {"Key": "gptoss:role", "Value": "prefill"}]
+    stubbed = boto3.client("ec2", region_name=REGION)
+    with Stubber(stubbed) as stub:
+        stub.add_response("describe_instances", {"Reservations": [{"Instances": [{"InstanceId": i, "LaunchTime": at, "State": {"Name": "running", "Code": 16},
+                                                                                  "PrivateIpAddress": "10.0.0.9", "Tags": tags}]} for i, at in listed]})  # fmt: skip
+        got = find_nodes(stubbed, cfg.cluster_name)
+    assert (got["prefill-0"].instance_id, got["prefill-0"].newer) == ("i-0older00000000001", ("i-0newer00000000001",))
+
+
+def test_destroy_counts_a_surges_replacement_among_the_instances_it_terminates(aws: None) -> None:
+    from cluster_ops.commands.destroy import what_goes
+
+    cfg = load_config({})
+    launch(cfg)
+    launch(cfg, ["prefill-0"])  # launched beside the old one
+    assert what_goes(cfg).endswith("; running now: 3 instances tagged gptoss:cluster=gptoss-8k1k")
+
+
 # ---- status ends with a summary and the likeliest cause ---------------------------------------
 
 
