@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import ROOT
-from tests.lifecycle.test_deploy_destroy import LocalAws, inventory
+from tests.lifecycle.local_aws import LocalAws, inventory
 from tests.local_moto import MotoServer, free_port
 
 pytestmark = pytest.mark.lifecycle
