@@ -15,6 +15,10 @@ takes the name it reads the deployed template by (`cdk diff` then showed every c
 4. DeleteChangeSet of a change set that does not exist answers 500 (an unbound variable), which
 the CDK retries for most of a minute before each `cdk diff`. Here it answers what AWS answers.
 
+5. UpdateStack with UsePreviousValue for a parameter the stack took from its template's default
+(the CDK's BootstrapVersion) answers 500 (KeyError): moto keeps only the values it was given. On
+AWS the previous value is the one the stack resolved, the default here: the parameter is left to it.
+
 `gptoss local up` starts moto this way, and so do the tests that deploy to a local AWS. Nothing
 here runs against AWS: it changes only the moto server it starts.
 
@@ -99,11 +103,19 @@ def _delete_change_set(self: Any, change_set_name: str) -> None:
     del self.change_sets[found[0]]
 
 
+def _resolve_update_parameters(self: Any, instance: Any, incoming_params: list[dict[str, str]]) -> dict[str, str]:
+    parameters = {p["ParameterKey"]: p["ParameterValue"] for p in incoming_params if "ParameterValue" in p}
+    previous = {p["ParameterKey"]: instance.parameters[p["ParameterKey"]] for p in incoming_params
+                if p.get("UsePreviousValue", False) and p["ParameterKey"] in instance.parameters}  # fmt: skip
+    return parameters | previous
+
+
 if __name__ == "__main__":
     from moto.cloudformation.models import CloudFormationBackend, Stack
     from moto.server import main
 
     CloudFormationBackend.describe_stack_resources = _describe_stack_resources  # type: ignore[method-assign,assignment]
     CloudFormationBackend.delete_change_set = _delete_change_set  # type: ignore[method-assign]
+    CloudFormationBackend._resolve_update_parameters = _resolve_update_parameters  # type: ignore[method-assign]
     Stack.physical_resource_id = property(lambda self: self.stack_id)  # type: ignore[assignment,method-assign]
     main(sys.argv[1:])
