@@ -103,6 +103,7 @@ class NodeCell(NestedStack):
                     scripts_uri=shared.scripts_uri,
                     scripts_sha256=shared.scripts_sha256,
                     signal_url=gate.url if gate else None,
+                    gate_id=gate.condition_id if gate else None,
                     router_uri=shared.router_uri,
                     compile_cache_uri=shared.cache.uri if shared.cache else None,
                 ),
@@ -125,16 +126,23 @@ class NodeCell(NestedStack):
             self._chain(config, cell, gates)
 
     def _chain(self, config: ClusterConfig, cell: Cell, gates: dict[str, NodeReadyGate]) -> None:
-        """The rollout's lanes (docs/design.md 'Changes'): a node's group updates after every earlier
-        node of its lane has served (its deploy gate; its group when there is none). A role of n
-        nodes has rollout.batch(n) lanes, node i in lane i mod lanes, so at most that many of the
-        role are replaced at once. Every earlier node of the lane, not only the one before: a node
-        the change leaves alone does not hold the lane, and the next changed one waits for the last
-        changed one before it. The first deploy is not chained (the stack's `chained`)."""
-        lanes = config.rollout.batch(sum(1 for n in config.layout.nodes if n.role == cell.role))
+        """The rollout's lanes (docs/design.md 'Changes'). A role of n nodes has rollout.lanes(n) lanes,
+        node i in lane i mod lanes, so at most that many of the role are replaced at once.
+
+        A node's turn comes when every earlier node of its lane has served: its deploy gate's *handle*
+        waits for their gates, so the handle (and the presigned URL it makes, valid 24 hours), the
+        launch template version that carries the URL and the group's update all start at the node's
+        turn, never when the stack's update starts (CloudFormation makes a resource with no
+        dependency at once). Its group also waits for the earlier groups of its lane: a rollback
+        re-applies the previous template, whose gates are long done, so only the groups' own order
+        keeps the rollback to one node of a lane at a time. Every earlier node of the lane, not only
+        the one before: a node the change leaves alone does not hold the lane, and the next changed
+        one waits for the last changed one before it. The first deploy is not chained."""
+        lanes = config.rollout.lanes(sum(1 for n in config.layout.nodes if n.role == cell.role), config.surge)
         for node in cell.nodes:
             group = self.nodes[node.name].group
             for before in cell.nodes:
                 if before.index < node.index and (node.index - before.index) % lanes == 0:
-                    waits_for = gates[before.name].condition if before.name in gates else self.nodes[before.name].group
-                    group.add_resource_dependency(waits_for)
+                    group.add_resource_dependency(self.nodes[before.name].group)
+                    if node.name in gates and before.name in gates:
+                        gates[node.name].handle.add_resource_dependency(gates[before.name].condition)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from aws_cdk import CfnWaitCondition, CfnWaitConditionHandle
+from aws_cdk import CfnWaitCondition, CfnWaitConditionHandle, Stack
 from constructs import Construct
 
 from clusterspec.render import NodeRender
@@ -30,3 +30,8 @@ class NodeReadyGate(Construct):
     def url(self) -> str:
         """The handle's presigned URL (a token until deploy)."""
         return self.handle.ref
+
+    @property
+    def condition_id(self) -> str:
+        """The wait condition's logical id in its stack: the node asks CloudFormation whether it was answered."""
+        return Stack.of(self).get_logical_id(self.condition)

@@ -232,11 +232,14 @@ class NodeIdentityRole(Construct):
             # gptoss-members: the fleet's running instances by tag, and when two run for one node (a surge), which
             # one its group is terminating (neither Describe* has a narrower resource).
             statements.append(iam.PolicyStatement(actions=["autoscaling:DescribeAutoScalingInstances", "ec2:DescribeInstances"], resources=["*"]))
-        if config.surge:
-            # gptoss-signal: a surge rollout's signal, to this node's own group in its own stack (the cell, by its id),
-            # which it finds in its instance's aws:cloudformation:* tags.
+        if config.wait_for_ready:
+            # gptoss-signal: its verdict to this node's own group in its own stack (the cell, by its id), which it
+            # finds in its instance's aws:cloudformation:* tags (a surge, or a rollback's replacement, waits for it),
+            # and whether its gate was answered already (a replacement does not answer it again). Whatever the
+            # rollout's policy: a policy change then changes no node's grants.
             statements.append(iam.PolicyStatement(actions=["ec2:DescribeTags"], resources=["*"]))
-            statements.append(iam.PolicyStatement(actions=["cloudformation:SignalResource"], resources=[Stack.of(self).stack_id]))
+            statements.append(iam.PolicyStatement(actions=["cloudformation:DescribeStackResource", "cloudformation:SignalResource"],
+                                                  resources=[Stack.of(self).stack_id]))  # fmt: skip
         if router_object_arn:
             # The router's pinned wheel (the stack's asset), by its exact ARN.
             statements.append(in_account(iam.PolicyStatement(actions=["s3:GetObject"], resources=[router_object_arn])))
@@ -271,8 +274,8 @@ class NodeIdentityRole(Construct):
             )
         wide = ([("ec2:DescribeInstances and autoscaling:DescribeAutoScalingInstances", "the node reads the fleet's members (instances by tag, "
                   "and which of two is leaving) with them")] if reads_members else []) + (
-            [("ec2:DescribeTags", "the node reads its own instance's aws:cloudformation tags (its group, for the surge signal) with it")]
-            if config.surge else []) + (
+            [("ec2:DescribeTags", "the node reads its own instance's aws:cloudformation tags (its group, for its signal) with it")]
+            if config.wait_for_ready else []) + (
             [("autoscaling:DescribeScalingActivities", "the health watch counts the cluster's recent replacements (its budget) with it")]
             if config.healing.report_unhealthy else [])  # fmt: skip
         if wide:

@@ -19,6 +19,7 @@ from cluster_constructs.launch_template import capacity_options, group_capacity,
 from clusterspec.config import ClusterConfig
 from clusterspec.paths import holder_name
 from clusterspec.render import NodeRender
+from clusterspec.sections.rollout import PAUSE_MAX_S
 
 # Every process of a group a rolling update must not trip over: the update replaces the instance
 # itself, and a health check or a replacement in the middle would fight it.
@@ -137,7 +138,12 @@ class ClusterNode(Construct):
         # the replacement launches, and the update waits for its signal (gptoss-signal, once it serves)
         # before it terminates the old instance; a failure signal or no signal within surge_timeout_s
         # terminates the replacement instead and rolls the stack back. Without surge (capacity sized to
-        # the fleet): terminate, then launch; the lane's next node waits for this one's deploy gate.
+        # the fleet): terminate, then launch, and wait up to an hour for the replacement's signal
+        # without requiring it (MinSuccessfulInstancesPercent 0: a timeout or a FAILURE counts, and the
+        # update goes on; the node's deploy gate, up to 12 hours, judges it and holds the lane). That
+        # wait is what paces a rollback, which re-applies this policy to the previous version: the
+        # previous gates are long done, so without it every node the change reached would be
+        # relaunched at once. No gate, no signal: nothing to wait for.
         surge = config.surge
         self.surge = surge
         self.group.max_size = "2" if surge else "1"
@@ -145,8 +151,9 @@ class ClusterNode(Construct):
             auto_scaling_rolling_update=CfnAutoScalingRollingUpdate(
                 min_instances_in_service=1 if surge else 0,
                 max_batch_size=1,
-                wait_on_resource_signals=surge,
-                pause_time=f"PT{config.rollout.surge_timeout_s}S" if surge else "PT0S",
+                wait_on_resource_signals=config.wait_for_ready,
+                pause_time=f"PT{config.rollout.surge_timeout_s if surge else PAUSE_MAX_S}S" if config.wait_for_ready else "PT0S",
+                min_successful_instances_percent=None if surge or not config.wait_for_ready else 0,
                 suspend_processes=ROLLING_UPDATE_SUSPENDS,
             )
         )

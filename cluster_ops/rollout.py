@@ -25,9 +25,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from cluster_ops import common, stack
+from cluster_ops import common
 from clusterspec.config import ClusterConfig
-from clusterspec.sections.rollout import FIRST_DEPLOY_CONTEXT
 
 Template = dict[str, Any]
 # What CloudFormation rolls a group for (AutoScalingRollingUpdate), beside its launch template.
@@ -80,22 +79,36 @@ def node_launches(resources: Mapping[str, Any]) -> dict[str, str]:
     return out
 
 
-def synthesized(assembly: Path, stack_name: str) -> dict[str, Any]:
-    """The flattened resources of a cloud assembly the CDK wrote (`cdk synth --output DIR`)."""
+Templates = dict[str, Template]  # '' -> the stack's template, a cell's nested stack logical id -> its template
+
+
+def assembly_templates(assembly: Path, stack_name: str) -> Templates:
+    """The stack's template and each cell's, from a cloud assembly the CDK wrote (`cdk synth --output DIR`)."""
     parent = json.loads((assembly / f"{stack_name}.template.json").read_text())
     manifest = assembly / f"{stack_name}.assets.json"
     files = json.loads(manifest.read_text()).get("files", {}) if manifest.exists() else {}
-
-    def nested(lid: str) -> Template | None:
-        res = parent["Resources"][lid]
+    out: Templates = {"": parent}
+    for lid, res in parent.get("Resources", {}).items():
+        if res.get("Type") != "AWS::CloudFormation::Stack":
+            continue
         path = res.get("Metadata", {}).get("aws:asset:path")
         if not path:
             # Without the CLI's metadata: the cell's template is the asset its TemplateURL names (<sha256>.json).
             url = json.dumps(res.get("Properties", {}).get("TemplateURL", ""))
             path = next((f["source"]["path"] for h, f in files.items() if f"/{h}.json" in url), None)
-        return json.loads((assembly / path).read_text()) if path else None
+        if path:
+            out[lid] = json.loads((assembly / path).read_text())
+    return out
 
-    return flatten(parent, nested)
+
+def flatten_templates(templates: Templates) -> dict[str, Any]:
+    """Every resource of the stack and of its cells (see flatten)."""
+    return flatten(templates[""], templates.get)
+
+
+def synthesized(assembly: Path, stack_name: str) -> dict[str, Any]:
+    """The flattened resources of a cloud assembly the CDK wrote (`cdk synth --output DIR`)."""
+    return flatten_templates(assembly_templates(assembly, stack_name))
 
 
 def _template_body(cfn: Any, stack: str) -> Template:
@@ -103,15 +116,19 @@ def _template_body(cfn: Any, stack: str) -> Template:
     return body if isinstance(body, dict) else json.loads(body)
 
 
-def deployed(cfn: Any, stack_name: str) -> dict[str, Any]:
-    """The flattened resources of the deployed stack and its cells, as CloudFormation holds them."""
-    parent = _template_body(cfn, stack_name)
-    cells = {}
+def deployed_templates(cfn: Any, stack_name: str) -> Templates:
+    """The deployed stack's template and each cell's, as CloudFormation holds them."""
+    out: Templates = {"": _template_body(cfn, stack_name)}
     for page in cfn.get_paginator("list_stack_resources").paginate(StackName=stack_name):
         for r in page["StackResourceSummaries"]:
             if r["ResourceType"] == "AWS::CloudFormation::Stack" and r.get("PhysicalResourceId"):
-                cells[r["LogicalResourceId"]] = r["PhysicalResourceId"]
-    return flatten(parent, lambda lid: _template_body(cfn, cells[lid]) if lid in cells else None)
+                out[r["LogicalResourceId"]] = _template_body(cfn, r["PhysicalResourceId"])
+    return out
+
+
+def deployed(cfn: Any, stack_name: str) -> dict[str, Any]:
+    """The flattened resources of the deployed stack and its cells, as CloudFormation holds them."""
+    return flatten_templates(deployed_templates(cfn, stack_name))
 
 
 @dataclass
@@ -156,16 +173,40 @@ def _depends(res: Mapping[str, Any]) -> list[str]:
     return [d] if isinstance(d, str) else list(d)
 
 
+def _handle_of(resources: Mapping[str, Any], group: str) -> Mapping[str, Any]:
+    """The deploy gate's handle whose URL a group's launch template carries ({} when none)."""
+    scope, _, _ = group.rpartition("/")
+    ref = (resources[group].get("Properties", {}).get("LaunchTemplate") or {}).get("LaunchTemplateId") or {}
+    template = resources.get(f"{scope}/{ref['Ref']}" if scope else ref["Ref"], {}) if isinstance(ref, dict) and "Ref" in ref else {}
+    for name in _refs(template.get("Properties", {})):
+        res = resources.get(f"{scope}/{name}" if scope else name, {})
+        if res.get("Type") == "AWS::CloudFormation::WaitConditionHandle":
+            return res
+    return {}
+
+
+def _refs(value: Any) -> set[str]:
+    if isinstance(value, dict):
+        if set(value) == {"Ref"} and isinstance(value["Ref"], str):
+            return {value["Ref"]}
+        return set().union(*(_refs(v) for v in value.values())) if value else set()
+    if isinstance(value, list):
+        return set().union(*(_refs(v) for v in value)) if value else set()
+    return set()
+
+
 def waits_for(resources: Mapping[str, Any]) -> dict[str, set[str]]:
-    """Each node -> the nodes whose update its group's update waits for (its DependsOn, read from the
-    template: gates and groups of its lane in its cell, and every node of a cell its cell waits for)."""
+    """Each node -> the nodes whose update its own waits for, read from the template: what its group
+    and its gate's handle depend on (the earlier groups and gates of its lane in its cell), and every
+    node of a cell its cell waits for."""
     names = _node_of(resources)
     out: dict[str, set[str]] = {}
     for lid, res in resources.items():
         if res.get("Type") != "AWS::AutoScaling::AutoScalingGroup" or lid not in names:
             continue
         scope, _, _ = lid.rpartition("/")
-        deps = {names[f"{scope}/{d}" if scope else d] for d in _depends(res) if (f"{scope}/{d}" if scope else d) in names}
+        depends = _depends(res) + _depends(_handle_of(resources, lid))
+        deps = {names[f"{scope}/{d}" if scope else d] for d in depends if (f"{scope}/{d}" if scope else d) in names}
         if scope:
             for cell in _depends(resources.get(scope, {})):
                 deps |= set(names.get(f"cell:{cell}", "").split())
@@ -198,7 +239,7 @@ def group_surges(resources: Mapping[str, Any]) -> dict[str, bool]:
     return out
 
 
-def _order(name: str) -> tuple[str, int]:
+def order(name: str) -> tuple[str, int]:
     role, _, index = name.rpartition("-")
     return (role, int(index)) if index.isdigit() else (name, 0)
 
@@ -207,7 +248,7 @@ def compare(before: Mapping[str, Any], after: Mapping[str, Any]) -> Rollout:
     """What a deploy from BEFORE's resources to AFTER's does to each node."""
     old, new = node_launches(before), node_launches(after)
     r = Rollout(surge=group_surges(after))
-    for node in sorted(set(old) | set(new), key=_order):
+    for node in sorted(set(old) | set(new), key=order):
         if node not in old:
             r.launched.append(node)
         elif node not in new:
@@ -221,11 +262,11 @@ def compare(before: Mapping[str, Any], after: Mapping[str, Any]) -> Rollout:
     return r
 
 
-def _span(names: list[str]) -> str:
+def span(names: list[str]) -> str:
     """Runs of one role as first..last: prefill-0..2, decode-0..7, decode-9."""
     runs: list[tuple[str, int, int]] = []
     for name in names:
-        role, index = _order(name)
+        role, index = order(name)
         if runs and runs[-1][0] == role and runs[-1][2] == index - 1:
             runs[-1] = (role, runs[-1][1], index)
         else:
@@ -253,8 +294,11 @@ def role_lines(cfg: ClusterConfig, r: Rollout, ready_min: float | None = None) -
         k = 0 if surged else max(per_batch)
         if ready_min is not None:
             took = f"about {n_batches * ready_min:.0f} min ({n_batches} x {ready_min:.0f} min, a node's time to serve at the last deploy)"
+        elif cfg.wait_for_ready and surged:
+            took = (f"about {n_batches} x a node's time to serve (each batch up to {cfg.rollout.surge_timeout_s // 60} min from its turn: "
+                    "a surge replacement's signal)")  # fmt: skip
         elif cfg.wait_for_ready:
-            took = f"about {n_batches} x a node's time to serve (each batch waits for its deploy gates, up to {-(-cfg.gate_timeout_s // 60)} min each)"
+            took = f"about {n_batches} x a node's time to serve (each batch waits for its deploy gates, up to {-(-cfg.gate_timeout_s // 60)} min from its turn)"
         else:
             took = f"about {n_batches} x a node's time to launch (no deploy gate: wait_for_ready false)"
         lines.append(
@@ -270,10 +314,10 @@ def describe(cfg: ClusterConfig, r: Rollout, ready_min: float | None = None) -> 
     total = len(r.kept) + len(r.replaced)
     lines = []
     if r.replaced:
-        order = "; ".join(f"batch {b}: {_span([n for n in r.replaced if r.batch.get(n, 1) == b])}" for b in sorted(set(r.batch.values())))
+        in_batches = "; ".join(f"batch {b}: {span([n for n in r.replaced if r.batch.get(n, 1) == b])}" for b in sorted(set(r.batch.values())))
         how = ("each replacement launched and serving before its old instance is terminated (surge)"
                if all(r.surge.get(n) for n in r.replaced) else "each node's group terminates its instance, then launches the new one")  # fmt: skip
-        lines.append(f"this deploy replaces the instances of {len(r.replaced)} of the {total} running nodes, in batches ({how}): {order}")
+        lines.append(f"this deploy replaces the instances of {len(r.replaced)} of the {total} running nodes, in batches ({how}): {in_batches}")
         lines += [f"  {line}" for line in role_lines(cfg, r, ready_min)]
         if any(all(n in r.replaced and not r.surge.get(n) and r.batch.get(n) == 1 for n in names) for names in _by_role(cfg).values()):
             lines.append("  a role with every node in one batch and no surge serves nothing: the endpoint is down until the replacements serve")
@@ -281,7 +325,7 @@ def describe(cfg: ClusterConfig, r: Rollout, ready_min: float | None = None) -> 
         if moved and not cfg.load_balanced:
             # The endpoint is the node's instance itself: a port forward is a session to that instance.
             kind, lb = ("Proxy", ", or set proxy_load_balancer=true for one address through replacements") if cfg.serving.disaggregated else ("Server", "")
-            lines.append(f"  {_span(moved)} {'serves' if len(moved) == 1 else 'serve'} the endpoint with no load balancer: a client's "
+            lines.append(f"  {span(moved)} {'serves' if len(moved) == 1 else 'serve'} the endpoint with no load balancer: a client's "
                          f"port forward (stack output {kind}PortForward) or address ends with the old instance; connect again once "
                          f"it is gone (gptoss status shows the new address){lb}")  # fmt: skip
         if any(r.surge.get(n) for n in r.replaced):
@@ -291,11 +335,11 @@ def describe(cfg: ClusterConfig, r: Rollout, ready_min: float | None = None) -> 
     else:
         lines.append(f"this deploy replaces no instance ({total} running node{'s keep their own' if total != 1 else ' keeps its own'})")
     if r.launched:
-        lines.append(f"  launched: {_span(r.launched)}")
+        lines.append(f"  launched: {span(r.launched)}")
     if r.removed:
-        lines.append(f"  removed (instance terminated): {_span(r.removed)}")
+        lines.append(f"  removed (instance terminated): {span(r.removed)}")
     if r.kept and r.replaced:
-        lines.append(f"  kept: {_span(r.kept)}")
+        lines.append(f"  kept: {span(r.kept)}")
     return lines
 
 
@@ -304,20 +348,6 @@ def _by_role(cfg: ClusterConfig) -> dict[str, list[str]]:
     for node in cfg.layout.nodes:
         roles.setdefault(node.role, []).append(node.name)
     return roles
-
-
-def preview(cfg: ClusterConfig, context: list[str], assembly: Path) -> Rollout | None:
-    """Synthesize into ASSEMBLY (what the deploy then deploys, unchanged) and compare it with what is
-    deployed; None when the stack is not deployed: a first deploy launches every node at once (the
-    synth is told, gptoss:first-deploy, and leaves the rollout's chain out)."""
-    first = not stack.exists(cfg)
-    more = [f"{FIRST_DEPLOY_CONTEXT}=true"] if first else []
-    code = stack.cdk("synth", cfg, context + more, ["--quiet", "--output", str(assembly)])
-    if code != 0:
-        raise common.CliError(f"cdk synth of {cfg.stack_name} failed (exit {code}): nothing was changed.", code)
-    if first:
-        return None
-    return compare(deployed(common.session(cfg).client("cloudformation"), cfg.stack_name), synthesized(assembly, cfg.stack_name))
 
 
 def surge_found_no_capacity(cfg: ClusterConfig, autoscaling: Any, nodes: list[str], since: Any) -> str:
@@ -334,14 +364,6 @@ def surge_found_no_capacity(cfg: ClusterConfig, autoscaling: Any, nodes: list[st
                 if a.get("StartTime") and a["StartTime"] >= since and a.get("StatusCode") in ("Failed", "Cancelled") and any(c in said for c in CAPACITY_CODES):
                     return f"{node}: {said.strip()[:200]}"
     return ""
-
-
-def say(cfg: ClusterConfig, r: Rollout | None) -> None:
-    """The preview, on stderr; a replacement's time from the last deploy's gates (measured_ready_min), when CloudFormation says."""
-    ready_min = measured_ready_min(common.session(cfg).client("cloudformation"), cfg.stack_name) if r is not None and r.replaced else None
-    lines = describe(cfg, r, ready_min) if r is not None else [f"{cfg.stack_name} is not deployed: a deploy launches all {len(cfg.layout.nodes)} nodes at once"]
-    for line in lines:
-        print(line, file=sys.stderr)
 
 
 def confirm(cfg: ClusterConfig, r: Rollout, *, yes: bool) -> None:
@@ -402,11 +424,11 @@ def progress(cfg: ClusterConfig, cfn: Any, autoscaling: Any) -> list[str]:
                              for x in g.get("Instances", []))  # fmt: skip
                 nodes[names[g["AutoScalingGroupName"]]] = NodeProgress(names[g["AutoScalingGroupName"]], version, inst)
     waiting = _in_progress(cfn, cfg.stack_name)
-    pending = [n for n in sorted(nodes, key=_order) if nodes[n].phase != "new"]
+    pending = [n for n in sorted(nodes, key=order) if nodes[n].phase != "new"]
     lines = [f"rollout in progress ({status}): {len(nodes) - len(pending)} of {len(nodes)} nodes on their group's current version"]
     resources = deployed(cfn, cfg.stack_name)
     left = batches(pending, waits_for(resources))
-    for n in sorted(nodes, key=_order):
+    for n in sorted(nodes, key=order):
         p = nodes[n]
         runs = ", ".join(f"{iid} v{v or '?'} {state}" for iid, v, state in p.instances) or "no instance"
         batch = f", batch {left[n]} of those left" if n in left else ""

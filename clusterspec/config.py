@@ -589,11 +589,12 @@ def _check_capacity(self: ClusterConfig, partition: str | None) -> None:  # the 
 
 def interface_endpoints(cfg: ClusterConfig) -> tuple[str, ...]:
     """The interface endpoints the stack makes without egress (one ENI each in the subnet): SSM, EC2 and Auto Scaling
-    for the members and self-reports, CloudFormation for a surge's signal, CloudWatch for telemetry."""
+    for the members and self-reports, CloudFormation for a node's signal to its group, CloudWatch for telemetry."""
     if not cfg.network.wants_ssm_endpoints:
         return ()
-    # ec2: the members (and a surge's own tags); autoscaling: a node's report, the members' leaving instance.
-    members = ("ec2",) if any(cfg.layout.proxies) or cfg.surge else ()
+    # ec2: the members (and a node's own tags, for its signal); autoscaling: a node's report, the members' leaving instance.
+    members = ("ec2",) if any(cfg.layout.proxies) or cfg.wait_for_ready else ()
     healing = ("autoscaling",) if cfg.healing.report_unhealthy or any(cfg.layout.proxies) else ()
-    surge = ("cloudformation",) if cfg.surge else ()
-    return ("ssm", "ssmmessages", "ec2messages", *members, *healing, *surge) + (("logs", "monitoring") if cfg.observability.enabled else ())
+    # cloudformation: a node's verdict to its group (a surge's or a rollback's update waits for it), whatever the policy.
+    signal = ("cloudformation",) if cfg.wait_for_ready else ()
+    return ("ssm", "ssmmessages", "ec2messages", *members, *healing, *signal) + (("logs", "monitoring") if cfg.observability.enabled else ())

@@ -45,7 +45,7 @@ PER_GATE_BYTES = 900  # a node's wait condition and handle (deploy gate)
 PER_SILENT_ALARM_BYTES = 1_200  # a node's NodeSilent alarm
 PER_NODE_RESOURCES = 4
 PER_ROLLOUT_BYTES = 750  # a node's drain hook, its group's surge policy, a router node's two more reads
-PER_DEPENDENCY_BYTES = 80  # one id in a group's DependsOn: an earlier gate of its lane (the rollout's chain)
+PER_DEPENDENCY_BYTES = 80  # one id in a DependsOn: an earlier group (a group's) or gate (a handle's) of its lane (the rollout's chain)
 # Nodes of one shape differ only in digits; xz packs different digits into a few bytes more or
 # less. Measured over the examples and recipes (tests/unit/test_limits.py compares with every
 # node rendered): under 16 bytes of user data. Twice that, per node.
@@ -121,6 +121,7 @@ def _user_data_bytes(cfg: ClusterConfig, layout: Layout, node: Node, *, compress
             scripts_uri=SCRIPTS_URI_PLACEHOLDER,
             scripts_sha256="0" * 64,
             signal_url="x" * 60 if cfg.wait_for_ready else None,
+            gate_id="x" * 48 if cfg.wait_for_ready else None,
             router_uri=SCRIPTS_URI_PLACEHOLDER,
             compile_cache_uri=SCRIPTS_URI_PLACEHOLDER,
             compress=compress,
@@ -153,12 +154,14 @@ def estimate(cfg: ClusterConfig) -> StackSize:
     obs = cfg.observability
     alarm_bytes, alarm_resources = (PER_SILENT_ALARM_BYTES, 1) if obs.enabled else (0, 0)
     per_node = PER_NODE_BYTES + PER_CARD_BYTES * cfg.hardware.network_cards + gate_bytes + alarm_bytes + PER_ROLLOUT_BYTES
-    lanes: dict[str, int] = {role: cfg.rollout.batch(sum(1 for n in layout.nodes if n.role == role)) for role in {n.role for n in layout.nodes}}
+    lanes: dict[str, int] = {role: cfg.rollout.lanes(sum(1 for n in layout.nodes if n.role == role), cfg.surge) for role in {n.role for n in layout.nodes}}
+    # Each node's group waits for every earlier group of its lane in the cell, and its gate's handle for their gates.
+    chained = 2 if cfg.wait_for_ready else 1
 
     def chain_bytes(c: Cell) -> int:
-        """The rollout's chain in a cell: each node's group waits for every earlier node of its lane there."""
+        """The rollout's chain in a cell: each node waits for every earlier node of its lane there."""
         per_lane = lanes[str(c.role)]
-        return PER_DEPENDENCY_BYTES * sum(p // per_lane for p in range(len(c.nodes)))
+        return chained * PER_DEPENDENCY_BYTES * sum(p // per_lane for p in range(len(c.nodes)))
 
     # The template holds user data as text; CloudFormation base64-encodes it at deploy time.
     cell_sizes = tuple(

@@ -179,8 +179,6 @@ def cluster_env(cfg: ClusterConfig, node: Node) -> dict[str, str]:
         # A node that cannot serve marks its own instance unhealthy (gptoss-health-watch).
         "GPTOSS_UNHEALTHY_BACKOFF_S": str(cfg.healing.backoff_s),
         "GPTOSS_UNHEALTHY_NEURON_ERRORS": str(cfg.healing.neuron_errors),
-        # A surge rollout waits for this node's signal to its own group (gptoss-signal).
-        "GPTOSS_SURGE": "1" if cfg.surge else "0",
     } | _members_env(cfg, node)
 
 

@@ -148,8 +148,9 @@ IMDS_ROOT_ONLY = (
 )
 
 
-def _signal_line(url: str | None) -> str:
-    """The bootcmd line that writes the deploy gate's URL to a root-only file, or removes it.
+def _signal_line(url: str | None, gate_id: str | None = None) -> str:
+    """The bootcmd line that writes the deploy gate's URL (and its wait condition's logical id, which
+    the node asks CloudFormation about) to a root-only file, or removes it.
 
     A plain string line, not an argument list: cloud-init runs bootcmd as one shell script
     (`/bin/sh FILE`, the file root-only and removed after), so `printf` - a builtin - writes
@@ -157,7 +158,8 @@ def _signal_line(url: str | None) -> str:
     """
     if url is None:
         return f"rm -f {SIGNAL_ENV}"
-    return f"(umask 077 && printf '%s\\n' 'GPTOSS_SIGNAL_URL={url}' > {SIGNAL_ENV} && chmod 600 {SIGNAL_ENV})"
+    gate = f" 'GPTOSS_GATE={gate_id}'" if gate_id else ""
+    return f"(umask 077 && printf '%s\\n' 'GPTOSS_SIGNAL_URL={url}'{gate} > {SIGNAL_ENV} && chmod 600 {SIGNAL_ENV})"
 
 
 # libyaml's emitter when PyYAML has it: the same text (a test compares), without walking each
@@ -171,6 +173,7 @@ def user_data(
     scripts_uri: str,
     scripts_sha256: str,
     signal_url: str | None = None,
+    gate_id: str | None = None,
     router_uri: str | None = None,
     compile_cache_uri: str | None = None,
     compress: Compress = bundle,
@@ -203,7 +206,7 @@ def user_data(
         "bootcmd": [
             ["sh", "-c", _EXTRACT, base64.b64encode(compress(render.files)).decode()],
             ["sh", "-c", _DEPLOY, "sh", *values],
-            _signal_line(signal_url),
+            _signal_line(signal_url, gate_id),
             IMDS_ROOT_ONLY,
             [f"{BIN}/gptoss-bootstrap"],
         ],
@@ -218,7 +221,8 @@ def parse_user_data(text: str) -> tuple[dict[str, tuple[str, int]], dict[str, st
     assert extract[:3] == ["sh", "-c", _EXTRACT] and hosts[:4] == ["sh", "-c", _DEPLOY, "sh"], doc["bootcmd"]
     files = unbundle(base64.b64decode(extract[3]))
     deploy = parse_env_file("\n".join(hosts[4:]))
-    url = re.match(r"^\(umask 077 && printf '%s\\n' 'GPTOSS_SIGNAL_URL=([^']*)' > ", signal)
+    url = re.match(r"^\(umask 077 && printf '%s\\n' 'GPTOSS_SIGNAL_URL=([^']*)'(?: 'GPTOSS_GATE=([^']*)')? > ", signal)
     assert url or signal == _signal_line(None), signal
-    return files, deploy | ({"GPTOSS_SIGNAL_URL": url.group(1)} if url else {}), doc
+    gate = {"GPTOSS_SIGNAL_URL": url.group(1)} | ({"GPTOSS_GATE": url.group(2)} if url.group(2) else {}) if url else {}
+    return files, deploy | gate, doc
 

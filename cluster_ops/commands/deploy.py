@@ -8,7 +8,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from cluster_ops import common, rollout, stack
+from cluster_ops import common, deploy_plan, rollout, stack
 from cluster_ops.growth import fleet_growth
 from clusterspec.config import ClusterConfig
 
@@ -44,17 +44,18 @@ def run(args: argparse.Namespace, extra: list[str]) -> int:
         context = [*context, "healing.report_unhealthy=false"]
         cfg = cfg.model_copy(update={"healing": cfg.healing.model_copy(update={"report_unhealthy": False})})
     image = resolve_image(cfg, args, "deploy")
-    code, r, started = _deploy(cfg, args, context + image, extra)
-    if code != 0 and r is not None and any(r.surge.values()):
-        # A surge that found no capacity for a replacement (common for large Trainium types) rolled back:
-        # the same change again without surge, within max_unavailable, said first (and asked, as any deploy).
-        short = rollout.surge_found_no_capacity(cfg, common.session(cfg).client("autoscaling"), r.replaced, started)
+    code, plan, started = _deploy(cfg, args, context + image, extra)
+    if code != 0 and plan is not None and plan.change is not None and any(plan.change.surge.values()):
+        # A surge that found no capacity (or quota) for a replacement (common for large Trainium types) rolled back:
+        # the same change again without surge, within max_unavailable, said first (and asked, as any deploy). Its
+        # plan makes the policy change an update of its own before the change.
+        short = rollout.surge_found_no_capacity(cfg, common.session(cfg).client("autoscaling"), plan.change.replaced, started)
         if short and stack.deployed_status(cfg) == "UPDATE_ROLLBACK_COMPLETE":
             print(f"the surge found no capacity for a replacement ({short}); the stack rolled back and every node kept its "
                   "instance. Deploying the same change again without surge (rollout.surge=off): each node's instance goes "
                   f"before its replacement launches, at most {cfg.rollout.max_unavailable} per role at a time", file=sys.stderr)  # fmt: skip
             cfg = cfg.model_copy(update={"rollout": cfg.rollout.model_copy(update={"surge": "off"})})
-            code, r, _ = _deploy(cfg, args, [*context, *image, "rollout.surge=off"], extra)
+            code, plan, _ = _deploy(cfg, args, [*context, *image, "rollout.surge=off"], extra)
     # Recorded once the stack exists: a deploy refused before anything was made leaves no record.
     if code == 0 or stack.exists(cfg):
         common.record(cfg, context, image=image[0].split("=", 1)[1] if image else cfg.ami_id)
@@ -65,18 +66,19 @@ def run(args: argparse.Namespace, extra: list[str]) -> int:
     return code
 
 
-def _deploy(cfg: ClusterConfig, args: argparse.Namespace, context: list[str], extra: list[str]) -> tuple[int, rollout.Rollout | None, Any]:
-    """Synthesize once, say what the deploy replaces (and ask), deploy that assembly: (exit code, the rollout, when it started)."""
+def _deploy(cfg: ClusterConfig, args: argparse.Namespace, context: list[str], extra: list[str]) -> tuple[int, deploy_plan.DeployPlan, Any]:
+    """Synthesize once, say what the deploy does (and ask), deploy that assembly, its policy first when it
+    changes: (exit code, the plan, when it started)."""
     import datetime as dt
 
-    with tempfile.TemporaryDirectory(prefix="gptoss-assembly-") as assembly:
+    with tempfile.TemporaryDirectory(prefix="gptoss-assembly-") as workdir:
         # Synthesized once: what the rollout is computed from is what is deployed (cdk deploy --app DIR).
-        r = rollout.preview(cfg, context, Path(assembly))
-        rollout.say(cfg, r)
-        if r is not None:
-            rollout.confirm(cfg, r, yes=args.yes)
+        plan = deploy_plan.make(cfg, context, Path(workdir))
+        deploy_plan.say(plan)
+        if plan.change is not None:
+            rollout.confirm(plan.cfg, plan.change, yes=args.yes)
         started = dt.datetime.now(dt.UTC)
-        return stack.cdk("deploy", cfg, context, ["--app", assembly, *extra]), r, started
+        return deploy_plan.execute(plan, extra), plan, started
 
 
 def resolve_image(cfg: ClusterConfig, args: argparse.Namespace, verb: str) -> list[str]:

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
-from cluster_ops import common, rollout, stack
+from cluster_ops import common, deploy_plan, stack
 from cluster_ops.commands import deploy
 
 
@@ -26,10 +26,11 @@ def run(args: argparse.Namespace, extra: list[str]) -> int:
               "(cdk diff --method=template)", file=sys.stderr)  # fmt: skip
         extra = [*extra, "--method=template"]
     context = common.context_args(args) + deploy.resolve_image(cfg, args, "diff")
-    with tempfile.TemporaryDirectory(prefix="gptoss-assembly-") as assembly:
-        r = rollout.preview(cfg, context, Path(assembly))
-        code = stack.cdk("diff", cfg, context, ["--app", assembly, *extra])
-        rollout.say(cfg, r)
+    with tempfile.TemporaryDirectory(prefix="gptoss-assembly-") as workdir:
+        # What a deploy would do: the same plan (its surge decision, its updates), and cdk's diff of the change.
+        plan = deploy_plan.make(cfg, context, Path(workdir))
+        code = stack.cdk("diff", plan.cfg, plan.context, ["--app", str(plan.assembly), *extra])
+        deploy_plan.say(plan)
     return code
 
 

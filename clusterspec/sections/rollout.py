@@ -12,7 +12,7 @@ from __future__ import annotations
 import re
 from typing import Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, ValidationInfo, field_validator
 
 from clusterspec.base import Frozen
 from clusterspec.errors import rule_error
@@ -30,8 +30,14 @@ class RolloutConfig(Frozen):
 
     max_unavailable: int | str = Field(
         1,
-        description="The most nodes of one role replaced at once: a count (>= 1) or a percentage of the role's nodes "
-        "('25%', rounded down, at least 1). The next node of a lane starts after the previous one serves.",
+        description="Without surge, the most nodes of one role replaced at once: a count (>= 1) or a percentage of the "
+        "role's nodes ('25%', rounded down, at least 1). The next node of a lane starts after the previous one serves.",
+    )
+    max_surge: int | str = Field(
+        1,
+        description="With surge, the most replacements of one role launched at once beside the instances they replace: a "
+        "count (>= 1) or a percentage of the role's nodes ('10%', rounded up). A role of n nodes rolls in "
+        "ceil(n / max_surge) batches; each batch needs that many spare instances (gptoss preflight counts them).",
     )
     surge: Literal["auto", "on", "off"] = Field(
         "auto",
@@ -52,15 +58,16 @@ class RolloutConfig(Frozen):
         "finish and the routers move its name to its replacement before it goes.",
     )  # fmt: skip
 
-    @field_validator("max_unavailable", mode="before")
+    @field_validator("max_unavailable", "max_surge", mode="before")
     @classmethod
-    def _max_unavailable(cls, v: object) -> int | str:
+    def _count_or_percent(cls, v: object, info: ValidationInfo) -> int | str:
         if isinstance(v, str) and v.strip().isdigit():
             v = int(v.strip())
         if isinstance(v, bool) or not ((isinstance(v, int) and v >= 1) or (isinstance(v, str) and PERCENT.match(v))):
+            name = f"rollout.{info.field_name}"
             raise rule_error(
-                "rollout.max_unavailable", v, "is a count of nodes (1 or more) or a percentage of a role's nodes (1% to 100%)",
-                "set rollout.max_unavailable=1 (the default), a larger count, or a percentage such as 25%",
+                name, v, "is a count of nodes (1 or more) or a percentage of a role's nodes (1% to 100%)",
+                f"set {name}=1 (the default), a larger count, or a percentage such as 25%",
             )  # fmt: skip
         return v
 
@@ -79,11 +86,15 @@ class RolloutConfig(Frozen):
                 f"set rollout.drain_s to {2 * members_poll_s + 10} or more, or lower healing.members_poll_s",
             )  # fmt: skip
 
-    def batch(self, nodes: int) -> int:
-        """How many of a role's NODES may be out at once: the lanes of its chain (at least 1)."""
-        if isinstance(self.max_unavailable, int):
-            return max(1, min(self.max_unavailable, nodes))
-        return max(1, nodes * int(self.max_unavailable[:-1]) // 100)
+    def lanes(self, nodes: int, surge: bool) -> int:
+        """The lanes of a role of NODES: how many of its nodes are replaced at once. With SURGE, max_surge
+        (a percentage rounded up: replacements come before anything goes); without, max_unavailable (a
+        percentage rounded down: that many are out). At least 1, at most the role's nodes."""
+        limit = self.max_surge if surge else self.max_unavailable
+        if isinstance(limit, int):
+            return max(1, min(limit, nodes))
+        share = nodes * int(limit[:-1])
+        return max(1, min(nodes, -(-share // 100) if surge else share // 100))
 
     def surges(self, capacity_type: str, gated: bool = True) -> bool:
         """Whether a replacement comes before its predecessor goes: for a fleet of this capacity,

@@ -190,10 +190,11 @@ def expected(cfg: ClusterConfig, node: str, scripts_key: str, router_key: str | 
     if proxies:
         # The fleet's members, by tag, and which of two instances of one node its group is letting go.
         out |= {("ec2:DescribeInstances", "*", none), ("autoscaling:DescribeAutoScalingInstances", "*", none)}
-    on_demand = cfg.capacity.type == "on-demand"
-    if cfg.wait_for_ready and (cfg.rollout.surge == "on" or (cfg.rollout.surge == "auto" and on_demand)):
-        # A surge's signal: its own instance's aws:cloudformation tags, then SignalResource to its own stack only.
-        out |= {("ec2:DescribeTags", "*", none), ("cloudformation:SignalResource", OWN_STACK, none)}
+    if cfg.wait_for_ready:
+        # Its verdict to its own group (a surge or a rollback waits for it), whatever the rollout's policy: its own
+        # instance's aws:cloudformation tags, then its own stack only, to signal and to ask whether its gate was answered.
+        out |= {("ec2:DescribeTags", "*", none), ("cloudformation:SignalResource", OWN_STACK, none),
+                ("cloudformation:DescribeStackResource", OWN_STACK, none)}  # fmt: skip
     if router_key and any(p.kind == "vllm-router" for p in proxies):
         out.add(("s3:GetObject", f"arn:aws:s3:::{ASSETS}/{router_key}", _when(ASSETS)))
         # The fleet's router settings and pool: this one parameter.

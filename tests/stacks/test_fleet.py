@@ -93,7 +93,11 @@ def test_every_node_runs_what_the_plan_shows(fleet_synth: Synth) -> None:
         assert bool(router) == (r.node.role == "decode"), "every router node, and only those, fetch the router"
         router_uri = router.group(1) if router else None
         assert router_uri is None or (router_uri.startswith("s3://<bucket>/") and router_uri.endswith(".whl"))
-        assert text == user_data(r, scripts_uri=uri, scripts_sha256=sha, signal_url="<signal>", router_uri=router_uri, compile_cache_uri="s3://<cache>")
+        # The node asks CloudFormation about its own deploy gate (was it answered?) by this id: its own wait condition.
+        gate = re.search(r"'GPTOSS_GATE=(\w+)'", text).group(1)  # type: ignore[union-attr]
+        assert gate.startswith(f"{r.node.logical_id}Ready") and fleet_synth.template["Resources"][gate]["Type"] == "AWS::CloudFormation::WaitCondition"
+        assert text == user_data(r, scripts_uri=uri, scripts_sha256=sha, signal_url="<signal>", gate_id=gate, router_uri=router_uri,
+                                 compile_cache_uri="s3://<cache>")  # fmt: skip
 
 
 def test_config_file_gives_the_same_stack_as_context(fleet_synth: Synth, synth_variant: Any, tmp_path: Path) -> None:

@@ -7,6 +7,7 @@ them; the expected nodes are typed out from what changes in each node's files, n
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -77,7 +78,7 @@ def test_a_decode_flag_replaces_the_prefill_node_too_because_its_benchmark_unit_
     assert lines[0] == ("this deploy replaces the instances of 2 of the 2 running nodes, in batches (each replacement launched and "
                         "serving before its old instance is terminated (surge)): batch 1: decode-0, prefill-0")  # fmt: skip
     assert lines[1] == ("  prefill: 1 batch, at most 0 of 1 out (surge: each replacement serves before its old instance goes), minimum "
-                        "serving prefill 1/1, about 1 x a node's time to serve (each batch waits for its deploy gates, up to 415 min each)")  # fmt: skip
+                        "serving prefill 1/1, about 1 x a node's time to serve (each batch up to 60 min from its turn: a surge replacement's signal)")  # fmt: skip
     assert not any("serves nothing" in line for line in lines)
     assert ENDPOINT_MOVES in lines
     assert lines[-1].startswith("  with surge a replacement must serve within 60 min (CloudFormation's limit)")
@@ -137,7 +138,7 @@ def test_a_decode_flag_rolls_the_production_layouts_decode_nodes_one_at_a_time(a
         "launches the new one): batch 1: decode-0; batch 2: decode-1; batch 3: decode-2; batch 4: decode-3; batch 5: decode-4; "
         "batch 6: decode-5; batch 7: decode-6; batch 8: decode-7",
         "  decode: 8 batches, at most 1 of 8 out, minimum serving decode 7/8, about 8 x a node's time to serve (each batch waits for "
-        "its deploy gates, up to 415 min each)",
+        "its deploy gates, up to 415 min from its turn)",
         "  kept: prefill-0..2",
     ]
     assert rollout.role_lines(load_config(changed), r, ready_min=40)[0] == (
@@ -153,9 +154,9 @@ def test_a_percentage_makes_lanes_and_a_script_change_rolls_both_roles(assembly:
                        "decode-0": 1, "decode-1": 1, "decode-2": 2, "decode-3": 2, "decode-4": 3, "decode-5": 3, "decode-6": 4, "decode-7": 4}  # fmt: skip
     assert rollout.role_lines(load_config(base), r) == [
         "prefill: 3 batches, at most 1 of 3 out, minimum serving prefill 2/3, about 3 x a node's time to serve (each batch waits for its "
-        "deploy gates, up to 415 min each)",
+        "deploy gates, up to 415 min from its turn)",
         "decode: 4 batches, at most 2 of 8 out, minimum serving decode 6/8, about 4 x a node's time to serve (each batch waits for its "
-        "deploy gates, up to 415 min each)",
+        "deploy gates, up to 415 min from its turn)",
     ]
 
 
@@ -177,16 +178,49 @@ def _groups(path: Path) -> dict[str, dict[str, Any]]:
     return {next(t["Value"] for t in g["Properties"]["Tags"] if t["Key"] == "gptoss:node"): g for g in groups}
 
 
-def test_a_nodes_group_waits_for_every_earlier_gate_of_its_lane_so_an_unchanged_node_holds_nothing(assembly: Callable[..., Path]) -> None:
-    """decode-2 waits for decode-0's gate too, not only decode-1's: when a change leaves decode-1 alone (its
-    gate does not change, so it is passed at once), decode-2 still waits for decode-0 to serve."""
-    groups = _groups(assembly(**PROD))
-    deps = {node: sorted(d.split("Ready")[0] for d in g.get("DependsOn", [])) for node, g in groups.items()}
-    assert deps["decode-0"] == [] and deps["prefill-0"] == []
-    assert deps["decode-2"] == ["Decode0", "Decode1"]
-    assert deps["decode-7"] == [f"Decode{i}" for i in range(7)]
-    assert deps["prefill-2"] == ["Prefill0", "Prefill1"]
+def _handles(path: Path) -> dict[str, dict[str, Any]]:
+    """Each node's deploy gate handle (flattened), by node: the one its group's launch template names."""
+    flat = rollout.synthesized(path, STACK)
+    out = {}
+    for lid, g in flat.items():
+        if g["Type"] != "AWS::AutoScaling::AutoScalingGroup":
+            continue
+        node = next(t["Value"] for t in g["Properties"]["Tags"] if t["Key"] == "gptoss:node")
+        scope = lid.rpartition("/")[0]
+        template = flat[f"{scope}/{g['Properties']['LaunchTemplate']['LaunchTemplateId']['Ref']}"]
+        (handle,) = [f"{scope}/{r}" for r in re.findall(r'"Ref": "([^"]+Handle[^"]*)"', json.dumps(template)) if f"{scope}/{r}" in flat]
+        out[node] = flat[handle]
+    return out
+
+
+def test_a_nodes_turn_waits_for_every_earlier_node_of_its_lane_so_an_unchanged_node_holds_nothing(assembly: Callable[..., Path]) -> None:
+    """A node's turn: its gate's handle (made then, with its 24-hour URL, and so the launch template
+    version that carries it) waits for the gates of the earlier nodes of its lane, and its group for
+    their groups (what paces a rollback, which re-applies the previous template whose gates are done).
+    decode-2 waits for decode-0 too, not only decode-1: when a change leaves decode-1 alone (its gate
+    does not change, so it is passed at once), decode-2 still waits for decode-0 to serve."""
+    groups, handles = _groups(assembly(**PROD)), _handles(assembly(**PROD))
+    on_groups = {node: sorted(d.split("Group")[0] for d in g.get("DependsOn", [])) for node, g in groups.items()}
+    on_gates = {node: sorted(d.split("Ready")[0] for d in h.get("DependsOn", [])) for node, h in handles.items()}
+    for deps in (on_groups, on_gates):
+        assert deps["decode-0"] == [] and deps["prefill-0"] == []
+        assert deps["decode-2"] == ["Decode0", "Decode1"]
+        assert deps["decode-7"] == [f"Decode{i}" for i in range(7)]
+        assert deps["prefill-2"] == ["Prefill0", "Prefill1"]
+    assert all(d.split("Ready")[1].startswith(tuple("0123456789abcdef")) and "Condition" in d for h in handles.values() for d in h.get("DependsOn", []))
     assert rollout.batches(["decode-0", "decode-2"], rollout.waits_for(rollout.synthesized(assembly(**PROD), STACK))) == {"decode-0": 1, "decode-2": 2}
+
+
+def test_max_surge_makes_parallel_lanes(assembly: Callable[..., Path]) -> None:
+    """rollout.max_surge 25 %: 2 lanes of the 8 decode nodes (8 x 25 % = 2), 1 of the 3 prefill nodes
+    (0.75, rounded up); a surge change of all eleven rolls in ceil(8 / 2) = 4 and 3 batches."""
+    ctx = PROD | {"rollout.max_surge": "25%"}
+    on_groups = {node: sorted(d.split("Group")[0] for d in g.get("DependsOn", [])) for node, g in _groups(assembly(**ctx)).items()}
+    assert on_groups["decode-1"] == [] and on_groups["decode-5"] == ["Decode1", "Decode3"] and on_groups["prefill-2"] == ["Prefill0", "Prefill1"]
+    r = _rollout(assembly, ctx, ctx | {"serving.prefill.max_num_seqs": "2", "serving.decode.max_num_seqs": "4"})
+    assert {n: r.batch[n] for n in r.replaced if n.startswith("decode")} == {f"decode-{i}": i // 2 + 1 for i in range(8)}
+    assert rollout.role_lines(load_config(ctx), r)[0].startswith("prefill: 3 batches, at most 0 of 3 out (surge")
+    assert rollout.role_lines(load_config(ctx), r)[1].startswith("decode: 4 batches, at most 0 of 8 out (surge")
 
 
 def test_the_first_deploy_is_not_chained(assembly: Callable[..., Path]) -> None:
@@ -197,12 +231,18 @@ def test_the_first_deploy_is_not_chained(assembly: Callable[..., Path]) -> None:
 
 def test_each_group_rolls_its_one_instance_with_or_without_surge(assembly: Callable[..., Path]) -> None:
     """Surge (On-Demand): the group grows to two, the replacement launches first and the update waits up to an
-    hour for its signal; off: terminate, then launch. Both: a leaving instance runs 90 s more (the drain hook)."""
+    hour for its signal; off: terminate, then launch, and wait up to an hour for a signal it does not require;
+    no gate: nothing to wait for. All: a leaving instance runs 90 s more (the drain hook)."""
     hook = [{"LifecycleHookName": "gptoss-drain", "LifecycleTransition": "autoscaling:EC2_INSTANCE_TERMINATING", "HeartbeatTimeout": 90, "DefaultResult": "CONTINUE"}]
     suspended = ["HealthCheck", "ReplaceUnhealthy", "AZRebalance", "AlarmNotification", "ScheduledActions"]
     for context, (size, update) in {
         (): ("2", {"MaxBatchSize": 1, "MinInstancesInService": 1, "PauseTime": "PT3600S", "WaitOnResourceSignals": True, "SuspendProcesses": suspended}),
-        (("rollout.surge", "off"),): ("1", {"MaxBatchSize": 1, "MinInstancesInService": 0, "PauseTime": "PT0S", "WaitOnResourceSignals": False, "SuspendProcesses": suspended}),
+        # Without surge: the update waits up to an hour for the replacement's signal and goes on without it (0 %):
+        # the gate judges the node; the wait paces a rollback, which re-applies this policy to the previous version.
+        (("rollout.surge", "off"),): ("1", {"MaxBatchSize": 1, "MinInstancesInService": 0, "PauseTime": "PT3600S", "WaitOnResourceSignals": True,
+                                            "MinSuccessfulInstancesPercent": 0, "SuspendProcesses": suspended}),
+        (("rollout.surge", "off"), ("wait_for_ready", "false")): ("1", {"MaxBatchSize": 1, "MinInstancesInService": 0, "PauseTime": "PT0S",
+                                                                        "WaitOnResourceSignals": False, "SuspendProcesses": suspended}),
     }.items():  # fmt: skip
         for node, g in _groups(assembly(**dict(context))).items():
             assert (g["Properties"]["MinSize"], g["Properties"]["MaxSize"], g["Properties"]["DesiredCapacity"]) == ("1", size, "1"), node

@@ -117,14 +117,18 @@ class TestNetwork:
         assert not of_type(t, "AWS::EC2::Route")
         services = sorted(v["Properties"]["ServiceName"] for v in of_type(t, "AWS::EC2::VPCEndpoint").values())
         # SSM for the operator, EC2 for the members (and a node's own tags), Auto Scaling for a node's report on
-        # itself and the members' leaving instance, CloudFormation for a surge's signal (On-Demand surges),
-        # CloudWatch Logs and metrics for the nodes' collector.
+        # itself and the members' leaving instance, CloudFormation for a node's signal to its group (a surge's or a
+        # rollback's update waits for it), CloudWatch Logs and metrics for the nodes' collector.
         assert services == [f"com.amazonaws.us-east-2.{s}" for s in
                             ("autoscaling", "cloudformation", "ec2", "ec2messages", "logs", "monitoring", "s3", "ssm", "ssmmessages")]  # fmt: skip
-        # Without surge (capacity sized to the fleet) no node signals its group: no CloudFormation endpoint.
+        # Without surge too: the rollout's policy changes no endpoint (a rollback still waits for the nodes' signals).
         off = synth_variant(network={"egress": "none"}, model={"source": "s3", "s3_uri": "s3://models-bucket/gpt-oss-120b"},
                             examples={"s3_uri": "s3://models-bucket/vllm-neuron"}, rollout={"surge": "off"})  # fmt: skip
-        assert "com.amazonaws.us-east-2.cloudformation" not in {v["Properties"]["ServiceName"] for v in of_type(off, "AWS::EC2::VPCEndpoint").values()}
+        assert sorted(v["Properties"]["ServiceName"] for v in of_type(off, "AWS::EC2::VPCEndpoint").values()) == services
+        # Without a deploy gate nothing signals: no CloudFormation endpoint.
+        ungated = synth_variant(network={"egress": "none"}, model={"source": "s3", "s3_uri": "s3://models-bucket/gpt-oss-120b"},
+                                examples={"s3_uri": "s3://models-bucket/vllm-neuron"}, wait_for_ready=False)  # fmt: skip
+        assert "com.amazonaws.us-east-2.cloudformation" not in {v["Properties"]["ServiceName"] for v in of_type(ungated, "AWS::EC2::VPCEndpoint").values()}
 
     def test_without_egress_the_endpoints_admit_only_this_accounts_principals_and_the_clusters_buckets(self, synth_variant: Any) -> None:
         t = synth_variant(

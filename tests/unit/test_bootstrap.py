@@ -299,7 +299,9 @@ def test_stack_embeds_exactly_the_rendered_user_data(default_synth: object) -> N
                 text += "<bucket>"
         uri, sha = re.search(r"GPTOSS_SCRIPTS_URI=(\S+)\n.*GPTOSS_SCRIPTS_SHA256=([0-9a-f]{64})", text, re.S).groups()  # type: ignore[union-attr]
         assert uri.startswith("s3://<bucket>/") and uri.endswith(".xz")
-        assert text == user_data(node, scripts_uri=uri, scripts_sha256=sha, signal_url="<signal>", compile_cache_uri="s3://<cache>")
+        gate = re.search(r"'GPTOSS_GATE=(\w+)'", text).group(1)  # type: ignore[union-attr]
+        assert gate.startswith(f"{node.node.logical_id}Ready") and "Condition" in gate, "the node's own wait condition, which it asks about"
+        assert text == user_data(node, scripts_uri=uri, scripts_sha256=sha, signal_url="<signal>", gate_id=gate, compile_cache_uri="s3://<cache>")
         # The file the CLI packaged under that key is the one the node checks against the sha256.
         packaged = default_synth.outdir / f"asset.{uri.rsplit('/', 1)[1]}"  # type: ignore[attr-defined]
         assert hashlib.sha256(packaged.read_bytes()).hexdigest() == sha

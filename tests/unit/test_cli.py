@@ -19,7 +19,7 @@ from botocore.config import Config
 from botocore.stub import Stubber
 from moto import mock_aws
 
-from cluster_ops import cli, common, cost, stack
+from cluster_ops import cli, common, cost, deploy_plan, stack
 from cluster_ops.commands import deploy, destroy
 from clusterspec.loading import load_config
 from tests.conftest import ROOT
@@ -234,26 +234,53 @@ def test_destroy_asks_for_the_stack_name_and_runs_cdk_only_when_it_is_typed(
     assert ran == [("destroy", "GptOss8k1kProd", ["config=examples/production-3p8d.yaml"], ["--force"])]
 
 
+def _planned(monkeypatch: pytest.MonkeyPatch, changes: Any, updates: Any) -> list[tuple[str, list[str]]]:
+    """The deploy's plan on a deployed stack whose templates the test does not build: CHANGES(cfg) is what
+    the comparison finds, UPDATES(cfg) the updates; the measured time and the surge decision are the
+    plan's own. Returns the (surge, context) of every plan made."""
+    from cluster_ops import policy_update, rollout
+
+    plans: list[tuple[str, list[str]]] = []
+    state: dict[str, Any] = {}
+    monkeypatch.setattr(stack, "exists", lambda cfg: True)
+    monkeypatch.setattr(rollout, "deployed_templates", lambda cfn, name: {"": {}})
+    monkeypatch.setattr(rollout, "assembly_templates", lambda assembly, name: {"": {}})
+    monkeypatch.setattr(rollout, "flatten_templates", lambda t: {})
+    monkeypatch.setattr(policy_update, "image_changes", lambda a, b: False)
+    real_make = deploy_plan.make
+
+    def make(cfg: Any, context: list[str], workdir: Path) -> Any:
+        plans.append((cfg.rollout.surge, context))
+        state["cfg"] = cfg
+        return real_make(cfg, context, workdir)
+
+    monkeypatch.setattr(deploy_plan, "make", make)
+    monkeypatch.setattr(rollout, "compare", lambda before, after: changes(state["cfg"]))
+    monkeypatch.setattr(policy_update, "updates", lambda deployed, synthesized: updates(state["cfg"]))
+    monkeypatch.setattr(policy_update, "policy_nodes", lambda deployed, synthesized: ["decode-3"] if len(updates(state["cfg"])) > 1 else [])
+    return plans
+
+
 def test_a_surge_that_finds_no_capacity_is_deployed_again_in_place_and_says_so(
     checkout: Path, account: None, monkeypatch: pytest.MonkeyPatch, capsys: Any
 ) -> None:
     """decode-3's group could not launch its surge replacement (InsufficientInstanceCapacity, in its own
     scaling activities since the deploy began) and the stack rolled back: the deploy says so and deploys
-    the same change with rollout.surge=off, whose preview and confirmation run again."""
-    from cluster_ops import rollout
+    the same change with rollout.surge=off, whose preview and confirmation run again, as two updates:
+    the policy alone (surge off), then the change."""
+    from cluster_ops import policy_update, rollout
 
-    ran: list[tuple[str, list[str]]] = []
-    codes = iter([1, 0])
-    monkeypatch.setattr(stack, "cdk", lambda verb, cfg, context, extra: ran.append((verb, context)) or next(codes))
+    ran: list[tuple[str, list[str], list[str]]] = []
+    codes = iter([0, 1, 0, 0, 0, 0])
+    monkeypatch.setattr(stack, "cdk", lambda verb, cfg, context, extra: ran.append((verb, context, extra)) or next(codes))
     monkeypatch.setattr(stack, "deployed_status", lambda cfg: "UPDATE_ROLLBACK_COMPLETE")
-    previews: list[tuple[str, list[str]]] = []
-
-    def preview(cfg: Any, context: list[str], assembly: Path) -> rollout.Rollout:
-        previews.append((cfg.rollout.surge, context))
-        surge = cfg.rollout.surge != "off"
-        return rollout.Rollout(kept=["decode-0"], replaced=["decode-3"], batch={"decode-3": 1}, surge={"decode-3": surge})
-
-    monkeypatch.setattr(rollout, "preview", preview)
+    written: list[str] = []
+    monkeypatch.setattr(policy_update, "write_assembly", lambda source, dest, name, templates: written.append(dest.name))
+    plans = _planned(
+        monkeypatch,
+        lambda cfg: rollout.Rollout(kept=["decode-0"], replaced=["decode-3"], batch={"decode-3": 1}, surge={"decode-3": cfg.rollout.surge != "off"}),
+        lambda cfg: [("change", {})] if cfg.rollout.surge != "off" else [("policy", {"": {}}), ("change", {})],
+    )
     autoscaling = boto3.client("autoscaling", region_name=REGION, aws_access_key_id="x", aws_secret_access_key="x")
     stub = Stubber(autoscaling)
     ice = ("Could not launch On-Demand Instances. InsufficientInstanceCapacity - We currently do not have sufficient "
@@ -269,8 +296,11 @@ def test_a_surge_that_finds_no_capacity_is_deployed_again_in_place_and_says_so(
     monkeypatch.setattr(common, "session", lambda cfg: Session(autoscaling=autoscaling, cloudformation=gates_took(37, rounds=2)))
     assert cli.main(["deploy", *PROD, "--yes"]) == 0
     stub.assert_no_pending_responses()
-    assert [c for v, c in ran if v == "deploy"] == [["config=examples/production-3p8d.yaml"], ["config=examples/production-3p8d.yaml", "rollout.surge=off"]]
-    assert [surge for surge, _ in previews] == ["auto", "off"]
+    deploys = [(c, e[:2]) for v, c, e in ran if v == "deploy"]
+    assert [c for c, _ in deploys] == [["config=examples/production-3p8d.yaml"]] + [["config=examples/production-3p8d.yaml", "rollout.surge=off"]] * 2
+    # The retry's first update is the policy's own assembly, then the change's.
+    assert [Path(app).name for _, (_, app) in deploys] == ["change", "policy", "change"] and written == ["policy"]
+    assert [surge for surge, _ in plans] == ["auto", "off"]
     err = capsys.readouterr().err
     # The stated time is the last deploy's slowest gate, CloudFormation's own record.
     assert "decode: 1 batch, at most 0 of 8 out (surge: each replacement serves before its old instance goes), minimum serving decode 8/8, about 37 min (1 x 37 min, a node's time to serve at the last deploy)" in err, err
@@ -278,22 +308,49 @@ def test_a_surge_that_finds_no_capacity_is_deployed_again_in_place_and_says_so(
             "currently do not have sufficient trn3.48xlarge capacity") in err, err  # fmt: skip
     assert ("Deploying the same change again without surge (rollout.surge=off): each node's instance goes before its replacement "
             "launches, at most 1 per role at a time") in err, err  # fmt: skip
+    assert ("  two CloudFormation updates: first the rollout policy of 1 node groups alone (decode-3: surge on or off; no instance "
+            "replaced), then the change, whose rollback then keeps that policy (AWS: an update policy changes in an update of its own)") in err, err
+    assert "update 1 of 2: the rollout policy alone (GptOss8k1kProd)" in err and "update 2 of 2: the change (GptOss8k1kProd)" in err
+
+
+def test_a_deploy_whose_nodes_took_longer_than_a_surge_may_deploys_without_surge_and_says_why(
+    checkout: Path, account: None, monkeypatch: pytest.MonkeyPatch, capsys: Any
+) -> None:
+    """The last deploy's slowest gate took 90 min: a surge replacement has 60 (PauseTime, less 10 min), and a
+    rollback would re-apply it. rollout.surge=auto: the plan turns surge off, synthesizes again and says why."""
+    from cluster_ops import rollout
+
+    ran: list[tuple[str, list[str]]] = []
+    monkeypatch.setattr(stack, "cdk", lambda verb, cfg, context, extra: ran.append((verb, context)) or 0)
+    monkeypatch.setattr(common, "session", lambda cfg: Session(cloudformation=gates_took(90)))
+    plans = _planned(
+        monkeypatch,
+        lambda cfg: rollout.Rollout(kept=["decode-0"], replaced=["decode-3"], batch={"decode-3": 1}, surge={"decode-3": cfg.rollout.surge != "off"}),
+        lambda cfg: [("change", {})],
+    )
+    assert cli.main(["deploy", *PROD, "--yes"]) == 0
+    assert plans == [("auto", ["config=examples/production-3p8d.yaml"])]
+    assert [v for v, _ in ran] == ["synth", "synth", "deploy"] and ran[-1][1][-1] == "rollout.surge=off"
+    err = capsys.readouterr().err
+    assert ("this deploy replaces nodes without surge: a node took 90 min to serve at the last deploy, more than the 50 min a surge "
+            "replacement may take (60 min, CloudFormation's PauseTime, less 10 min): a surge, and the rollback of one, would time out "
+            "(rollout.surge=off for this deploy; set rollout.surge=on to surge anyway)") in err, err
 
 
 def test_a_failed_deploy_for_another_cause_is_not_deployed_again(checkout: Path, account: None, monkeypatch: pytest.MonkeyPatch) -> None:
     from cluster_ops import rollout
 
     ran: list[str] = []
-    monkeypatch.setattr(stack, "cdk", lambda verb, cfg, context, extra: ran.append(verb) or 1)
+    monkeypatch.setattr(stack, "cdk", lambda verb, cfg, context, extra: ran.append(verb) or (0 if verb == "synth" else 1))
     monkeypatch.setattr(stack, "failure_line", lambda cfg: None)
-    monkeypatch.setattr(rollout, "preview", lambda cfg, context, assembly: rollout.Rollout(replaced=["decode-3"], batch={"decode-3": 1}, surge={"decode-3": True}))
+    _planned(monkeypatch, lambda cfg: rollout.Rollout(replaced=["decode-3"], batch={"decode-3": 1}, surge={"decode-3": True}), lambda cfg: [("change", {})])
     autoscaling = boto3.client("autoscaling", region_name=REGION, aws_access_key_id="x", aws_secret_access_key="x")
     stub = Stubber(autoscaling)
     stub.add_response("describe_scaling_activities", {"Activities": []}, {"AutoScalingGroupName": "gptoss-prod-decode-3"})
     stub.activate()
     monkeypatch.setattr(common, "session", lambda cfg: Session(autoscaling=autoscaling, cloudformation=gates_took(37)))
     assert cli.main(["deploy", *PROD, "--yes"]) == 1
-    assert ran == ["deploy"], "no capacity failure of a surge: nothing is deployed again"
+    assert ran == ["synth", "deploy"], "no capacity failure of a surge: nothing is deployed again"
 
 
 def test_make_deploy_keeps_cdks_approval_prompt() -> None:

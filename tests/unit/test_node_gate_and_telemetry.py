@@ -271,17 +271,20 @@ def signal_node(tmp_path: Path, peers: Any, shipped: Shipped) -> Callable[..., s
 
     def run(
         units: dict[str, str] | None = None, *, timeout: int = 21600, completion: bool = True, query: str = "X-Amz-Signature=abc",
-        surge: bool = False, extra_env: dict[str, str] | None = None,
+        aws: bool = False, gate: str = "", booted_ago_s: float = 0, extra_env: dict[str, str] | None = None,
     ) -> subprocess.CompletedProcess[str]:
-        (etc / "signal.env").write_text(f"GPTOSS_SIGNAL_URL={peers.url}/handle?{query}\n")
+        (etc / "signal.env").write_text(f"GPTOSS_SIGNAL_URL={peers.url}/handle?{query}\n" + (f"GPTOSS_GATE={gate}\n" if gate else ""))
         states.write_text(json.dumps(units or {}))
         (etc / "cluster.env").write_text(
             f"GPTOSS_NODE=prefill-0\nGPTOSS_MODEL_DIR=/opt/dlami/nvme/models/gpt-oss-120b\nGPTOSS_READY_TIMEOUT_S={timeout}\n"
             + (f"GPTOSS_COMPLETION_URL={peers.url}/v1/completions\n" if completion else "")
-            + ("GPTOSS_SURGE=1\nAWS_REGION=us-east-2\n" if surge else "")
+            + ("AWS_REGION=us-east-2\n" if aws else "")
         )
+        # The kernel's boot time (/proc/stat btime): this instance's first boot, BOOTED_AGO_S ago.
+        (tmp_path / "stat").write_text(f"cpu 1 2 3 4\nbtime {int(time.time() - booted_ago_s)}\n")
         env = {**os.environ, "GPTOSS_ETC": str(etc), "GPTOSS_STATE_DIR": str(tmp_path / "state"), "GPTOSS_SYSTEMCTL": str(tmp_path / "systemctl"),
-               "GPTOSS_JOURNALCTL": str(tmp_path / "journalctl"), "GPTOSS_SIGNAL_POLL_S": "0.1", "GPTOSS_SIGNAL_RETRY_MAX_S": "0.2", **(extra_env or {})}  # fmt: skip
+               "GPTOSS_JOURNALCTL": str(tmp_path / "journalctl"), "GPTOSS_SIGNAL_POLL_S": "0.1", "GPTOSS_SIGNAL_RETRY_MAX_S": "0.2",
+               "GPTOSS_PROC_STAT": str(tmp_path / "stat"), **(extra_env or {})}  # fmt: skip
         return subprocess.run(
             [sys.executable, str(shipped("gptoss-signal"))], env=env, capture_output=True, text=True, timeout=60
         )
@@ -340,14 +343,15 @@ S3_DENIED = b'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>AccessDenied<
 
 def test_an_expired_handle_is_told_nothing_and_asked_nothing_again(signal_node: Any, peers: Any, tmp_path: Path) -> None:
     """S3 answers 403 "Request has expired" to a presigned URL past its expiry: log once, stop
-    (Restart=on-failure would ask for the node's life)."""
+    (Restart=on-failure would ask for the node's life); the verdict is kept for the group."""
     peers.put_answers = [(403, S3_EXPIRED)]
     r = signal_node({"gptoss-node-check.service": "ActiveState=failed\nNRestarts=0"})
     assert r.returncode == 0, r.stderr
     assert len(peers.puts) == 1, "one PUT: an expired handle is not asked again"
     assert "the handle answered 403 AccessDenied: Request has expired" in r.stdout and "the deploy gate is over" in r.stdout
     again = signal_node({"gptoss-node-check.service": "ActiveState=failed\nNRestarts=0"})
-    assert again.returncode == 0 and len(peers.puts) == 1 and "already signalled (EXPIRED" in again.stdout
+    assert again.returncode == 0 and len(peers.puts) == 1 and "already signalled (FAILURE" in again.stdout
+    assert "(the gate not told: the handle answered 403 AccessDenied: Request has expired)" in again.stdout
 
 
 def test_a_403_that_is_not_expiry_is_named_and_tried_again_until_the_policy_lets_it_through(signal_node: Any, peers: Any) -> None:
@@ -371,8 +375,8 @@ def test_a_403_that_outlasts_the_handle_ends_when_the_handle_expires(signal_node
     assert r.returncode == 0, r.stderr
     assert len(peers.puts) >= 2, "tried again while the handle was valid"
     assert r.stdout.count("the wait-condition bucket refuses this node") >= len(peers.puts) - 1, "each refusal named while the handle was valid"
-    assert r.stdout.rstrip().splitlines()[-1].endswith("the deploy gate is over; not signalling FAILURE (gptoss-node-check.service failed: "
-                                                      "last line of gptoss-node-check.service)")  # fmt: skip
+    assert ("the deploy gate is over; not signalling FAILURE to it (gptoss-node-check.service failed: last line of "
+            "gptoss-node-check.service)") in r.stdout  # fmt: skip
 
 
 def test_an_endpoint_that_refuses_the_test_completion_fails_the_gate_in_four_tries(signal_node: Any, peers: Any) -> None:
@@ -396,16 +400,55 @@ def test_a_busy_endpoint_is_waited_for_not_failed(signal_node: Any, peers: Any) 
     assert "not ready before the deploy gate's timeout: completion request failed: HTTP 429" in put["doc"]["Reason"]
 
 
-def test_a_handle_past_its_expiry_is_not_signalled_at_all(signal_node: Any, peers: Any) -> None:
+def test_a_handle_past_its_expiry_is_not_signalled_but_the_node_still_reaches_its_verdict(signal_node: Any, peers: Any) -> None:
+    """A rollback's instance boots the previous template, whose handle was made at the previous deploy
+    (here 25 hours ago: its URL has expired): nothing is PUT, and the node still watches its units to
+    its verdict, which its group hears (the surge tests below)."""
     r = signal_node(query=_amz(signed_ago_s=90000))
-    assert r.returncode == 0 and peers.puts == [] and "has expired: nobody waits on it" in r.stdout
+    assert r.returncode == 0 and peers.puts == [], r.stdout
+    assert "the deploy gate will not be told (its URL has expired)" in r.stdout
+    assert f"gptoss-signal: SUCCESS: prefill-0: a completion through {peers.url}/v1/completions returned 16 tokens" in r.stdout
 
 
-def test_the_deadline_counts_from_the_handles_signing_not_from_the_nodes_boot(signal_node: Any, peers: Any) -> None:
-    """A node that boots late (its instance took a while) still reports before CloudFormation's timeout."""
+def _ready_after(peers: Any, calls: int) -> None:
+    """The endpoint answers no tokens to its first CALLS test completions, then tokens."""
+    answers = iter([{"choices": [{"text": ""}], "usage": {"completion_tokens": 0}}] * calls)
+    done = {"choices": [{"text": " Paris."}], "usage": {"completion_tokens": 16}}
+    original = peers.do_POST
+
+    def do_post(self: Any) -> None:
+        type(self).completion = next(answers, done)
+        original(self)
+
+    peers.do_POST = do_post
+
+
+def test_a_node_launched_hours_after_its_handle_was_made_gets_its_full_deadline(signal_node: Any, peers: Any) -> None:
+    """The clock starts at the node's own turn: the later of its instance's first boot and its handle's
+    making. A handle made 5 hours before this instance booted (a lane's late node, a replacement) leaves
+    the node the gate's whole timeout: it waits for its completion and signals SUCCESS, where a clock
+    from the handle (400 s, less the 300 s margin, long past) would have failed it at once."""
+    _ready_after(peers, 3)
+    r = signal_node(timeout=400, query=_amz(signed_ago_s=5 * 3600))
+    assert r.returncode == 0, r.stderr
+    (put,) = peers.puts
+    assert put["doc"]["Status"] == "SUCCESS", put
+    assert "not ready before the deploy gate's timeout" not in r.stdout
+
+
+def test_a_handle_made_after_the_instance_booted_starts_the_clock_then(signal_node: Any, peers: Any) -> None:
+    """An instance that booted 5 hours ago and is handed a handle made now counts from the handle: the
+    later of the two, never the earlier."""
+    _ready_after(peers, 3)
+    r = signal_node(timeout=400, query=_amz(signed_ago_s=0), booted_ago_s=5 * 3600)
+    assert r.returncode == 0, r.stderr
+    assert [p["doc"]["Status"] for p in peers.puts] == ["SUCCESS"]
+
+
+def test_the_deadline_ends_the_wait_with_a_failure_that_says_so(signal_node: Any, peers: Any) -> None:
+    """A node that does not serve within its own deadline (booted now, 400 s - 300 s margin) reports FAILURE before CloudFormation's timeout."""
     peers.completion = {"choices": [{"text": ""}], "usage": {"completion_tokens": 0}}
-    # The gate's timeout is an hour: the run ends at all (signal_node gives it a minute) because it reported in time.
-    r = signal_node(timeout=3600, query=_amz(signed_ago_s=3600 - 300 - 2))  # 2 s left before timeout - margin
+    r = signal_node(timeout=302, query=_amz(signed_ago_s=0))
     assert r.returncode == 0
     (put,) = peers.puts
     assert put["doc"]["Status"] == "FAILURE" and "not ready before the deploy gate's timeout" in put["doc"]["Reason"]
@@ -835,11 +878,13 @@ def test_a_crashed_collector_does_not_fail_the_deploy_gate(signal_node: Any, pee
 
 
 class _CloudFormation(http.server.BaseHTTPRequestHandler):
-    """CloudFormation's query API on loopback, SignalResource only (moto has none): it records each
-    call and answers as CloudFormation does, in turn (the last answer from then on)."""
+    """CloudFormation's query API on loopback (moto has no SignalResource, and no wait condition to
+    describe): SignalResource, recorded and answered as CloudFormation does, in turn (the last answer
+    from then on); DescribeStackResource of the node's gate, answered with `gate_status`."""
 
     calls: list[dict[str, str]]
     answers: list[tuple[int, str]]
+    gate_status = "CREATE_IN_PROGRESS"
 
     def log_message(self, format: str, *args: Any) -> None:
         pass
@@ -848,14 +893,26 @@ class _CloudFormation(http.server.BaseHTTPRequestHandler):
         import urllib.parse
 
         form = dict(urllib.parse.parse_qsl(self.rfile.read(int(self.headers["Content-Length"])).decode()))
+        ns = "http://cloudformation.amazonaws.com/doc/2010-05-15/"
+        if form.get("Action") == "DescribeStackResource":
+            self.asked.append(form)
+            detail = (f"<StackName>{form['StackName']}</StackName><LogicalResourceId>{form['LogicalResourceId']}</LogicalResourceId>"
+                      "<ResourceType>AWS::CloudFormation::WaitCondition</ResourceType><LastUpdatedTimestamp>2026-12-01T00:00:00Z"
+                      f"</LastUpdatedTimestamp><ResourceStatus>{self.gate_status}</ResourceStatus>")  # fmt: skip
+            self._send(200, f'<DescribeStackResourceResponse xmlns="{ns}"><DescribeStackResourceResult><StackResourceDetail>{detail}'
+                            "</StackResourceDetail></DescribeStackResourceResult><ResponseMetadata><RequestId>r</RequestId>"
+                            "</ResponseMetadata></DescribeStackResourceResponse>")  # fmt: skip
+            return
         self.calls.append(form)
         status, message = self.answers.pop(0) if len(self.answers) > 1 else self.answers[0]
-        ns = "http://cloudformation.amazonaws.com/doc/2010-05-15/"
         if status == 200:
             body = f'<SignalResourceResponse xmlns="{ns}"><ResponseMetadata><RequestId>r</RequestId></ResponseMetadata></SignalResourceResponse>'
         else:
             body = (f'<ErrorResponse xmlns="{ns}"><Error><Type>Sender</Type><Code>ValidationError</Code><Message>{message}</Message>'
                     "</Error><RequestId>r</RequestId></ErrorResponse>")  # fmt: skip
+        self._send(status, body)
+
+    def _send(self, status: int, body: str) -> None:
         data = body.encode()
         self.send_response(status)
         self.send_header("Content-Type", "text/xml")
@@ -874,7 +931,7 @@ def surge_node(signal_node: Any, moto_url: str, tmp_path: Path) -> Iterator[Call
     urllib.request.urlopen(urllib.request.Request(f"{moto_url}/moto-api/reset", method="POST"), timeout=10)
     ec2 = boto3.client("ec2", endpoint_url=moto_url, region_name="us-east-2", aws_access_key_id="testing", aws_secret_access_key="testing")
     instance = ec2.run_instances(ImageId="ami-12c6146b", MinCount=1, MaxCount=1)["Instances"][0]["InstanceId"]
-    handler = type("C", (_CloudFormation,), {"calls": [], "answers": [(200, "")]})
+    handler = type("C", (_CloudFormation,), {"calls": [], "answers": [(200, "")], "asked": []})
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     bindir = tmp_path / "awsbin"
@@ -883,7 +940,9 @@ def surge_node(signal_node: Any, moto_url: str, tmp_path: Path) -> Iterator[Call
     run_dir.mkdir()
     (run_dir / "identity.env").write_text(f"GPTOSS_INSTANCE_ID={instance}\n")
 
-    def run(*, tags: bool = True, answers: list[tuple[int, str]] | None = None, **kw: Any) -> tuple[subprocess.CompletedProcess[str], list[dict[str, str]]]:
+    def run(*, tags: bool = True, answers: list[tuple[int, str]] | None = None, gate_status: str = "CREATE_IN_PROGRESS",
+            **kw: Any) -> tuple[subprocess.CompletedProcess[str], list[dict[str, str]]]:  # fmt: skip
+        handler.gate_status = gate_status
         if tags:
             ec2.create_tags(Resources=[instance], Tags=[{"Key": "aws:cloudformation:stack-name", "Value": "GptOss8k1kStack-DecodeCell0-ABC"},
                                                         {"Key": "aws:cloudformation:logical-id", "Value": "Decode0Group30BAA125"}])  # fmt: skip
@@ -891,9 +950,10 @@ def surge_node(signal_node: Any, moto_url: str, tmp_path: Path) -> Iterator[Call
         env = {"PATH": f"{bindir}{os.pathsep}{os.environ['PATH']}", "AWS_ENDPOINT_URL_EC2": moto_url,
                "AWS_ENDPOINT_URL_CLOUDFORMATION": f"http://127.0.0.1:{server.server_address[1]}", "GPTOSS_RUN_DIR": str(run_dir),
                "AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing"}  # fmt: skip
-        return signal_node(extra_env=env, surge=True, **kw), handler.calls
+        return signal_node(extra_env=env, aws=True, **kw), handler.calls
 
     run.instance = instance  # type: ignore[attr-defined]
+    run.asked = handler.asked  # type: ignore[attr-defined]
     yield run
     server.shutdown()
 
@@ -907,6 +967,33 @@ def test_a_surge_replacement_signals_its_own_group_with_the_gates_verdict_once(s
     assert "signalled SUCCESS to its group (GptOss8k1kStack-DecodeCell0-ABC/Decode0Group30BAA125)" in r.stdout
     again, calls = surge_node()
     assert again.returncode == 0 and len(calls) == 1, "a reboot signals neither the gate nor the group again"
+
+
+def test_a_rollbacks_replacement_with_an_expired_handle_tells_its_group_success_once_it_serves(surge_node: Any, peers: Any) -> None:
+    """A rollback re-applies the previous template: its replacement boots user data whose handle was made
+    at the previous deploy (two days ago here, its URL long expired). It tells the handle nothing, and
+    its group SUCCESS once it serves (a surge's rollback waits for it), with its own deadline."""
+    _ready_after(peers, 2)
+    r, calls = surge_node(query=_amz(signed_ago_s=48 * 3600), timeout=400)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert peers.puts == [], "an expired handle is told nothing"
+    assert [(c["Status"], c["UniqueId"]) for c in calls] == [("SUCCESS", surge_node.instance)], r.stdout
+    assert "the deploy gate will not be told (its URL has expired)" in r.stdout
+
+
+def test_a_replacement_whose_gate_was_answered_does_not_answer_it_again(surge_node: Any, peers: Any) -> None:
+    """An unchanged node's replacement (its instance lost; a rollback's): CloudFormation has its gate
+    CREATE_COMPLETE, answered by the instance before it. The replacement asks (its own stack, its gate's
+    id from signal.env), PUTs nothing, and still tells its group."""
+    query = _amz(signed_ago_s=3600)
+    r, calls = surge_node(gate="Decode0Ready6c55a2a5ConditionB5F58AE7", gate_status="CREATE_COMPLETE", query=query)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert peers.puts == []
+    assert [(a["StackName"], a["LogicalResourceId"]) for a in surge_node.asked] == [("GptOss8k1kStack-DecodeCell0-ABC", "Decode0Ready6c55a2a5ConditionB5F58AE7")]
+    assert [c["Status"] for c in calls] == ["SUCCESS"]
+    assert "CloudFormation has its wait condition answered already" in r.stdout
+    again, calls = surge_node(gate="Decode0Ready6c55a2a5ConditionB5F58AE7", gate_status="CREATE_COMPLETE", query=query)
+    assert peers.puts == [] and len(calls) == 1 and "already signalled (SUCCESS" in again.stdout, "a reboot: the verdict is kept, nothing again"
 
 
 def test_a_failed_node_tells_its_group_at_once_not_after_the_surge_timeout(surge_node: Any, peers: Any) -> None:

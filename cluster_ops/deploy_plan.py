@@ -1,0 +1,100 @@
+"""What a deploy will do, decided once for `gptoss diff` and `gptoss deploy`: the synthesized change,
+whether it surges, and the CloudFormation updates it takes (cluster_ops.policy_update)."""
+
+from __future__ import annotations
+
+import shutil
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from cluster_ops import common, policy_update, rollout, stack
+from clusterspec.config import ClusterConfig
+from clusterspec.sections.rollout import FIRST_DEPLOY_CONTEXT
+
+
+@dataclass
+class DeployPlan:
+    """A deploy decided: its config and context (rollout.surge=off added when the plan turns surge off),
+    the assembly it deploys, what it does to the nodes, and its updates in order."""
+
+    cfg: ClusterConfig
+    context: list[str]
+    assembly: Path
+    change: rollout.Rollout | None  # what it does to each node; None: the stack does not exist (a first deploy)
+    updates: list[tuple[str, rollout.Templates]] = field(default_factory=list)
+    surge_off: str = ""  # why this deploy replaces without surge although the config would surge
+    ready_min: float | None = None  # a node's time to serve at the last deploy
+    policy_changed: list[str] = field(default_factory=list)  # the nodes whose group's rollout policy changes
+
+
+def make(cfg: ClusterConfig, context: list[str], workdir: Path) -> DeployPlan:
+    """Synthesize into WORKDIR/change (what is then deployed, unchanged) and compare with what is deployed."""
+    assembly = workdir / "change"
+    first = not stack.exists(cfg)
+    _synth(cfg, context + ([f"{FIRST_DEPLOY_CONTEXT}=true"] if first else []), assembly)
+    if first:
+        return DeployPlan(cfg, context, assembly, None)
+    cfn = common.session(cfg).client("cloudformation")
+    deployed = rollout.deployed_templates(cfn, cfg.stack_name)
+    synthesized = rollout.assembly_templates(assembly, cfg.stack_name)
+    r = rollout.compare(rollout.flatten_templates(deployed), rollout.flatten_templates(synthesized))
+    ready = rollout.measured_ready_min(cfn, cfg.stack_name) if r.replaced else None
+    why = ""
+    if r.replaced:
+        image = policy_update.image_changes(rollout.flatten_templates(deployed), rollout.flatten_templates(synthesized))
+        why = policy_update.surge_off_because(cfg, ready_min=ready, image_changed=image)
+    if why:
+        cfg = cfg.model_copy(update={"rollout": cfg.rollout.model_copy(update={"surge": "off"})})
+        context = [*context, "rollout.surge=off"]
+        shutil.rmtree(assembly, ignore_errors=True)
+        _synth(cfg, context, assembly)
+        synthesized = rollout.assembly_templates(assembly, cfg.stack_name)
+        r = rollout.compare(rollout.flatten_templates(deployed), rollout.flatten_templates(synthesized))
+    changed = sorted(policy_update.policy_nodes(deployed, synthesized), key=rollout.order)
+    return DeployPlan(cfg, context, assembly, r, policy_update.updates(deployed, synthesized), why, ready, changed)
+
+
+def _synth(cfg: ClusterConfig, context: list[str], assembly: Path) -> None:
+    code = stack.cdk("synth", cfg, context, ["--quiet", "--output", str(assembly)])
+    if code != 0:
+        raise common.CliError(f"cdk synth of {cfg.stack_name} failed (exit {code}): nothing was changed.", code)
+
+
+def lines(plan: DeployPlan) -> list[str]:
+    """What the deploy does, before it does it."""
+    if plan.change is None:
+        return [f"{plan.cfg.stack_name} is not deployed: a deploy launches all {len(plan.cfg.layout.nodes)} nodes at once"]
+    out = []
+    if plan.surge_off:
+        out.append(f"this deploy replaces nodes without surge: {plan.surge_off} (rollout.surge=off for this deploy; "
+                   "set rollout.surge=on to surge anyway)")  # fmt: skip
+    out += rollout.describe(plan.cfg, plan.change, plan.ready_min)
+    if [name for name, _ in plan.updates] == ["policy", "change"]:
+        changed = plan.policy_changed
+        out.append(f"  two CloudFormation updates: first the rollout policy of {len(changed)} node groups alone ({rollout.span(changed)}: "
+                   "surge on or off; no instance replaced), then the change, whose rollback then keeps that policy (AWS: "
+                   "an update policy changes in an update of its own)")  # fmt: skip
+    return out
+
+
+def say(plan: DeployPlan) -> None:
+    """The plan's lines, on stderr."""
+    for line in lines(plan):
+        print(line, file=sys.stderr)
+
+
+def execute(plan: DeployPlan, extra: list[str]) -> int:
+    """Deploy the plan's updates in order with the pinned CDK CLI; the first that fails ends it."""
+    for name, templates in plan.updates or [("change", {})]:
+        app = plan.assembly
+        if name == "policy":
+            app = plan.assembly.parent / "policy"
+            policy_update.write_assembly(plan.assembly, app, plan.cfg.stack_name, templates)
+            print(f"update 1 of 2: the rollout policy alone ({plan.cfg.stack_name})", file=sys.stderr)
+        elif len(plan.updates) > 1:
+            print(f"update 2 of 2: the change ({plan.cfg.stack_name})", file=sys.stderr)
+        code = stack.cdk("deploy", plan.cfg, plan.context, ["--app", str(app), *extra])
+        if code != 0:
+            return code
+    return 0
