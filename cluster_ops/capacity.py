@@ -49,10 +49,14 @@ def _usable_until(cr: dict[str, Any]) -> dt.datetime | None:
 
 
 def needs(cfg: ClusterConfig) -> dict[tuple[str | None, str | None], Counter[str]]:
-    """Instances each target (reservation id, group ARN) must hold, by role."""
+    """Instances each target (reservation id, group ARN) must hold, by role: its nodes, and with surge
+    what a rollout runs beside them (rollout.surge_room)."""
     out: dict[tuple[str | None, str | None], Counter[str]] = {}
     for node in cfg.layout.nodes:
         out.setdefault(cfg.capacity.target(node.role), Counter())[node.role] += 1
+    for counts in out.values():
+        for role, n in list(counts.items()):
+            counts[role] += cfg.rollout.surge_room(n, cfg.surge)
     return out
 
 
@@ -184,10 +188,22 @@ def block_clock(cfg: ClusterConfig, ec2: Any, reservation_ids: list[str], *, now
     return lines
 
 
-# The one-line answer when CloudFormation could not place a node (see explain_launch_failure).
-# EC2's error codes, and the words an Auto Scaling group's failed launch says them in.
-CAPACITY_CODES = ("InsufficientInstanceCapacity", "InsufficientCapacity", "ReservationCapacityExceeded", "InsufficientReservedInstanceCapacity",
-                  "do not have sufficient", "insufficient capacity", "Insufficient capacity")  # fmt: skip
+# EC2's launch errors that mean no room for one more instance (capacity, a reservation, a quota, the
+# subnet's addresses), each with the words an Auto Scaling group's failed launch says it in when its
+# message does not name the code (AWS: "Troubleshoot Amazon EC2 Auto Scaling: EC2 instance launch
+# failures"). A first deploy that meets one is explained in one line (explain_launch_failure); a
+# surge that meets one is deployed again without surge, which needs no extra instance.
+NO_ROOM = {
+    "InsufficientInstanceCapacity": "We currently do not have sufficient",
+    "InsufficientCapacity": "insufficient capacity",
+    "InsufficientReservedInstanceCapacity": "Insufficient capacity",
+    "ReservationCapacityExceeded": "Capacity Reservation has reached its limit",
+    "VcpuLimitExceeded": "You have requested more vCPU capacity than your current vCPU limit",
+    "InstanceLimitExceeded": "Your quota allows for",
+    "InsufficientFreeAddressesInSubnet": "There are not enough free addresses in subnet",
+}
+CAPACITY_CODES = (*NO_ROOM, *NO_ROOM.values())
+QUOTA_CODES = ("VcpuLimitExceeded", "InstanceLimitExceeded", NO_ROOM["VcpuLimitExceeded"], NO_ROOM["InstanceLimitExceeded"])
 
 
 def explain_launch_failure(cfg: ClusterConfig, events: list[dict[str, Any]]) -> str | None:
@@ -199,7 +215,9 @@ def explain_launch_failure(cfg: ClusterConfig, events: list[dict[str, Any]]) -> 
             role = next((r for r in ("Prefill", "Decode", "Server") if logical.startswith(r)), "")
             role = role.lower() or "a node"
             where = f"{cfg.instance_type} in {cfg.availability_zone}"
-            if cfg.capacity.type == "on-demand":
+            if any(c in reason for c in QUOTA_CODES):
+                fix = "request a larger On-Demand vCPU quota for the family (`gptoss preflight` names it and counts what the fleet needs)"
+            elif cfg.capacity.type == "on-demand":
                 fix = ("reserve capacity (capacity.type=odcr or capacity-block; `gptoss preflight` checks it), "
                        "try another availability_zone, or lower decode_instances")  # fmt: skip
             else:

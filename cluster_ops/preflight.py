@@ -8,6 +8,7 @@ from typing import Any
 from botocore.exceptions import ClientError
 
 from clusterspec.config import ClusterConfig
+from clusterspec.paths import holder_name
 
 
 @dataclass(frozen=True)
@@ -104,23 +105,53 @@ def check_ami(cfg: ClusterConfig, ssm: Any, ec2: Any) -> Check:
     return Check("Neuron DLAMI", True, f"{cfg.ami_ssm_parameter} -> {value}")
 
 
+def surge_room(cfg: ClusterConfig) -> dict[str, int]:
+    """Per role, the instances a surge rollout runs beside the fleet at once (its replacements, and the
+    old instances still draining when the next batch starts); empty without surge."""
+    roles: dict[str, int] = {}
+    for node in cfg.layout.nodes:
+        roles[node.role] = roles.get(node.role, 0) + 1
+    return {role: room for role, n in roles.items() if (room := cfg.rollout.surge_room(n, cfg.surge))}
+
+
 def check_quota(cfg: ClusterConfig, quotas: Any) -> Check:
-    """The On-Demand vCPU quota of the family covers the whole fleet."""
-    need = len(cfg.layout.nodes) * cfg.hardware.vcpus
+    """The On-Demand vCPU quota of the family covers the whole fleet, and what a surge rollout runs beside it."""
+    nodes = len(cfg.layout.nodes)
+    room = surge_room(cfg)
+    extra = sum(room.values())
+    need = (nodes + extra) * cfg.hardware.vcpus
     name = _quota_name(cfg.hardware.vcpu_family)
     pages = quotas.get_paginator("list_service_quotas").paginate(ServiceCode="ec2")
     found = [q for page in pages for q in page["Quotas"] if q["QuotaName"] == name]
     if not found:
         return Check("vCPU quota", False, f"no EC2 quota named {name!r}", "request it in the Service Quotas console")
     have = int(found[0]["Value"])
+    what = f"{nodes} x {cfg.instance_type}" + (
+        f" and {extra} more while a change surges ({', '.join(f'{n} {r}' for r, n in sorted(room.items()))}: each batch's "
+        "replacements and the old instances still draining)" if extra else "")  # fmt: skip
     if have >= need:
-        return Check("vCPU quota", True, f"{name}: {have} vCPUs >= {need} for {len(cfg.layout.nodes)} nodes")
-    return Check(
-        "vCPU quota",
-        False,
-        f"{name}: {have} vCPUs < {need} for {len(cfg.layout.nodes)} x {cfg.instance_type}",
-        f"request {need} vCPUs (quota code {found[0]['QuotaCode']}) or lower decode_instances",
-    )
+        return Check("vCPU quota", True, f"{name}: {have} vCPUs >= {need} for {what}")
+    fix = f"request {need} vCPUs (quota code {found[0]['QuotaCode']}) or lower decode_instances"
+    if extra and have >= nodes * cfg.hardware.vcpus:
+        fix += " (or deploy changes with rollout.surge=off, which needs no instance beyond the fleet)"
+    return Check("vCPU quota", False, f"{name}: {have} vCPUs < {need} for {what}", fix)
+
+
+def check_groups(cfg: ClusterConfig, autoscaling: Any) -> Check:
+    """The region's Auto Scaling group quota (500 by default) holds the fleet's groups, one per node, beside the others."""
+    limits = autoscaling.describe_account_limits()
+    most, used = int(limits["MaxNumberOfAutoScalingGroups"]), int(limits["NumberOfAutoScalingGroups"])
+    names = [holder_name(cfg.cluster_name, n.name) for n in cfg.layout.nodes]
+    existing = 0
+    for i in range(0, len(names), 50):
+        existing += len(autoscaling.describe_auto_scaling_groups(AutoScalingGroupNames=names[i : i + 50], MaxRecords=50)["AutoScalingGroups"])
+    new = len(names) - existing
+    detail = f"{used} of {most} Auto Scaling groups in {cfg.region} used; the fleet adds {new} (one per node, {existing} exist)"
+    if used + new <= most:
+        return Check("Auto Scaling groups", True, detail)
+    return Check("Auto Scaling groups", False, detail,
+                 f"request a quota of at least {used + new} Auto Scaling groups per region (Service Quotas, Amazon EC2 Auto Scaling), "
+                 "or lower decode_instances")  # fmt: skip
 
 
 def check_s3_prefix_list(cfg: ClusterConfig, ec2: Any) -> Check:
@@ -145,6 +176,7 @@ def run(cfg: ClusterConfig, session: Any) -> list[Check]:
     checks = [check_offered(cfg, ec2), *check_hardware(cfg, ec2)]
     checks.append(check_ami(cfg, session.client("ssm", region_name=cfg.region), ec2))
     checks.append(check_quota(cfg, session.client("service-quotas", region_name=cfg.region)))
+    checks.append(check_groups(cfg, session.client("autoscaling", region_name=cfg.region)))
     if cfg.network.egress == "none":
         checks.append(check_s3_prefix_list(cfg, ec2))
     groups = cfg.capacity.reservation_group_arn or any(r.reservation_group_arn for r in cfg.capacity.roles.values())

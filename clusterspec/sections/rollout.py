@@ -96,6 +96,15 @@ class RolloutConfig(Frozen):
         share = nodes * int(limit[:-1])
         return max(1, min(nodes, -(-share // 100) if surge else share // 100))
 
+    def surge_room(self, nodes: int, surge: bool) -> int:
+        """How many instances more than a role of NODES a rollout may run at once: with SURGE, a batch's
+        replacements beside the instances they replace, and the previous batch's old instances still in
+        their drain hook (CloudFormation does not wait for it) when there is a next batch; none without."""
+        if not surge:
+            return 0
+        lanes = self.lanes(nodes, surge)
+        return lanes + min(max(nodes - lanes, 0), lanes)
+
     def surges(self, capacity_type: str, gated: bool = True) -> bool:
         """Whether a replacement comes before its predecessor goes: for a fleet of this capacity,
         whose nodes report that they serve (GATED: the deploy gate's checks are what the surge's

@@ -220,3 +220,47 @@ def test_status_names_a_pending_node_with_ec2s_reason_and_the_blocks_clock(tmp_p
     assert status.failing == ["decode-0: instance pending (Capacity Block cr-0123456789abcdef0 has not started)"]
     assert len(status.notes) == 1 and status.notes[0].startswith(f"Capacity Block {CR}: ")
     assert "left before EC2 reclaims its instances" in status.notes[0]
+
+
+# What an Auto Scaling group's failed launch says, per EC2 error a surge can meet when there is no room for
+# one more instance, typed from AWS's words ("Troubleshoot Amazon EC2 Auto Scaling: EC2 instance launch
+# failures"; the group's activity names the code first, or only says the words).
+NO_ROOM_SAID = {
+    "InsufficientInstanceCapacity": "We currently do not have sufficient trn3.48xlarge capacity in the Availability Zone you requested (us-east-2a). "
+                                    "Our system will be working on provisioning additional capacity.",
+    "InsufficientCapacity": "There is insufficient capacity to satisfy the request.",
+    "InsufficientReservedInstanceCapacity": "Insufficient capacity in the Capacity Reservation to launch the instances.",
+    "ReservationCapacityExceeded": "The Capacity Reservation has reached its limit of instances.",
+    "VcpuLimitExceeded": "You have requested more vCPU capacity than your current vCPU limit of 2112 allows for the instance bucket that the "
+                         "specified instance type belongs to. Please visit http://aws.amazon.com/contact-us/ec2-request to request an adjustment to this limit.",
+    "InstanceLimitExceeded": "Your quota allows for 0 more running instance(s). You requested at least 1.",
+    "InsufficientFreeAddressesInSubnet": "There are not enough free addresses in subnet 'subnet-0123456789abcdef0' to satisfy the requested number of instances.",
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("code", sorted(NO_ROOM_SAID))
+def test_every_no_room_error_of_a_surge_launch_sends_the_change_again_without_surge(code: str) -> None:
+    """Each error the fallback claims (capacity, a reservation, a vCPU or instance quota, the subnet's addresses) is
+    found in decode-3's own scaling activities since the deploy began, said with its code or in words only; a failure
+    of another kind, or an older one, is not."""
+    from cluster_ops import rollout
+
+    assert set(NO_ROOM_SAID) == set(capacity.NO_ROOM), "every error the fallback names has its words here"
+    cfg = load_config({"decode_instances": "8"})
+    since = NOW - dt.timedelta(minutes=5)
+    for said in (f"Could not launch On-Demand Instances. {code} - {NO_ROOM_SAID[code]} Launching EC2 instance failed.",
+                 f"{NO_ROOM_SAID[code]} Launching EC2 instance failed."):  # fmt: skip
+        autoscaling = boto3.client("autoscaling", region_name=REGION, aws_access_key_id="x", aws_secret_access_key="x")
+        stub = Stubber(autoscaling)
+        activity = {"ActivityId": "a", "AutoScalingGroupName": "gptoss-prod-decode-3", "Cause": "rolling update", "Progress": 100,
+                    "Description": "Launching a new EC2 instance"}  # fmt: skip
+        stub.add_response("describe_scaling_activities", {"Activities": [
+            {**activity, "StartTime": NOW, "StatusCode": "Failed", "StatusMessage": "Invalid IAM Instance Profile name. Launching EC2 instance failed."},
+            {**activity, "ActivityId": "b", "StartTime": since - dt.timedelta(hours=1), "StatusCode": "Failed", "StatusMessage": said},
+        ]}, {"AutoScalingGroupName": "gptoss-8k1k-decode-3"})  # fmt: skip
+        stub.add_response("describe_scaling_activities", {"Activities": [{**activity, "StartTime": NOW, "StatusCode": "Failed", "StatusMessage": said}]},
+                          {"AutoScalingGroupName": "gptoss-8k1k-decode-3"})  # fmt: skip
+        stub.activate()
+        assert rollout.surge_found_no_capacity(cfg, autoscaling, ["decode-3"], since) == "", "not this kind, or before the deploy"
+        assert rollout.surge_found_no_capacity(cfg, autoscaling, ["decode-3"], since) == f"decode-3: {said[:200]}"
+        stub.assert_no_pending_responses()

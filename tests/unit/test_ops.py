@@ -59,9 +59,26 @@ def quotas(value: float, name: str = "Running On-Demand Trn instances") -> Any:
     return client
 
 
-def _session(quota: float = 384, **extra: Any) -> Session:
+def groups(used: int = 12, most: int = 500, existing: list[str] | None = None, names: list[str] | None = None) -> Any:
+    """Auto Scaling's account limits and the fleet's existing groups (Stubber: moto has no DescribeAccountLimits)."""
+    client = boto3.client("autoscaling", region_name=REGION)
+    stub = Stubber(client)
+    stub.add_response("describe_account_limits", {"MaxNumberOfAutoScalingGroups": most, "NumberOfAutoScalingGroups": used,
+                                                  "MaxNumberOfLaunchConfigurations": 200, "NumberOfLaunchConfigurations": 0})  # fmt: skip
+    names = names or ["gptoss-8k1k-prefill-0", "gptoss-8k1k-decode-0"]
+    for i in range(0, len(names), 50):
+        chunk = names[i : i + 50]
+        found = [{"AutoScalingGroupName": n, "MinSize": 1, "MaxSize": 2, "DesiredCapacity": 1, "DefaultCooldown": 300, "AvailabilityZones": ["us-east-2a"],
+                  "HealthCheckType": "EC2", "CreatedTime": dt.datetime(2026, 12, 1, tzinfo=dt.UTC)} for n in chunk if n in (existing or [])]  # fmt: skip
+        stub.add_response("describe_auto_scaling_groups", {"AutoScalingGroups": found}, {"AutoScalingGroupNames": chunk, "MaxRecords": 50})
+    stub.activate()
+    return client
+
+
+def _session(quota: float = 768, **extra: Any) -> Session:
     ec2 = extra.pop("ec2", boto3.client("ec2", region_name=REGION))
-    return Session(ec2=ec2, ssm=boto3.client("ssm", region_name=REGION), **{"service-quotas": quotas(quota)}, **extra)
+    autoscaling = extra.pop("autoscaling", groups())
+    return Session(ec2=ec2, ssm=boto3.client("ssm", region_name=REGION), autoscaling=autoscaling, **{"service-quotas": quotas(quota)}, **extra)
 
 
 def by_name(checks: list[preflight.Check]) -> dict[str, preflight.Check]:
@@ -75,9 +92,8 @@ def test_preflight_passes_when_the_account_matches(aws: None) -> None:
     boto3.client("ssm", region_name=REGION).put_parameter(Name="/test/dlami", Value="ami-12345678", Type="String")
     checks = preflight.run(load_config(TRN2), _session())
     assert all(c.ok for c in checks), [c for c in checks if not c.ok]
-    assert {"instance type offered", "network_cards", "efa_interfaces", "nvme_disks", "nvme_disk_gb", "vcpus", "Neuron DLAMI", "vCPU quota"} == set(
-        by_name(checks)
-    )
+    assert {"instance type offered", "network_cards", "efa_interfaces", "nvme_disks", "nvme_disk_gb", "vcpus", "Neuron DLAMI", "vCPU quota",
+            "Auto Scaling groups"} == set(by_name(checks))  # fmt: skip
 
 
 def test_preflight_names_the_table_value_to_set_on_a_mismatch(aws: None) -> None:
@@ -96,7 +112,41 @@ def test_preflight_fails_for_an_unknown_type_a_missing_dlami_and_a_small_quota(a
     dlami = checks["Neuron DLAMI"]
     assert not dlami.ok and "/aws/service/neuron/dlami/multi-framework/ubuntu-24.04/latest/image_id not found" in dlami.detail
     quota = checks["vCPU quota"]
-    assert not quota.ok and quota.detail == "Running On-Demand Trn instances: 192 vCPUs < 384 for 2 x trn3.48xlarge"
+    assert not quota.ok and quota.detail == (
+        "Running On-Demand Trn instances: 192 vCPUs < 768 for 2 x trn3.48xlarge and 2 more while a change surges (1 decode, 1 prefill: "
+        "each batch's replacements and the old instances still draining)"
+    )
+
+
+def test_the_vcpu_quota_counts_what_a_surge_runs_beside_the_fleet(aws: None) -> None:
+    """3 + 8 on On-Demand surges one node of each role at a time, and the previous batch's old instance drains
+    while the next batch launches: 11 + 2 + 2 = 15 instances of 192 vCPUs. Without surge: the fleet alone."""
+    cfg = load_config({"decode_instances": "8"})
+    short = preflight.check_quota(cfg, quotas(11 * 192))
+    assert not short.ok and short.detail == (
+        "Running On-Demand Trn instances: 2112 vCPUs < 2880 for 11 x trn3.48xlarge and 4 more while a change surges (2 decode, 2 prefill: "
+        "each batch's replacements and the old instances still draining)"
+    )
+    assert short.fix == "request 2880 vCPUs (quota code L-2C3B7624) or lower decode_instances (or deploy changes with rollout.surge=off, which needs no instance beyond the fleet)"
+    assert preflight.check_quota(cfg, quotas(2880)).ok
+    # max_surge 4: decode 4 at once and 4 draining into the second batch; prefill's 3 all at once (one batch, nothing drains into another).
+    wide = load_config({"decode_instances": "8", "rollout.max_surge": "4"})
+    assert preflight.check_quota(wide, quotas(2880)).detail.endswith("for 11 x trn3.48xlarge and 11 more while a change surges (8 decode, 3 prefill: "
+                                                                     "each batch's replacements and the old instances still draining)")  # fmt: skip
+    off = preflight.check_quota(load_config({"decode_instances": "8", "rollout.surge": "off"}), quotas(11 * 192))
+    assert off.ok and off.detail == "Running On-Demand Trn instances: 2112 vCPUs >= 2112 for 11 x trn3.48xlarge"
+
+
+def test_the_auto_scaling_group_quota_holds_the_fleets_groups_beside_the_accounts_others() -> None:
+    """One group per node: 200 decode instances are 275 groups; with 300 of the region's 500 in use, they do not fit.
+    A fleet's own groups that exist already (a redeploy) are not counted twice."""
+    big = load_config({"decode_instances": "200"})
+    names = [f"gptoss-8k1k-{n.name}" for n in big.layout.nodes]
+    refused = preflight.check_groups(big, groups(used=300, names=names))
+    assert not refused.ok and refused.detail == "300 of 500 Auto Scaling groups in us-east-2 used; the fleet adds 275 (one per node, 0 exist)"
+    assert refused.fix.startswith("request a quota of at least 575 Auto Scaling groups per region")
+    redeploy = preflight.check_groups(big, groups(used=300, names=names, existing=names[:100]))
+    assert redeploy.ok and redeploy.detail.endswith("the fleet adds 175 (one per node, 100 exist)")
 
 
 def test_preflight_without_egress_names_the_regions_s3_prefix_list_and_refuses_another(aws: None) -> None:
