@@ -10,7 +10,6 @@ from constructs import Construct
 from cluster_constructs.gate import NodeReadyGate
 from cluster_constructs.iam import CacheLocation, NodeIdentityRole, NodePolicy
 from cluster_constructs.node import ClusterNode
-from cluster_constructs.observability import node_silent_alarm
 from clusterspec.cells import Cell
 from clusterspec.config import ClusterConfig
 from clusterspec.render import NodeRender
@@ -113,12 +112,6 @@ class NodeCell(NestedStack):
             if gate:
                 # The gate's clock starts when the group has launched the node's instance, not when the stack starts.
                 gate.condition.add_resource_dependency(holder.group)
-            if config.observability.enabled:
-                # Its heartbeat's alarm, from when the node has served (its gate) or has been launched.
-                silent = node_silent_alarm(
-                    self, f"{node.logical_id}Silent", config=config, node=node.name, role=node.role, topic=shared.alarm_topic_arn
-                )
-                silent.add_dependency(gate.condition if gate else holder.group)
             self.nodes[node.name] = holder
             if gate:
                 gates[node.name] = gate

@@ -4,14 +4,16 @@ from __future__ import annotations
 
 from typing import Any
 
-from aws_cdk import Stack
+from aws_cdk import NestedStack, Stack
 from aws_cdk import aws_cloudwatch as cloudwatch
 from aws_cdk import aws_events as events
 from aws_cdk import aws_logs as logs
 from constructs import Construct
 
 from clusterspec import telemetry
+from clusterspec.cells import Cell
 from clusterspec.config import ClusterConfig
+from clusterspec.paths import holder_name
 
 
 def _search(cfg: ClusterConfig, metric: str, role: str | None, dims: str, stat: str = "Average") -> dict[str, Any]:
@@ -132,13 +134,27 @@ def silent_window_s(cfg: ClusterConfig) -> int:
     return 900 + cfg.boot.unit_caps_s["gptoss-scripts.service"]
 
 
+# CloudWatch quotas: PutMetricAlarm, 3 transactions per second per Region. CloudFormation makes an
+# alarm with one such call when the alarm's turn comes, and every resource with nothing left to wait
+# for at once: the stack's alarms wait for one another in this many chains, so that at most this
+# many are being made at any moment, whatever the fleet's size (hundreds of NodeSilent alarms at a
+# first deploy otherwise, all when their nodes serve).
+PUT_METRIC_ALARM_TPS = 3
+
+
+def chain(alarms: list[cloudwatch.CfnAlarm], lanes: int = PUT_METRIC_ALARM_TPS) -> None:
+    """Alarm i waits for alarm i - LANES: at most LANES of them are made at once."""
+    for i in range(lanes, len(alarms)):
+        alarms[i].add_dependency(alarms[i - lanes])
+
+
 def node_silent_alarm(scope: Construct, construct_id: str, *, config: ClusterConfig, node: str, role: str, topic: str) -> cloudwatch.CfnAlarm:
     """A node's heartbeat alarm: NodeReporting missing is the failure (a node that stopped reporting,
     or a replacement that never started to: its scripts could not be fetched, it never booted)."""
     period = alarm_period_s(config)
     window = silent_window_s(config)
     return cloudwatch.CfnAlarm(
-        scope, construct_id, alarm_name=f"{config.cluster_name}-NodeSilent-{node}",
+        scope, construct_id, alarm_name=silent_alarm_name(config, node),
         alarm_description=f"{node} has published nothing for {window // 60} minutes: its instance is gone, hung or cut off, or a "
         "replacement never got its scripts. gptoss status shows the node; its group's activity says what happened.",
         namespace=telemetry.namespace(config), metric_name="NodeReporting",
@@ -148,11 +164,31 @@ def node_silent_alarm(scope: Construct, construct_id: str, *, config: ClusterCon
     )  # fmt: skip
 
 
+def silent_alarm_name(config: ClusterConfig, node: str) -> str:
+    """A node's NodeSilent alarm, by the name of its group: <cluster>-<node>-NodeSilent."""
+    return f"{holder_name(config.cluster_name, node)}-NodeSilent"
+
+
+class NodeAlarms(NestedStack):
+    """The NodeSilent alarms of one cell's nodes, in a nested stack of their own.
+
+    Its stack waits for the cell (each alarm exists once its node has served: a first boot is the
+    deploy gate's to judge) and for the alarms made before it (the fleet's, the earlier cells'), and
+    its alarms wait for one another (chain): the whole stack's alarms are made PUT_METRIC_ALARM_TPS
+    at a time. A cell's own alarms could not wait for another cell's: a nested stack's resources
+    depend only on what is in it."""
+
+    def __init__(self, scope: Construct, construct_id: str, *, config: ClusterConfig, cell: Cell, topic: str) -> None:
+        super().__init__(scope, construct_id, description=f"{config.cluster_name}: NodeSilent alarms of {', '.join(n.name for n in cell.nodes)}")
+        chain([node_silent_alarm(self, f"{n.logical_id}Silent", config=config, node=n.name, role=n.role, topic=topic) for n in cell.nodes])
+
+
 class FleetObservability(Construct):
     """Log group (retention set, removed with the stack), dashboard, alarms (the nodes' rights to publish: NodePolicy).
 
     The stack makes it after every cell, so its alarms exist once every node has served (the deploy
-    gates): a first boot is the gate's to judge. Each node's NodeSilent alarm is its cell's."""
+    gates): a first boot is the gate's to judge. Its alarms are made PUT_METRIC_ALARM_TPS at a time;
+    each node's NodeSilent alarm is in its cell's NodeAlarms, made after these."""
 
     def __init__(
         self,
@@ -297,3 +333,4 @@ class FleetObservability(Construct):
                     treat_missing_data="breaching", alarm_actions=actions, ok_actions=actions,
                 )
             )  # fmt: skip
+        chain(self.alarms)

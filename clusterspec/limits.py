@@ -42,7 +42,9 @@ CELL_BASE_RESOURCES = 1
 PER_NODE_BYTES = 7_650  # its role: with the health watch's two Auto Scaling statements
 PER_CARD_BYTES = 340
 PER_GATE_BYTES = 900  # a node's wait condition and handle (deploy gate)
-PER_SILENT_ALARM_BYTES = 1_200  # a node's NodeSilent alarm
+PER_SILENT_ALARM_BYTES = 1_350  # a node's NodeSilent alarm (in its cell's alarm stack, with its chain)
+ALARM_CELL_BYTES = 1_500  # the parent's nested stack resource of a cell's NodeSilent alarms, its parameter and DependsOn
+ALARM_STACK_BASE_BYTES = 600  # that stack's own template around its alarms (its parameter, CDK's metadata)
 PER_NODE_RESOURCES = 4
 PER_ROLLOUT_BYTES = 750  # a node's drain hook, its group's surge policy, a router node's two more reads
 PER_DEPENDENCY_BYTES = 80  # one id in a DependsOn: an earlier group (a group's) or gate (a handle's) of its lane (the rollout's chain)
@@ -82,11 +84,12 @@ class StackSize:
     template_bytes: int
     largest_user_data: int
     cells: tuple[TemplateSize, ...] = ()
+    alarm_cells: tuple[TemplateSize, ...] = ()  # each cell's NodeSilent alarms, a stack of their own
 
     @property
     def templates(self) -> tuple[TemplateSize, ...]:
-        """The parent and every cell."""
-        return (TemplateSize("parent", 0, self.resources, self.template_bytes), *self.cells)
+        """The parent, every cell and every cell's alarms."""
+        return (TemplateSize("parent", 0, self.resources, self.template_bytes), *self.cells, *self.alarm_cells)
 
 
 def node_shape(layout: Layout, node: Node) -> tuple[object, ...]:
@@ -152,8 +155,7 @@ def estimate(cfg: ClusterConfig) -> StackSize:
     url_growth = len(SIGNAL_URL_PLACEHOLDER) - 60 if cfg.wait_for_ready else 0
     gate_bytes, gate_resources = (PER_GATE_BYTES, 2) if cfg.wait_for_ready else (0, 0)
     obs = cfg.observability
-    alarm_bytes, alarm_resources = (PER_SILENT_ALARM_BYTES, 1) if obs.enabled else (0, 0)
-    per_node = PER_NODE_BYTES + PER_CARD_BYTES * cfg.hardware.network_cards + gate_bytes + alarm_bytes + PER_ROLLOUT_BYTES
+    per_node = PER_NODE_BYTES + PER_CARD_BYTES * cfg.hardware.network_cards + gate_bytes + PER_ROLLOUT_BYTES
     lanes: dict[str, int] = {role: cfg.rollout.lanes(sum(1 for n in layout.nodes if n.role == role), cfg.surge) for role in {n.role for n in layout.nodes}}
     # Each node's group waits for every earlier group of its lane in the cell, and its gate's handle for their gates.
     chained = 2 if cfg.wait_for_ready else 1
@@ -166,20 +168,26 @@ def estimate(cfg: ClusterConfig) -> StackSize:
     # The template holds user data as text; CloudFormation base64-encodes it at deploy time.
     cell_sizes = tuple(
         TemplateSize(
-            c.name, len(c.nodes), CELL_BASE_RESOURCES + len(c.nodes) * (PER_NODE_RESOURCES + gate_resources + alarm_resources),
+            c.name, len(c.nodes), CELL_BASE_RESOURCES + len(c.nodes) * (PER_NODE_RESOURCES + gate_resources),
             CELL_BASE_BYTES + sum(size_of[n.name] + per_node for n in c.nodes) + chain_bytes(c),
         )
         for c in cells(layout, cfg.cell_nodes)
     )  # fmt: skip
+    # Each cell's NodeSilent alarms are a stack of their own (cluster_constructs.observability.NodeAlarms).
+    alarm_cells = tuple(
+        TemplateSize(f"{c.name}Alarms", len(c.nodes), len(c.nodes), ALARM_STACK_BASE_BYTES + PER_SILENT_ALARM_BYTES * len(c.nodes))
+        for c in cells(layout, cfg.cell_nodes)
+    ) if obs.enabled else ()  # fmt: skip
     sg_rules = layout.max_replicas_per_node + 5
     own_topic = obs.alarm_topic_arn is None
     return StackSize(
         nodes=len(layout.nodes),
-        resources=BASE_RESOURCES + len(cell_sizes) + sg_rules + (OBSERVABILITY_RESOURCES if obs.enabled else 0)
+        resources=BASE_RESOURCES + len(cell_sizes) + len(alarm_cells) + sg_rules + (OBSERVABILITY_RESOURCES if obs.enabled else 0)
         + ((ALARM_TOPIC_RESOURCES + len(obs.alarm_emails)) if own_topic else 0),
         outputs=BASE_OUTPUTS + (2 if own_topic else 0),
         template_bytes=BASE_BYTES
         + PER_CELL_BYTES * len(cell_sizes)
+        + ALARM_CELL_BYTES * len(alarm_cells)
         + PER_RULE_BYTES * sg_rules
         + (OBSERVABILITY_BYTES if obs.enabled else 0)
         + ((ALARM_TOPIC_BYTES + PER_EMAIL_BYTES * len(obs.alarm_emails)) if own_topic else 0)
@@ -187,6 +195,7 @@ def estimate(cfg: ClusterConfig) -> StackSize:
         + _router_fleet_bytes(cfg),
         largest_user_data=max(size_of.values()) + url_growth,
         cells=cell_sizes,
+        alarm_cells=alarm_cells,
     )
 
 

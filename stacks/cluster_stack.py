@@ -2,7 +2,17 @@
 
 from __future__ import annotations
 
-from aws_cdk import Acknowledgment, Annotations, CfnParameter, CfnWaitConditionHandle, Environment, Stack, Tags, Validations
+from aws_cdk import (
+    Acknowledgment,
+    Annotations,
+    CfnParameter,
+    CfnWaitConditionHandle,
+    Environment,
+    NestedStack,
+    Stack,
+    Tags,
+    Validations,
+)
 from aws_cdk import aws_ec2 as ec2
 from constructs import Construct
 
@@ -12,7 +22,7 @@ from cluster_constructs.compile_cache import CompileCacheBucket
 from cluster_constructs.iam import CacheLocation
 from cluster_constructs.load_balancer import ProxyLoadBalancer
 from cluster_constructs.network import ClusterNetwork
-from cluster_constructs.observability import FleetObservability
+from cluster_constructs.observability import FleetObservability, NodeAlarms
 from cluster_constructs.outputs import ClusterOutputs
 from cluster_constructs.router import RouterFleet, RouterWheel
 from cluster_constructs.scripts import NodeScripts
@@ -140,6 +150,7 @@ class GptOssClusterStack(Stack):
         # Every node identity in a cell (a nested stack) of its role: any fleet is one stack name, and a
         # fleet that grows never moves a node from one nested stack to another (clusterspec.cells).
         self.cells: dict[str, NodeCell] = {}
+        self.alarm_cells: dict[str, NestedStack] = {}  # each cell's NodeSilent alarms
         # The rollout's lanes order the groups of a role (docs/design.md 'Changes'); a first deploy
         # launches every node at once: `gptoss deploy` says so (context gptoss:first-deploy=true)
         # when the stack does not exist yet.
@@ -172,6 +183,14 @@ class GptOssClusterStack(Stack):
             # first boot still compiling is the deploy gate's to judge, not an alarm.
             for nested in self.cells.values():
                 fleet.node.add_dependency(nested)
+            # Then each cell's NodeSilent alarms, a cell after the other: the stack's alarms are made
+            # PUT_METRIC_ALARM_TPS at a time (CloudWatch's rate), at any fleet size.
+            previous: Construct = fleet
+            for cell in cells(layout, config.cell_nodes):
+                alarms = NodeAlarms(self, f"{cell.name}Alarms", config=config, cell=cell, topic=alarm_topic_arn)
+                alarms.node.add_dependency(self.cells[cell.name])
+                alarms.node.add_dependency(previous)
+                self.alarm_cells[cell.name] = previous = alarms
 
         if not config.termination_protection:
             Validations.of(self).acknowledge(

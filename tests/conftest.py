@@ -152,7 +152,7 @@ def synth_variant() -> Callable[..., dict[str, Any]]:
             # The feature flags of cdk.json, as the CLI passes them (policy minimization among them).
             app = cdk.App(context=json.loads((ROOT / "cdk.json").read_text())["context"])
             stack = GptOssClusterStack(app, STACK, config=load_config(context))
-            by_lid = {stack.get_logical_id(c.nested_stack_resource): c for c in stack.cells.values()}  # type: ignore[arg-type]
+            by_lid = {stack.get_logical_id(c.nested_stack_resource): c for c in (*stack.cells.values(), *stack.alarm_cells.values())}  # type: ignore[arg-type]
             cache[key] = flatten(dict(Template.from_stack(stack).to_json()), lambda lid, res: dict(Template.from_stack(by_lid[lid]).to_json()))
         return cache[key]
 

@@ -289,7 +289,7 @@ def test_production_three_plus_eight_in_an_existing_vpc_deploys_and_is_destroyed
     assert {("tcp", 5559 + 100 * i, 5562 + 100 * i, "self") for i in range(16)} <= seen["rules_in"]
     _check_templates(seen["nodes"], seen["group"]["GroupId"])
     cells = sorted(c.split("-")[1].split("NestedStack")[0] for c in seen["nested_stacks"])
-    assert cells == ["DecodeCell0", "DecodeCell1", "PrefillCell0"], seen["nested_stacks"]
+    assert cells == ["DecodeCell0", "DecodeCell0Alarms", "DecodeCell1", "DecodeCell1Alarms", "PrefillCell0", "PrefillCell0Alarms"], seen["nested_stacks"]
 
 
 def test_single_instance_recipe_with_the_stacks_own_cache_bucket_deploys_and_is_destroyed(local_aws: LocalAws) -> None:

@@ -64,9 +64,9 @@ def test_the_readme_local_lifecycle_runs_as_written_and_leaves_nothing(moto: str
     assert re.search(r"prefill-0\s+│ i-[0-9a-f]{17}", out) and re.search(r"decode-0\s+│ i-[0-9a-f]{17}", out), out[-4000:]
     assert "likely cause: prefill-0, decode-0: Run Command succeeded with no output." in " ".join(out.split())
     assert "local cluster GptOssLocalStack is up in" in out
-    # diff right after up: nothing differs, in the stack or its two cells, said at once (no change set to wait for).
+    # diff right after up: nothing differs, in the stack, its two cells or their alarms, said at once (no change set to wait for).
     assert "makes no change sets: comparing the deployed templates with the synthesized ones" in out, out[-4000:]
-    assert out.count("There were no differences") == 3 and "Number of stacks with differences: 0" in out, out[-6000:]
+    assert out.count("There were no differences") == 5 and "Number of stacks with differences: 0" in out, out[-6000:]
     # down: destroyed through gptoss destroy; it says nothing is left ...
     assert "gptoss destroy" in out and "left in the local account: nothing" in out, out[-4000:]
     assert 'leave it with: eval "$(.venv/bin/gptoss local env --unset)"' in out

@@ -114,8 +114,8 @@ def test_size_estimate_is_conservative_and_close_for_the_stack_and_every_cell(de
         assert actual <= e.template_bytes <= actual * 1.25, ("parent", actual, e.template_bytes)
         assert len(s.parent["Resources"]) <= e.resources
         assert len(s.parent["Outputs"]) == e.outputs
-        by_cell = {c.name: c for c in e.cells}
-        assert len(s.nested_paths) == len(by_cell)
+        by_cell = {c.name: c for c in (*e.cells, *e.alarm_cells)}
+        assert len(s.nested_paths) == len(by_cell) and len(e.alarm_cells) == len(e.cells), "each cell and its NodeSilent alarms"
         for lid, path in s.nested_paths.items():
             cell = by_cell[next(name for name in by_cell if lid.startswith(f"{name}NestedStack"))]
             actual = path.stat().st_size

@@ -191,7 +191,7 @@ def test_alarms_notify_the_operators_topic(synth_variant: Callable[..., dict[str
     topic = "arn:aws:sns:us-east-2:123456789012:gptoss-pager"
     t = synth_variant(decode_instances=8, **{"observability.alarm_topic_arn": topic})
     alarms = of_type(t, "AWS::CloudWatch::Alarm")
-    assert {a["Properties"]["AlarmName"] for a in alarms.values()} == FLEET_ALARMS_3P8D | {f"gptoss-8k1k-NodeSilent-{n}" for n in NODES_3P8D}
+    assert {a["Properties"]["AlarmName"] for a in alarms.values()} == FLEET_ALARMS_3P8D | {f"gptoss-8k1k-{n}-NodeSilent" for n in NODES_3P8D}
     assert not of_type(t, "AWS::SNS::Topic"), "the operator's topic, none of the stack's"
     for a in alarms.values():
         assert a["Properties"]["AlarmActions"] == [topic], a["Properties"]["AlarmName"]
@@ -217,7 +217,7 @@ def test_without_a_topic_the_stack_makes_one_says_how_to_subscribe_and_warns_whi
     # Every alarm and every group notifies it (the cells get it as a parameter of theirs).
     alarms = of_type(t, "AWS::CloudWatch::Alarm")
     assert {a["Properties"]["AlarmName"] for a in alarms.values()} == {
-        "gptoss-8k1k-NodeSilent-prefill-0", "gptoss-8k1k-NodeSilent-decode-0", "gptoss-8k1k-ServersDown", "gptoss-8k1k-StagingFailing",
+        "gptoss-8k1k-prefill-0-NodeSilent", "gptoss-8k1k-decode-0-NodeSilent", "gptoss-8k1k-ServersDown", "gptoss-8k1k-StagingFailing",
         "gptoss-8k1k-UnitsNotReady", "gptoss-8k1k-NodeReplaced", "gptoss-8k1k-NodeCannotBeReplaced", "gptoss-8k1k-ReplacementHeld",
     }, "a NodeSilent alarm per node, and the fleet's (no router, no load balancer in the tested layout)"  # fmt: skip
     for a in alarms.values():
@@ -341,7 +341,7 @@ ALARMS_3P8D = {
 } | {
     # Each node's heartbeat: no sample for 27 minutes (a replacement's 15 minutes of launch and boot, and
     # its scripts' fetch budget of 600 + 120 s) is a node gone silent; missing data is the failure.
-    f"gptoss-8k1k-NodeSilent-{node}": ("GptOss/gptoss-8k1k", "NodeReporting", "SampleCount", 60, 27, 1, "LessThanThreshold", "breaching")
+    f"gptoss-8k1k-{node}-NodeSilent": ("GptOss/gptoss-8k1k", "NodeReporting", "SampleCount", 60, 27, 1, "LessThanThreshold", "breaching")
     for node in NODES_3P8D
 }
 
@@ -356,7 +356,7 @@ def test_every_alarm_watches_its_metric_with_its_threshold_periods_and_missing_d
         assert got == (namespace, metric, statistic, period, periods, threshold, comparison, missing), name
         assert "DatapointsToAlarm" not in a, f"{name}: every evaluated period breaches"
     for node in NODES_3P8D:
-        dims = {d["Name"]: d["Value"] for d in alarms[f"gptoss-8k1k-NodeSilent-{node}"]["Dimensions"]}
+        dims = {d["Name"]: d["Value"] for d in alarms[f"gptoss-8k1k-{node}-NodeSilent"]["Dimensions"]}
         assert dims == {"Cluster": "gptoss-8k1k", "Node": node, "Role": node.split("-")[0]}, "the node's own heartbeat, as it publishes it"
     reach = alarms["gptoss-8k1k-RouterCannotReachServers"]
     queries = {q["Id"]: q for q in reach["Metrics"]}

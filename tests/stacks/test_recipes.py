@@ -71,7 +71,9 @@ def test_cdk_synth_takes_the_recipe_from_the_command_line(tmp_path: Path) -> Non
     )  # fmt: skip
     assert r.returncode == 0, r.stderr[-2000:]
     assert [p.name for p in tmp_path.glob("*.template.json") if ".nested." not in p.name] == ["GptOss20bSingleStack.template.json"]
-    assert [p.name.split("Cell")[0] for p in tmp_path.glob("*.nested.template.json")] == ["GptOss20bSingleStackServer"], "its one cell"
+    names = sorted(p.name for p in tmp_path.glob("*.nested.template.json"))
+    assert [n.startswith("GptOss20bSingleStackServerCell0Alarms") for n in names] == [False, True], names
+    assert names[0].startswith("GptOss20bSingleStackServerCell0") and len(names) == 2, "its one cell, and its NodeSilent alarms"
 
 
 def test_every_recipe_grants_the_node_exactly_the_allowlist(recipe_synth: dict[str, Any], default_synth: Any) -> None:

@@ -259,7 +259,7 @@ def test_the_deployed_side_is_read_from_cloudformation_stack_and_cells(assembly:
     stub = Stubber(cfn)
     stub.add_response("get_template", {"TemplateBody": json.dumps(parent)}, {"StackName": STACK, "TemplateStage": "Original"})
     cells = [lid for lid, res in parent["Resources"].items() if res["Type"] == "AWS::CloudFormation::Stack"]
-    assert len(cells) == 2
+    assert len(cells) == 4, "two cells, and each cell's NodeSilent alarms"
     summaries: list[dict[str, Any]] = [
         {"LogicalResourceId": lid, "PhysicalResourceId": f"arn:aws:cloudformation:us-east-2:123456789012:stack/{STACK}-{lid}/1",
          "ResourceType": "AWS::CloudFormation::Stack", "LastUpdatedTimestamp": "2026-12-03T00:00:00Z", "ResourceStatus": "CREATE_COMPLETE"}
@@ -304,7 +304,7 @@ def test_status_shows_a_rollout_in_progress_node_by_node(assembly: Callable[...,
     top = [summary(lid, "AWS::CloudFormation::Stack", "UPDATE_IN_PROGRESS", arn[lid]) for lid in cells]
     stub.add_response("list_stack_resources", {"StackResourceSummaries": top}, {"StackName": STACK})
     for lid in cells:
-        inner = [summary(gate2, "AWS::CloudFormation::WaitCondition", "CREATE_IN_PROGRESS")] if lid.startswith("Decode") else []
+        inner = [summary(gate2, "AWS::CloudFormation::WaitCondition", "CREATE_IN_PROGRESS")] if lid.startswith("DecodeCell0NestedStack") else []
         stub.add_response("list_stack_resources", {"StackResourceSummaries": inner}, {"StackName": arn[lid]})
     stub.add_response("get_template", {"TemplateBody": json.dumps(parent)}, {"StackName": STACK, "TemplateStage": "Original"})
     stub.add_response("list_stack_resources", {"StackResourceSummaries": top}, {"StackName": STACK})
