@@ -6,6 +6,7 @@ import http.server
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -17,6 +18,7 @@ from typing import Any
 import pytest
 
 from cluster_ops.rollout import substitute
+from clusterspec.paths import member_host
 
 ROOT = Path(__file__).resolve().parent.parent
 CDK = ROOT / "node_modules" / ".bin" / "cdk"
@@ -348,3 +350,23 @@ def moto_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         yield server.url
     finally:
         server.stop()
+
+
+def private_etc(tmp: Path, hosts: dict[str, str]) -> Path:
+    """An /etc for a process of its own: the resolver's configuration and a hosts file that names
+    each node (NODE.gptoss.internal) as gptoss-members does on a node. A directory, so that a
+    rewrite by rename (what gptoss-members does) reaches the process, as /etc/hosts does on a node."""
+    etc = tmp / "etc"
+    etc.mkdir(parents=True, exist_ok=True)
+    for name in ("nsswitch.conf", "host.conf", "gai.conf", "resolv.conf"):
+        if Path("/etc", name).is_file():
+            shutil.copy(Path("/etc", name), etc / name)
+    (etc / "hosts").write_text("127.0.0.1 localhost\n" + "".join(f"{ip} {member_host(n)}\n" for n, ip in hosts.items()))
+    return etc
+
+
+def with_etc(argv: list[str], etc: Path) -> list[str]:
+    """argv in a mount namespace of its own whose /etc is `etc` (root, or an unprivileged user namespace)."""
+    assert shutil.which("unshare"), "unshare (util-linux) runs the router with the nodes' names in its own /etc"
+    unshare = ["unshare", "--mount"] + ([] if os.geteuid() == 0 else ["--map-root-user"])
+    return [*unshare, "sh", "-c", 'mount --bind "$0" /etc && exec "$@"', str(etc), *argv]

@@ -14,10 +14,12 @@ import importlib.machinery
 import importlib.util
 import json
 import os
+import socket
 import subprocess
 import sys
 import threading
 import time
+import urllib.request
 import zipfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -32,7 +34,7 @@ from clusterspec import telemetry
 from clusterspec.loading import load_config
 from clusterspec.paths import USERDATA_DIR
 from clusterspec.render import cluster_env
-from tests.conftest import fake_command, real_aws_cli
+from tests.conftest import fake_command, private_etc, real_aws_cli, with_etc
 
 Shipped = Callable[[str], Path]
 
@@ -272,22 +274,28 @@ def signal_node(tmp_path: Path, peers: Any, shipped: Shipped) -> Callable[..., s
     def run(
         units: dict[str, str] | None = None, *, timeout: int = 21600, completion: bool = True, query: str = "X-Amz-Signature=abc",
         aws: bool = False, gate: str = "", booted_ago_s: float = 0, extra_env: dict[str, str] | None = None,
+        health: str | None = None, node_env: str = "", hosts: dict[str, str] | None = None,
     ) -> subprocess.CompletedProcess[str]:
+        if health is not None:
+            (etc / "health").write_text(health)
         (etc / "signal.env").write_text(f"GPTOSS_SIGNAL_URL={peers.url}/handle?{query}\n" + (f"GPTOSS_GATE={gate}\n" if gate else ""))
         states.write_text(json.dumps(units or {}))
         (etc / "cluster.env").write_text(
             f"GPTOSS_NODE=prefill-0\nGPTOSS_MODEL_DIR=/opt/dlami/nvme/models/gpt-oss-120b\nGPTOSS_READY_TIMEOUT_S={timeout}\n"
             + (f"GPTOSS_COMPLETION_URL={peers.url}/v1/completions\n" if completion else "")
             + ("AWS_REGION=us-east-2\n" if aws else "")
+            + node_env
         )
         # The kernel's boot time (/proc/stat btime): this instance's first boot, BOOTED_AGO_S ago.
         (tmp_path / "stat").write_text(f"cpu 1 2 3 4\nbtime {int(time.time() - booted_ago_s)}\n")
         env = {**os.environ, "GPTOSS_ETC": str(etc), "GPTOSS_STATE_DIR": str(tmp_path / "state"), "GPTOSS_SYSTEMCTL": str(tmp_path / "systemctl"),
                "GPTOSS_JOURNALCTL": str(tmp_path / "journalctl"), "GPTOSS_SIGNAL_POLL_S": "0.1", "GPTOSS_SIGNAL_RETRY_MAX_S": "0.2",
                "GPTOSS_PROC_STAT": str(tmp_path / "stat"), **(extra_env or {})}  # fmt: skip
-        return subprocess.run(
-            [sys.executable, str(shipped("gptoss-signal"))], env=env, capture_output=True, text=True, timeout=60
-        )
+        argv = [sys.executable, str(shipped("gptoss-signal"))]
+        if hosts is not None:
+            # The node's names as gptoss-members writes them to /etc/hosts: a mount namespace of its own.
+            argv = with_etc(argv, private_etc(tmp_path / "system", hosts))
+        return subprocess.run(argv, env=env, capture_output=True, text=True, timeout=60)
 
     return run
 
@@ -1108,3 +1116,130 @@ def test_a_held_replacement_is_published_while_the_health_watch_holds_it(tmp_pat
     assert _values(c.collect(1060.0))["ReplacementHeld"] == 1
     (tmp_path / "run" / "watch" / "budget-spent").unlink()
     assert _values(c.collect(1120.0))["ReplacementHeld"] == 0
+
+
+# ---- the deploy gate tests this instance's own servers ----------------------------------------------
+
+
+class _Refusing(http.server.BaseHTTPRequestHandler):
+    """A decode server whose /health answers while it refuses every request (it cannot take KV): a 503."""
+
+    posts = 0
+
+    def log_message(self, format: str, *args: Any) -> None:
+        pass
+
+    def do_GET(self) -> None:
+        self.send_response(200)
+        self.send_header("Content-Length", "2")
+        self.end_headers()
+        self.wfile.write(b"ok")
+
+    def do_POST(self) -> None:
+        self.rfile.read(int(self.headers["Content-Length"]))
+        type(self).posts += 1
+        body = b'{"error": "KV transfer failed"}'
+        self.send_response(503)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+
+@pytest.fixture
+def pd_pair(tmp_path: Path) -> Iterator[Callable[[str], tuple[int, int]]]:
+    """Strict loopback vLLM fakes (tests/fakes/vllm_pd.py): start(role) -> (port, its side channel port).
+    A decode server accepts only the KV transfer parameters the prefill server returned for the prompt."""
+    procs: list[subprocess.Popen[bytes]] = []
+    fake = Path(__file__).resolve().parent.parent / "fakes" / "vllm_pd.py"
+
+    def start(role: str, engines: dict[str, list[Any]] | None = None) -> tuple[int, int]:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        side = port + 1
+        argv = [sys.executable, str(fake), "--role", role, "--host", "127.0.0.1", "--port", str(port), "--side-channel-port", str(side)]
+        if engines is not None:
+            argv += ["--engines", json.dumps(engines)]
+        procs.append(subprocess.Popen(argv, env={**os.environ, "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1"}, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
+                return port, side
+            except OSError:
+                assert time.monotonic() < deadline, f"the {role} fake did not start"
+                time.sleep(0.1)
+
+    yield start
+    for proc in procs:
+        proc.kill()
+        proc.wait()
+
+
+def _stats(port: int) -> dict[str, Any]:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/stats", timeout=5) as r:
+        return dict(json.loads(r.read()))
+
+
+def test_a_router_nodes_replacement_proves_its_own_decode_server_with_a_request_pinned_to_it(
+    signal_node: Any, peers: Any, pd_pair: Any, tmp_path: Path
+) -> None:
+    """A surge replacement of decode-1, a router node: the completion through its router succeeds, but the
+    router reaches "decode-1" by name, which is the old instance until it leaves. The gate also sends a
+    disaggregated request whose decode half goes to this instance's own decode server, its prefill half to
+    a prefill server of the fleet's document (by name, as the router's): the strict fakes accept only a
+    handoff exactly as a NIXL proxy makes it."""
+    from tests.fakes.vllm_pd import engine_id
+
+    prefill, side = pd_pair("prefill")
+    decode, _ = pd_pair("decode", {engine_id("127.0.0.1", prefill): ["127.0.0.1", side]})
+    fleet = tmp_path / "router-fleet"
+    fleet.write_text(f"domain gptoss.internal\nrestart_gap 60\narg --policy\narg round_robin\npool prefill 0 0 {prefill} {prefill}\npool decode 0 1 8200 8200\n")
+    health = f"gptoss-decode.service http://127.0.0.1:{decode}/health decode\ngptoss-proxy.service {peers.url}/readiness proxy\n"
+    r = signal_node(health=health, node_env="GPTOSS_MEMBERS_FORM=hosts\n", hosts={"prefill-0": "127.0.0.1"},
+                    extra_env={"GPTOSS_ROUTER_FLEET": str(fleet)})  # fmt: skip
+    assert r.returncode == 0, r.stdout + r.stderr
+    (put,) = peers.puts
+    assert put["doc"]["Status"] == "SUCCESS", put
+    assert put["doc"]["Reason"] == (f"prefill-0: its own decode server http://127.0.0.1:{decode}/v1/completions returned 16 tokens; a "
+                                    f"completion through {peers.url}/v1/completions returned 16 tokens")  # fmt: skip
+    assert (_stats(prefill)["served"], _stats(decode)["served"]) == (1, 1)
+    assert _stats(prefill)["violations"] == [] and _stats(decode)["violations"] == []
+
+
+def test_a_router_nodes_replacement_whose_own_decode_server_refuses_never_signals_success(
+    signal_node: Any, peers: Any, pd_pair: Any, tmp_path: Path
+) -> None:
+    """Its decode server answers /health but refuses every request (it cannot take KV), while the completion
+    through the router succeeds: the old instance still holds the name decode-1 and serves it. The node
+    never says SUCCESS: at its deadline (a 302 s gate: 2 s) it says FAILURE, naming its own decode server."""
+    prefill, _ = pd_pair("prefill")
+    own = http.server.ThreadingHTTPServer(("127.0.0.1", 0), type("D", (_Refusing,), {"posts": 0}))
+    threading.Thread(target=own.serve_forever, daemon=True).start()
+    fleet = tmp_path / "router-fleet"
+    fleet.write_text(f"domain gptoss.internal\npool prefill 0 0 {prefill} {prefill}\n")
+    health = f"gptoss-decode.service http://127.0.0.1:{own.server_address[1]}/health decode\ngptoss-proxy.service {peers.url}/readiness proxy\n"
+    try:
+        r = signal_node(health=health, node_env="GPTOSS_MEMBERS_FORM=hosts\n", hosts={"prefill-0": "127.0.0.1"}, timeout=302,
+                        query=_amz(signed_ago_s=0), extra_env={"GPTOSS_ROUTER_FLEET": str(fleet)})  # fmt: skip
+    finally:
+        own.shutdown()
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert [p["doc"]["Status"] for p in peers.puts] == ["FAILURE"], "never SUCCESS"
+    reason = peers.puts[0]["doc"]["Reason"]
+    assert reason.startswith(f"prefill-0: not ready before the deploy gate's timeout: its own decode server http://127.0.0.1:{own.server_address[1]}"
+                             "/v1/completions refused a request: HTTP 503"), reason  # fmt: skip
+    assert own.RequestHandlerClass.posts >= 1  # type: ignore[attr-defined]
+
+
+def test_a_prefill_node_proves_each_of_its_own_replicas_with_a_prefill_request(signal_node: Any, peers: Any, pd_pair: Any) -> None:
+    """A prefill node (no proxy: a router layout) tells its gate SUCCESS once every one of its replicas took a
+    real prefill request (the strict fake answers only the handoff a proxy sends); a replica that refuses
+    holds the node at wait and is named."""
+    ports = [pd_pair("prefill")[0] for _ in range(2)]
+    health = "".join(f"gptoss-prefill@{i}.service http://127.0.0.1:{p}/health prefill_{i}\n" for i, p in enumerate(ports))
+    r = signal_node(health=health, completion=False)
+    assert r.returncode == 0, r.stdout + r.stderr
+    (put,) = peers.puts
+    assert put["doc"]["Reason"] == "prefill-0: its 2 prefill replicas each took a prefill request"
+    assert [_stats(p)["served"] for p in ports] == [1, 1] and all(_stats(p)["violations"] == [] for p in ports)

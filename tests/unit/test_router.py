@@ -17,7 +17,6 @@ from __future__ import annotations
 import http.client
 import json
 import os
-import shutil
 import signal
 import socket
 import subprocess
@@ -35,10 +34,10 @@ import pytest
 from clusterspec import telemetry
 from clusterspec.commands import router_fleet
 from clusterspec.loading import load_config
-from clusterspec.paths import WHEELS_DIR, member_host, router_parameter
+from clusterspec.paths import WHEELS_DIR, router_parameter
 from clusterspec.quoting import env_file as render_env_file
 from clusterspec.render import cluster_env, render_cluster
-from tests.conftest import ROOT, fake_command, real_aws_cli, serve_health
+from tests.conftest import ROOT, fake_command, private_etc, real_aws_cli, serve_health, with_etc
 from tests.fakes.vllm_pd import engine_id
 
 FAKES = ROOT / "tests" / "fakes" / "vllm_pd.py"
@@ -159,26 +158,6 @@ class Fleet:
             if p.poll() is None:
                 p.kill()
                 p.wait()
-
-
-def private_etc(tmp: Path, hosts: dict[str, str]) -> Path:
-    """An /etc for a process of its own: the resolver's configuration and a hosts file that names
-    each node (NODE.gptoss.internal) as gptoss-members does on a node. A directory, so that a
-    rewrite by rename (what gptoss-members does) reaches the process, as /etc/hosts does on a node."""
-    etc = tmp / "etc"
-    etc.mkdir(parents=True, exist_ok=True)
-    for name in ("nsswitch.conf", "host.conf", "gai.conf", "resolv.conf"):
-        if Path("/etc", name).is_file():
-            shutil.copy(Path("/etc", name), etc / name)
-    (etc / "hosts").write_text("127.0.0.1 localhost\n" + "".join(f"{ip} {member_host(n)}\n" for n, ip in hosts.items()))
-    return etc
-
-
-def with_etc(argv: list[str], etc: Path) -> list[str]:
-    """argv in a mount namespace of its own whose /etc is `etc` (root, or an unprivileged user namespace)."""
-    assert shutil.which("unshare"), "unshare (util-linux) runs the router with the nodes' names in its own /etc"
-    unshare = ["unshare", "--mount"] + ([] if os.geteuid() == 0 else ["--map-root-user"])
-    return [*unshare, "sh", "-c", 'mount --bind "$0" /etc && exec "$@"', str(etc), *argv]
 
 
 def _substitute(argv: list[str], names: dict[str, str]) -> list[str]:
