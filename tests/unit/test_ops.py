@@ -555,6 +555,10 @@ def test_status_names_each_nodes_instance_and_address_and_a_surges_replacement_b
     cfg = load_config({})
     ids = launch(cfg)
     ec2 = boto3.client("ec2", region_name=REGION)
+    # moto's LaunchTime has whole seconds: the replacement launches in a later second than the old one, as on EC2.
+    first = max(i["LaunchTime"] for r in ec2.describe_instances()["Reservations"] for i in r["Instances"])
+    while dt.datetime.now(dt.UTC).replace(microsecond=0) <= first:
+        time.sleep(0.05)
     new = launch(cfg, ["prefill-0"])["prefill-0"]
     ip = {i["InstanceId"]: i["PrivateIpAddress"] for r in ec2.describe_instances()["Reservations"] for i in r["Instances"]}
 
