@@ -85,6 +85,28 @@ def control_plane_lines(cfg: ClusterConfig) -> list[str]:
     return lines
 
 
+def rollout_plan(cfg: ClusterConfig) -> dict[str, object]:
+    """How a change that replaces every node of a role rolls: per role its lanes and batches, with or
+    without surge, and the spare instances a surge runs beside the fleet (preflight counts them)."""
+    roles: dict[str, int] = {}
+    for node in cfg.layout.nodes:
+        roles[node.role] = roles.get(node.role, 0) + 1
+    per_role = {}
+    for role, n in roles.items():
+        lanes = cfg.rollout.lanes(n, cfg.surge)
+        per_role[role] = {"nodes": n, "at_once": lanes, "batches": -(-n // lanes), "spare_instances": cfg.rollout.surge_room(n, cfg.surge)}
+    return {"surge": cfg.surge, "roles": per_role}
+
+
+def rollout_lines(cfg: ClusterConfig) -> list[str]:
+    r = rollout_plan(cfg)
+    roles: dict[str, dict[str, int]] = r["roles"]  # type: ignore[assignment]
+    how = "surge, rollout.max_surge" if r["surge"] else "in place, rollout.max_unavailable"
+    each = ", ".join(f"{role} {v['batches']} batch{'es' if v['batches'] != 1 else ''} of {v['at_once']}" for role, v in roles.items())
+    spare = sum(v["spare_instances"] for v in roles.values())
+    return [f"  a change of every node: {each}", f"    ({how}" + (f": {spare} spare instances while it rolls)" if spare else ")")]
+
+
 def summary(cfg: ClusterConfig, renders: list[NodeRender]) -> str:
     """The plan in 80 columns: what is deployed, where the endpoint is, what bills."""
     from cluster_ops import cost
@@ -117,6 +139,7 @@ def summary(cfg: ClusterConfig, renders: list[NodeRender]) -> str:
     fleet_cells = cells(layout, cfg.cell_nodes)
     per_role = ", ".join(f"{role} {sum(1 for c in fleet_cells if c.role == role)}" for role in dict.fromkeys(c.role for c in fleet_cells))
     lines.append(f"  cells (nested stacks of up to {cfg.cell_nodes} nodes of a role): {len(fleet_cells)}: {per_role}")
+    lines += rollout_lines(cfg)
     lines.append("")
     lines.append(f"  {'nodes':<20} {'role':<8} {'replicas':>8} {'cores':>7}  {'feeds':<16} {'servers':>7}")
     for role, rs in _groups(renders):
@@ -204,6 +227,7 @@ def plan_document(cfg: ClusterConfig, renders: list[NodeRender]) -> dict[str, An
         "proxy": {"kind": cfg.proxy_kind, "why": cfg.proxy_kind_reason, "nodes": [p.node for p in layout.proxies],
                   "health_path": cfg.proxy_health_path},
         "control_plane": control_plane(cfg),
+        "rollout": rollout_plan(cfg),
         "load_balancer": {"internal_nlb": cfg.load_balanced, "port": cfg.serving.proxy.port if cfg.serving.disaggregated else cfg.serving.server.port},
         "feeds": feeds,
         "cells": [{"name": c.name, "role": c.role, "nodes": [n.name for n in c.nodes]} for c in cells(layout, cfg.cell_nodes)],

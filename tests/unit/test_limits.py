@@ -105,3 +105,23 @@ def test_a_refusal_renders_a_bounded_number_of_nodes_however_large_the_fleet(mon
     with pytest.raises(SpecError) as near:
         limits.check(load_config({"decode_instances": str(largest + 1), "cell_nodes": "1"}))
     assert f"at or below {largest} decode instances" in str(near.value)
+
+
+def test_the_user_data_limit_counts_the_gates_presigned_url_as_the_instance_gets_it() -> None:
+    """In the template the gate's URL is a Ref; on the instance it is CloudFormation's presigned URL
+    (SigV4: the handle's ARN with a nested stack's name, the query), which EC2's 16 KB counts. The
+    estimate holds the largest node's user data with a URL of that form and its gate's logical id."""
+    from clusterspec.userdata import user_data
+    from tests.fakes.cloudformation import handle_url
+
+    cfg = load_config({"decode_instances": "8"})
+    url = handle_url(1_800_000_000.0).replace("stack/cell/handle", "stack/GptOss8k1kStack-DecodeCell0NestedStackDecodeCell0NestedStack"
+                                                                  "Resource58874800-1A2B3C4D5E6F7/0123abcd-4567-89ef-0123-456789abcdef/Decode7Ready0123abcdHandle0A1B2C3D")  # fmt: skip
+    assert len(url) > 500
+    gate = "Decode7Ready0123abcdCondition0A1B2C3D"
+    largest = max(
+        len(user_data(r, scripts_uri=limits.SCRIPTS_URI_PLACEHOLDER, scripts_sha256="0" * 64, signal_url=url, gate_id=gate,
+                      router_uri=limits.SCRIPTS_URI_PLACEHOLDER, compile_cache_uri=limits.SCRIPTS_URI_PLACEHOLDER).encode())
+        for r in render.render_cluster(cfg)
+    )  # fmt: skip
+    assert largest <= limits.estimate(cfg).largest_user_data

@@ -231,3 +231,16 @@ def test_plan_rows_show_no_replica_count_on_decode_nodes() -> None:
     r = subprocess.run([sys.executable, str(ROOT / "scripts" / "cluster.py"), "plan", "--decode-instances", "8"], capture_output=True, text=True, cwd=ROOT)
     (row,) = [line for line in r.stdout.splitlines() if line.strip().startswith("decode-0..7")]
     assert row.split()[:4] == ["decode-0..7", "decode", "-", "128/128"], row
+
+
+def test_plan_says_how_a_change_of_every_node_rolls_and_what_spare_instances_it_needs() -> None:
+    """On-Demand surges (rollout.max_surge 1): 3 + 8 rolls its 3 prefill and 8 decode nodes one of each role at a
+    time, with a replacement and its predecessor's drain beside each role: 4 spare instances. max_surge 25 %
+    halves decode's batches (8 x 25 % = 2 at once); a reservation replaces in place (max_unavailable), no spare."""
+    out = plan("--decode-instances", "8").stdout
+    assert "  a change of every node: prefill 3 batches of 1, decode 8 batches of 1\n    (surge, rollout.max_surge: 4 spare instances while it rolls)\n" in out
+    doc = plan_json("--decode-instances", "8", "-c", "rollout.max_surge=25%")["rollout"]
+    assert doc == {"surge": True, "roles": {"prefill": {"nodes": 3, "at_once": 1, "batches": 3, "spare_instances": 2},
+                                            "decode": {"nodes": 8, "at_once": 2, "batches": 4, "spare_instances": 4}}}  # fmt: skip
+    off = plan("--decode-instances", "8", "-c", "rollout.surge=off", "-c", "rollout.max_unavailable=25%").stdout
+    assert "  a change of every node: prefill 3 batches of 1, decode 4 batches of 2\n    (in place, rollout.max_unavailable)\n" in off
