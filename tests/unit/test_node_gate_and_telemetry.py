@@ -1004,6 +1004,24 @@ def test_a_replacement_whose_gate_was_answered_does_not_answer_it_again(surge_no
     assert peers.puts == [] and len(calls) == 1 and "already signalled (SUCCESS" in again.stdout, "a reboot: the verdict is kept, nothing again"
 
 
+def test_the_instance_id_written_after_the_signal_started_is_the_one_it_signals(surge_node: Any, peers: Any, tmp_path: Path) -> None:
+    """gptoss-signal starts at boot beside gptoss-identity, which writes the instance's id once the instance
+    metadata answers: the id is read when the verdict is there, not when the script started."""
+    identity = tmp_path / "run" / "identity.env"
+    written = identity.read_text()
+    identity.unlink()
+    original = peers.do_POST
+
+    def do_post(self: Any) -> None:
+        identity.write_text(written)  # gptoss-identity, done while the node was still getting ready
+        original(self)
+
+    peers.do_POST = do_post
+    r, calls = surge_node()
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert [(c["Status"], c["UniqueId"]) for c in calls] == [("SUCCESS", surge_node.instance)], r.stdout
+
+
 def test_a_failed_node_tells_its_group_at_once_not_after_the_surge_timeout(surge_node: Any, peers: Any) -> None:
     r, calls = surge_node(units={"gptoss-proxy.service": "ActiveState=failed\nSubState=failed\nNRestarts=0"})
     assert r.returncode == 0, r.stdout + r.stderr
