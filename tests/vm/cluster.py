@@ -1,7 +1,7 @@
 """A deployed cluster of guest VMs: render with the project's code, launch, replace, restart, inspect.
 
-Each node identity (prefill-0, decode-0) is held by one VM at a time, as an Auto Scaling group of
-one holds one instance (two during a surge). `deploy()` is what `cdk deploy` does: it renders each node's user data
+Each node identity (prefill-0, decode-0, and decode-1 of the two-decode router layout) is held by
+one VM at a time, as an Auto Scaling group of one holds one instance (two during a surge). `deploy()` is what `cdk deploy` does: it renders each node's user data
 with the same function the stack uses (tests/unit prove the stack embeds exactly that
 rendering), fills in what CloudFormation fills in (where the scripts asset and the compile
 cache are, each node's deploy gate), puts the stack's assets in the cluster's AWS (one moto on
@@ -37,6 +37,9 @@ from tests.vm.link import Hub
 from tests.vm.machine import Vm
 
 NODES = ("prefill-0", "decode-0")
+# Every node identity a scenario's layout may hold, and its index (its addresses): the default layout's
+# two, and decode-1 of the two-decode router layout (the surge of a router node).
+INDEX = {"prefill-0": 0, "decode-0": 1, "decode-1": 2}
 # The guest's stand-in for the wait condition handle's presigned URL (fake-waitcondition).
 SIGNAL_BASE = "http://127.0.0.1:9901/cloudformation-waitcondition-us-east-2"
 # The Hugging Face token, in the cluster's Secrets Manager under this name; every deploy names it
@@ -71,7 +74,7 @@ def _cloud_init_status(result_json: str, status_json: str) -> str:
 
 
 class VmCluster:
-    """The VMs of the default layout's two node identities, and the cluster's AWS."""
+    """The VMs of the layout's node identities (INDEX), and the cluster's AWS."""
 
     def __init__(self, workdir: Path, image: Image, accel: str) -> None:
         self.workdir = workdir
@@ -82,7 +85,7 @@ class VmCluster:
         self.vms: dict[str, Vm] = {}
         # A surge's old instance of a node, running beside its replacement until `retire` ends it.
         self.leaving: dict[str, Vm] = {}
-        self.generations = {n: -1 for n in NODES}
+        self.generations = {n: -1 for n in INDEX}
         self.instance_ids: dict[str, str] = {}
         self.cfg: ClusterConfig | None = None
         self.renders: dict[str, NodeRender] = {}
@@ -109,7 +112,8 @@ class VmCluster:
         rollout = {"drain_s": 2 * healing["members_poll_s"] + 10} | context.get("rollout", {})
         self.cfg = load_config(context | {"model": model, "boot": boot, "healing": healing, "rollout": rollout})
         renders = render_cluster(self.cfg)
-        self.renders = {r.node.name: r for r in renders if r.node.name in NODES}
+        assert {r.node.name for r in renders} <= set(INDEX), f"the harness holds {sorted(INDEX)}, not {[r.node.name for r in renders]}"
+        self.renders = {r.node.name: r for r in renders}
         data = scripts_asset(renders)
         sha = hashlib.sha256(data).hexdigest()
         self.scripts_uri = f"s3://{ASSET_BUCKET}/{sha}.xz"
@@ -189,6 +193,16 @@ class VmCluster:
         self.hub.leave(old.link)
         self.aws.terminate(old.instance_id)
 
+    def remove(self, name: str) -> None:
+        """A node the deployed layout no longer holds: its group is deleted with its instance."""
+        assert name not in self.renders, f"{name} is still in the layout"
+        vm = self.vms.pop(name)
+        vm.kill()
+        self.hub.leave(vm.link)
+        self.aws.terminate(self.instance_ids.pop(name))
+        self.handles.pop(name, None)
+        self.pending.discard(name)
+
     def _new_instance(self, name: str, *, reach_aws: bool, fakes: dict[str, Any] | None = None, keep_old: bool = False) -> None:
         assert self.cfg is not None
         old = self.vms.get(name)
@@ -198,7 +212,7 @@ class VmCluster:
             self.aws.terminate(self.instance_ids[name])
         self.generations[name] += 1
         gen = self.generations[name]
-        index = NODES.index(name)
+        index = INDEX[name]
         ip = address(index, gen)
         vm = Vm(name, index, self.workdir / f"{name}-{gen}", self.image, ip, self.accel, self.hub.join(), gen,
                 aws_port=self.aws.port if reach_aws else None)  # fmt: skip
@@ -238,7 +252,7 @@ class VmCluster:
         self.aws.stop()
 
     def running(self) -> list[Vm]:
-        return [self.vms[n] for n in NODES if n in self.vms]
+        return [self.vms[n] for n in INDEX if n in self.vms]
 
     def _each(self, fn: Any, vms: list[Vm] | None = None) -> list[Any]:
         vms = self.running() if vms is None else vms

@@ -503,58 +503,86 @@ while [ ! -e /run/vm-load.stop ]; do
 done
 EOF
 chmod +x /root/load.sh && rm -f /run/vm-load.stop /var/lib/fakes/load.log && systemd-run --unit=vm-load --collect /root/load.sh"""
-# A change of what prefill runs, and only that (a flag of its servers): prefill-0's group rolls, decode-0 keeps its instance.
-SURGED = BASE | {"serving": ROUTED_SERVING | {"prefill": {"extra_flags": [{"name": "--vm-surge", "value": "1", "reason": "a change of prefill only"}]}}}
+# The fleet grown to two decode servers (a router on each) with the same six replicas: prefill-0 and
+# decode-0 render as before, decode-1 is a new node. Then a change of the decode servers (a flag).
+GROWN = ROUTED | {"decode_instances": 2, "prefill_per_decode": 3}
+DECODE_SURGED = GROWN | {"serving": ROUTED_SERVING | {"decode": ROUTED_SERVING["decode"] | {
+    "extra_flags": [*ODD_FLAGS, {"name": "--vm-surge", "value": "1", "reason": "a change of the decode servers"}]}}}  # fmt: skip
+GATE_PROMPT = "The capital of France is "  # gptoss-signal's test requests
 
 
-def test_a_surge_replaces_prefill_0_beside_the_old_one_and_a_client_of_the_router_sees_no_failure(cluster: VmCluster) -> None:
-    """A change of prefill's servers rolls prefill-0's group with surge, played here as CloudFormation
-    plays it: the replacement boots beside the old instance (three guests on one subnet) from the new
-    template, stages on its blank instance store, restores its identity's compile cache (no compile)
-    and signals its own group only once it serves. Until its group lets the old instance go, the name
-    (and the router's traffic) stays with the old one; then decode-0's running router follows the name
-    to the replacement without a restart, the old instance drains and is shut down. A client sending
-    completions through the router all the while sees no failed request."""
+def decode_records(cluster: VmCluster, node: str) -> list[dict[str, Any]]:
+    """The fake vLLM's records of a decode node's server (port 8200) this boot."""
+    return cluster.this_boot(node, cluster.vms[node].records("vllm-8200.jsonl"))
+
+
+def test_a_surge_replaces_decode_1_a_router_node_which_proves_its_own_server_and_a_client_sees_no_failure(cluster: VmCluster) -> None:
+    """The fleet grows to two decode nodes (decode-1 launched, decode-0's router takes the new pool), then a
+    change of the decode servers rolls decode-1's group with surge, played here as CloudFormation plays it
+    (decode-0, first in the lane, is not rolled: the replay of CloudFormation's rules covers the lane's
+    order): the replacement boots beside the old instance (four guests on one subnet), restores its
+    identity's compile cache and signals its group only once its *own* decode server served a request
+    pinned to it (the name decode-1, which its own router and decode-0's reach, is still the old
+    instance's: a completion through a router proves nothing of the new server). Until its group lets the
+    old instance go, the name and the clients' traffic stay with the old one; then decode-0's running
+    router follows the name without a restart, and the old instance drains. A client sending completions
+    through decode-0's router all the while sees no failed request."""
     assert cluster.cfg is not None
+    assert cluster.deploy(GROWN) == {"decode-1"}, "prefill-0 and decode-0 run what they ran: only the new node launches"
+    cluster.launch(LATER)
+    assert_boot_finished(cluster, "decode-1")
+    cluster.wait_ready(900)
     decode = cluster.vms["decode-0"]
+    # decode-0's router takes the grown pool (a restart in its turn: the pool is the fleet's document).
+    decode.wait_until("curl -sf http://127.0.0.1:8000/readiness | grep -q '\"decode\":{\"healthy\":2,\"total\":2}'", 600,
+                      "decode-0's router with both decode servers")  # fmt: skip
+    # decode-1 saved its first compile to its identity's area: its replacement restores it.
+    key = toolchain_key(cluster, "decode-1")
+    area = f"s3://{CACHE_BUCKET}/nodes/decode-1/{key}/"
+    deadline = time.monotonic() + 600
+    while f"nodes/decode-1/{key}/manifest.json" not in cluster.aws.keys(area) and time.monotonic() < deadline:
+        time.sleep(10)
+    assert f"nodes/decode-1/{key}/manifest.json" in cluster.aws.keys(area), "decode-1 saved its compile cache"
+
     router = {p: cluster.unit_prop("decode-0", "gptoss-proxy.service", p) for p in ("MainPID", "NRestarts")}
-    server_pid = cluster.unit_prop("decode-0", "gptoss-decode.service", "MainPID")
-    old_id, old_ip = cluster.instance_ids["prefill-0"], cluster.ip("prefill-0")
-    assert cluster.deploy(SURGED) == {"prefill-0"}, "only prefill-0 runs something new"
+    old_id, old_ip = cluster.instance_ids["decode-1"], cluster.ip("decode-1")
+    assert cluster.deploy(DECODE_SURGED) == {"decode-0", "decode-1"}, "a decode flag: both decode nodes' groups roll, in one lane"
     assert cluster.cfg.surge, "On-Demand capacity with a deploy gate: surge (rollout.surge=auto)"
     decode.ssh(LOAD.replace("MODEL", MODEL))
     launched = time.monotonic()
-    cluster.surge("prefill-0", LATER)
-    new, new_id = cluster.vms["prefill-0"], cluster.instance_ids["prefill-0"]
-    assert new_id != old_id and new.ip != old_ip and cluster.leaving["prefill-0"].instance_id == old_id
-    assert_boot_finished(cluster, "prefill-0")
-    # The replacement's own signal to its group (SignalResource), which CloudFormation's update waits for.
+    cluster.surge("decode-1", LATER)
+    new, new_id = cluster.vms["decode-1"], cluster.instance_ids["decode-1"]
+    assert new_id != old_id and new.ip != old_ip and cluster.leaving["decode-1"].instance_id == old_id
+    assert_boot_finished(cluster, "decode-1")
     deadline = time.monotonic() + 900
     while not cluster.aws.group_signals() and time.monotonic() < deadline:
         time.sleep(5)
     signals = [{k: v for k, v in s.items() if k != "time"} for s in cluster.aws.group_signals()]
-    assert signals == [{"StackName": STACK, "LogicalResourceId": group_logical_id("prefill-0"), "UniqueId": new_id, "Status": "SUCCESS"}], signals
+    assert signals == [{"StackName": STACK, "LogicalResourceId": group_logical_id("decode-1"), "UniqueId": new_id, "Status": "SUCCESS"}], signals
     signalled = time.monotonic() - launched
-    # ... sent once every replica served (the node's own clock for both).
+    # Its SUCCESS came after its own decode server served the gate's request, handed from prefill-0 (by
+    # name, the current one) to this server: its first completion, before any client's.
     said = new.ssh("journalctl -b -u gptoss-signal.service -o short-unix --no-pager | grep 'signalled SUCCESS to its group'").stdout
-    ready = [r for r in replica_records(cluster, "prefill-0") if r["event"] == "ready"]
-    assert len(ready) == 6 and all(r["compiled"] is False for r in ready), "its identity's compile cache restored: no compile"
-    assert float(said.split()[0]) >= max(r["time"] for r in ready), f"signalled before it served: {said}"
+    served = [r for r in decode_records(cluster, "decode-1") if r["event"] == "completion"]
+    assert served and served[0]["request"]["prompt"] == GATE_PROMPT, served[:1]
+    assert served[0]["request"]["kv_transfer_params"]["remote_host"] == cluster.ip("prefill-0"), served[0]
+    assert float(said.split()[0]) >= served[0]["time"], f"signalled before its own server served: {said}"
+    ready = [r for r in decode_records(cluster, "decode-1") if r["event"] == "ready"]
+    assert ready and ready[-1]["compiled"] is False, "its identity's compile cache restored: no compile"
+    gate = new.ssh("journalctl -b -u gptoss-signal.service -o cat --no-pager").stdout
+    assert "its own decode server http://127.0.0.1:8200/v1/completions returned" in gate, gate[-2000:]
     # Until the group lets the old instance go, the name and the traffic stay with it.
     hosts = decode.ssh("cat /etc/hosts").stdout
-    assert f"{old_ip} prefill-0.gptoss.internal" in hosts and new.ip not in hosts, hosts
-    assert not [r for r in replica_records(cluster, "prefill-0") if r["event"] == "completion"], "served a client before its turn"
-    # The drain (rollout.drain_s) is two members polls and 10 s by the spec's rule: the router must
-    # follow the name within two syncs that start after the old instance began leaving. Counted in
-    # syncs (each run's InvocationID), not seconds: under emulation a sync itself takes tens of
-    # seconds of the guest's CPU, more with another run on the machine. The old instance is held
-    # for the drain and, on a slow day, until then.
+    assert f"{old_ip} decode-1.gptoss.internal" in hosts and new.ip not in hosts, hosts
+    assert not [r for r in served if r["request"]["prompt"].startswith("load ")], "served a client before its turn"
+    # The router must follow the name within two members syncs that start after the old instance began
+    # leaving (the spec's drain rule), counted in syncs, not seconds (see the members' InvocationID).
     drain_s, poll_s = cluster.cfg.rollout.drain_s, cluster.cfg.healing.members_poll_s
     sync = "systemctl show -p InvocationID --value gptoss-members.service"
     running = decode.ssh(sync).stdout.strip()
-    left = cluster.retire("prefill-0")
-    follows = (f"{sync}; grep -q '^{new.ip} prefill-0.gptoss.internal' /etc/hosts && "
-               "curl -sf http://127.0.0.1:8000/readiness | grep -q '\"prefill\":{\"healthy\":6,\"total\":6}' && echo followed")  # fmt: skip
+    left = cluster.retire("decode-1")
+    follows = (f"{sync}; grep -q '^{new.ip} decode-1.gptoss.internal' /etc/hosts && "
+               "curl -sf http://127.0.0.1:8000/readiness | grep -q '\"decode\":{\"healthy\":2,\"total\":2}' && echo followed")  # fmt: skip
     syncs: list[str] = []
     while True:
         try:
@@ -569,32 +597,34 @@ def test_a_surge_replaces_prefill_0_beside_the_old_one_and_a_client_of_the_route
     assert seen[-1:] == ["followed"] and len(syncs) <= 2, f"the router did not follow the name within two members syncs: {syncs}, {seen}"
     moved = time.monotonic() - left
     time.sleep(max(0.0, drain_s - (time.monotonic() - left)))
-    cluster.drained("prefill-0")
+    cluster.drained("decode-1")
     # The client goes on after the old instance is gone, then stops.
     time.sleep(15)
     decode.ssh("touch /run/vm-load.stop")
     decode.wait_until("! systemctl is-active --quiet vm-load.service", 180, "the client's last request")
-    router_completion(cluster, "after the surge")
     codes = [line.split()[2] for line in decode.ssh("cat /var/lib/fakes/load.log").stdout.splitlines()]
     failed = [c for c in codes if c != "200"]
-    print(f"\nsurge of prefill-0 under a client's load (TCG; one completion at a time through decode-0's router): "
+    print(f"\nsurge of decode-1, a router node, under a client's load (TCG; one completion at a time through decode-0's router): "
           f"{len(codes)} requests, {len(failed)} failed {sorted(set(failed))}; replacement signalled {signalled:.0f} s after its launch, "
+          f"{float(said.split()[0]) - served[0]['time']:.0f} s after its own decode server served the gate's request; "
           f"router on the new address {moved:.0f} s after the old one began leaving ({len(syncs)} members syncs; the drain: {drain_s} s)")  # fmt: skip
     assert len(codes) >= 100 and failed == [], f"{len(failed)} of {len(codes)} requests failed: {failed}"
-    # The replacement served the client once it held the name; nothing on decode-0 restarted.
-    assert [r for r in replica_records(cluster, "prefill-0") if r["event"] == "completion"], "the replacement serves the client"
+    # The replacement served the client once it held the name; decode-0's router was not restarted.
+    assert [r for r in decode_records(cluster, "decode-1") if r["event"] == "completion" and r["request"]["prompt"].startswith("load ")], \
+        "the replacement serves the client"  # fmt: skip
     assert {p: cluster.unit_prop("decode-0", "gptoss-proxy.service", p) for p in router} == router, "the router was not restarted"
-    assert cluster.unit_prop("decode-0", "gptoss-decode.service", "MainPID") == server_pid, "nothing else on decode-0 restarted"
-    argv = last_start(cluster, "prefill-0", 8100)["argv"]
+    argv = last_start(cluster, "decode-1", 8200)["argv"]
     assert argv[argv.index("--vm-surge") + 1] == "1", "the replacement runs the new command line"
-    # EC2's view: the old instance is gone, the new one carries the identity.
     ec2 = cluster.aws.client("ec2")
     states = {i["InstanceId"]: i["State"]["Name"] for r in ec2.describe_instances(InstanceIds=[old_id, new_id])["Reservations"] for i in r["Instances"]}
     assert states == {old_id: "terminated", new_id: "running"}, states
     print(f"time to serving (TCG, fake compile {COMPILE_S} s, load {LOAD_S} s):"
           f"\n  first boot, launch to serving: {TIMES.get('first boot: launch to serving', float('nan')):.0f} s (its servers compiled; the harness held the"
           f" compile until both boots had finished, {TIMES.get('first boot: launch to released compile', float('nan')):.0f} s after the launch)"
-          f"\n  surge replacement of prefill-0, launch to its group signal: {signalled:.0f} s (its identity's compile cache restored)")  # fmt: skip
+          f"\n  surge replacement of decode-1, launch to its group signal: {signalled:.0f} s (its identity's compile cache restored)")  # fmt: skip
+    # Back to the default layout's two nodes for the next scenario: decode-1's group goes with its instance.
+    cluster.deploy(ROUTED)
+    cluster.remove("decode-1")
 
 
 def test_a_new_image_replaces_every_node_and_each_new_gate_hears_why_it_cannot_serve(cluster: VmCluster) -> None:
@@ -606,7 +636,7 @@ def test_a_new_image_replaces_every_node_and_each_new_gate_hears_why_it_cannot_s
     replace it)."""
     bundles = {n: cluster.renders[n].files for n in NODES}
     handles = dict(cluster.handles)
-    assert cluster.deploy(SURGED | {"ami_id": NEW_IMAGE}) == set(NODES)
+    assert cluster.deploy(ROUTED | {"ami_id": NEW_IMAGE}) == set(NODES)
     assert {n: cluster.renders[n].files for n in NODES} == bundles, "nothing a node runs changed"
     assert all(cluster.handles[n][0] != handles[n][0] for n in NODES), "a new gate for each"
     launched = dt.datetime.now(dt.UTC)
