@@ -62,8 +62,8 @@ AWS_CLI := 1.46.3
 	@touch $@
 
 # systemd-analyze checks the rendered units, curl runs the wait helper in tests, Graphviz
-# draws `plan --diagram`, git and xz are what the nodes use too.
-SYSTEM_TOOLS := systemd-analyze:systemd curl:curl dot:graphviz git:git xz:xz-utils
+# draws `plan --diagram`, git and xz are what the nodes use too; HAProxy is the router nodes' API gate (its tests run the real one).
+SYSTEM_TOOLS := systemd-analyze:systemd curl:curl dot:graphviz git:git xz:xz-utils haproxy:haproxy
 .make/system:
 	@mkdir -p .make
 	@missing=$$(for t in $(SYSTEM_TOOLS); do command -v $${t%%:*} >/dev/null || echo $${t#*:}; done); \

@@ -77,6 +77,7 @@ class ProxyLoadBalancer(Construct):
         cfn_listener = listener.node.default_child
         assert isinstance(cfn_listener, elbv2.CfnListener)
         cfn_listener.add_property_override("ListenerAttributes", [{"Key": "tcp.idle_timeout.seconds", "Value": str(idle_s)}])
+        drain_s = min(3600, config.serving.proxy.router.request_timeout_s)  # the deregistration delay's maximum
         # No fixed targets: each proxy node's Auto Scaling group registers whichever instance holds the
         # node now (a replacement joins, the instance it replaces leaves).
         self.target_group = elbv2.NetworkTargetGroup(
@@ -94,9 +95,16 @@ class ProxyLoadBalancer(Construct):
                 healthy_threshold_count=2,
                 unhealthy_threshold_count=2,
             ),
-            # Requests are long (1K output tokens): let in-flight ones finish on deregistration.
-            deregistration_delay=Duration.seconds(120),
+            # A target that leaves (deregistered, or unhealthy: a router going lame-duck before its restart)
+            # keeps its connections until its requests end, within the router's request timeout.
+            deregistration_delay=Duration.seconds(drain_s),
             preserve_client_ip=False,
+        )
+        # An unhealthy target's connections are not reset (the default resets every one): they drain
+        # for the request timeout (target_health_state.unhealthy.*, FACTS: 0-360,000 s).
+        self.target_group.set_attribute("target_health_state.unhealthy.connection_termination.enabled", "false")
+        self.target_group.set_attribute(
+            "target_health_state.unhealthy.draining_interval_seconds", str(config.serving.proxy.router.request_timeout_s)
         )
         listener.add_target_groups("Proxies", self.target_group)
         self.dns_name = self.nlb.load_balancer_dns_name

@@ -97,7 +97,7 @@ def dashboard_body(cfg: ClusterConfig, *, region: str, lb: tuple[str, str] | Non
     if cfg.proxy_kind == "vllm-router":
         # A SEARCH per metric (one line per router): the body stays the same size at any fleet size.
         for x, (title, names, stat) in enumerate((
-            ("Routers: requests and errors per second", ("RouterRequestsPerSecond", "RouterErrorsPerSecond", "RouterRetriesPerSecond"), "Sum"),
+            ("Routers: requests and errors per second", ("RouterRequestsPerSecond", "RouterErrorsPerSecond", "GateRetriesPerSecond"), "Sum"),
             ("Routers: servers out of rotation, decode queue", ("RouterUnhealthyServers", "RouterPendingDecode"), "Maximum"),
             ("Routers: mean request time (ms)", ("RouterRequestMs",), "Average"),
         )):  # fmt: skip

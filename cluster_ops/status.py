@@ -10,8 +10,9 @@ from typing import Any
 
 from cluster_ops.remote import find_nodes, run_on_all
 from clusterspec.config import ClusterConfig
+from clusterspec.node_health import health_checks
 from clusterspec.paths import BIN
-from clusterspec.render import health_checks, render_cluster
+from clusterspec.render import render_cluster
 from clusterspec.telemetry import REPLACED_CAUSES
 
 

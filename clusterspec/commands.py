@@ -119,8 +119,8 @@ def proxy_argv(cfg: ClusterConfig, proxy: ProxyPlacement) -> list[str]:
     ]  # fmt: skip
 
 
-# Where the router's own arguments start in router_argv: after the interpreter, gptoss-router and its --api HOST:PORT.
-ROUTER_ARGS_AT = 4
+# Where the router's own arguments start in router_argv: after the interpreter and gptoss-router.
+ROUTER_ARGS_AT = 2
 
 
 def router_argv(cfg: ClusterConfig, *, bin_dir: str) -> list[str]:
@@ -129,8 +129,7 @@ def router_argv(cfg: ClusterConfig, *, bin_dir: str) -> list[str]:
     r = p.router
     argv = [
         f"{router_venv(r.version, r.sha256)}/bin/python", f"{bin_dir}/gptoss-router",
-        # Clients reach the API gate; the router (and its admin routes) answers on loopback alone.
-        "--api", f"{p.bind_host}:{p.port}",
+        # Clients reach the API gate (HAProxy, clusterspec/haproxy.py); the router (and its admin routes) answers on loopback alone.
         "--host", "127.0.0.1",
         "--port", str(r.internal_port),
         "--vllm-pd-disaggregation",
@@ -142,11 +141,6 @@ def router_argv(cfg: ClusterConfig, *, bin_dir: str) -> list[str]:
         "--health-check-timeout-secs", str(r.health_check_timeout_s),
         "--health-failure-threshold", str(r.health_failure_threshold),
         "--health-success-threshold", str(r.health_success_threshold),
-        "--retry-max-retries", str(r.retry_max_retries),
-        "--retry-initial-backoff-ms", str(r.retry_initial_backoff_ms),
-        "--retry-max-backoff-ms", str(r.retry_max_backoff_ms),
-        "--cb-failure-threshold", str(r.cb_failure_threshold),
-        "--cb-timeout-duration-secs", str(r.cb_timeout_s),
         "--request-timeout-secs", str(r.request_timeout_s),
         # Servers compile for hours; the router health-checks them meanwhile and serves with those that answer.
         "--worker-startup-timeout-secs", str(s.engine_ready_timeout_s),
@@ -159,19 +153,21 @@ def router_argv(cfg: ClusterConfig, *, bin_dir: str) -> list[str]:
     return argv
 
 
-# The router's command line up to here is each router node's own (python, the API gate, --api A,
-# --host H, --port P); the rest, its settings, is the fleet's, read at run time (router_fleet).
-ROUTER_NODE_ARGS = 8
+# The router's command line up to here is each router node's own (python, gptoss-router, --host H,
+# --port P); the rest, its settings, is the fleet's, read at run time (router_fleet).
+ROUTER_NODE_ARGS = 6
 
 
 def router_fleet(cfg: ClusterConfig, proxy: ProxyPlacement) -> str:
     """What every router of the fleet reads at run time (the stack's SSM parameter, which
-    gptoss-members copies to the node): the members' domain, how far apart the routers restart for
-    a new document (gptoss-members reads it), the router's settings (one `arg`
+    gptoss-members copies to the node): the members' domain, how long the next router of a roll
+    waits for one that restarts (gptoss-members reads it), the router's settings (one `arg`
     line per token) and its pool (one `pool ROLE FIRST LAST FIRST_PORT LAST_PORT` line per run
     of consecutive nodes of one role and port range: a few lines for any fleet size).
     gptoss-router-pool turns it into the router's arguments."""
-    lines = [f"domain {MEMBERS_DOMAIN}", f"restart_gap {cfg.serving.proxy.router.restart_gap_s}"]
+    p = cfg.serving.proxy
+    # How long the next router waits for one that restarts: its lame-duck, its drain (the request timeout) and its start.
+    lines = [f"domain {MEMBERS_DOMAIN}", f"restart_gap {p.gate.lame_duck_s + p.router.request_timeout_s + p.router.restart_gap_s}"]
     lines += [f"arg {t}" for t in router_argv(cfg, bin_dir="-")[ROUTER_NODE_ARGS:]]
     runs: list[list[Any]] = []
     for role, node, first, last in router_pool(cfg, proxy):

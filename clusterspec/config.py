@@ -226,7 +226,7 @@ class ClusterConfig(Frozen):
             return "chosen in the config"
         if kind == "toy":
             return "one decode server, as the references test it"
-        return f"{self.decode_instances} decode servers: it health-checks and retries"
+        return f"{self.decode_instances} decode servers: it health-checks them"
 
     @property
     def proxy_health_path(self) -> str:

@@ -37,7 +37,9 @@ from clusterspec.commands import (
     vllm_argv,
 )
 from clusterspec.config import ClusterConfig
+from clusterspec.haproxy import API_CONFIG, API_SOCKET, api_gate_config, api_gate_unit, open_files
 from clusterspec.layout import Layout, Node, ProxyPlacement
+from clusterspec.node_health import health_file
 from clusterspec.node_scripts import NODE_SCRIPTS, shipped_scripts
 from clusterspec.paths import (
     BIN,
@@ -107,6 +109,9 @@ class NodeRender:
     units: list[str] = field(default_factory=list)
     wants: list[str] = field(default_factory=list)
     scripts: set[str] = field(default_factory=set)
+    # Files the same on every node that has them (the API gate's configuration): shipped in the
+    # scripts asset, not in each node's user data (16 KB at most).
+    shared: dict[str, tuple[str, int]] = field(default_factory=dict)
 
     @property
     def servers(self) -> list[Service]:
@@ -205,7 +210,7 @@ def _members_env(cfg: ClusterConfig, node: Node) -> dict[str, str]:
     }
     if routed:
         r = cfg.serving.proxy.router
-        env |= {"GPTOSS_ROUTER_WHEEL": r.wheel, "GPTOSS_ROUTER_SHA256": r.sha256}
+        env |= {"GPTOSS_ROUTER_WHEEL": r.wheel, "GPTOSS_ROUTER_SHA256": r.sha256, "GPTOSS_API_PORT": str(cfg.serving.proxy.port)}
     return env
 
 
@@ -391,7 +396,7 @@ def _render_router(cfg: ClusterConfig, node: Node, proxy: ProxyPlacement, out: N
     out.files[f"{UNIT_DIR}/gptoss-proxy.service"] = _unit(
         "gptoss-router.service",
         bin=bin_dir,
-        port=s.proxy.port,
+        port=r.internal_port,
         fleet=ROUTER_FLEET,
         parameter=router_parameter(cfg.cluster_name),
         env_files=[DEPLOY_ENV],
@@ -400,15 +405,21 @@ def _render_router(cfg: ClusterConfig, node: Node, proxy: ProxyPlacement, out: N
         backoff_max_s=s.proxy.restart_backoff_max_s,
         # A start waits for its back-off, then for one answer from EC2 (gptoss-members hosts).
         start_timeout_s=s.proxy.restart_backoff_max_s + 180,
-        # The API gate bounds the drain by the fleet's request timeout: this backstop is the spec's longest.
-        stop_timeout_s=REQUEST_TIMEOUT_MAX_S + 60,
+        # For the lame-duck (ExecStop), then for the router's own drain: each is bounded by the lame-duck
+        # and the router's request timeout, which is run-time data (the unit holds the spec's longest).
+        stop_timeout_s=s.proxy.gate.lame_duck_s + REQUEST_TIMEOUT_MAX_S + 60,
+        lame_duck_s=s.proxy.gate.lame_duck_s,
+        open_files=open_files(s.proxy),
         restart_sec=RESTART_SEC,
     )
+    out.shared[API_CONFIG] = (api_gate_config(s.proxy, max_model_len=s.shape.max_model_len, bind=f"{s.proxy.bind_host}:{s.proxy.port}",
+                                              router_port=r.internal_port), 0o644)  # fmt: skip
+    out.files[f"{UNIT_DIR}/gptoss-api.service"] = _unit("gptoss-api.service", **api_gate_unit(s.proxy, bin_dir=bin_dir, restart_sec=RESTART_SEC))
     # Its environment: deploy.env (where the router's wheel is, and this node's own address).
     effective = [*served(argv), *routed[ROUTER_NODE_ARGS:], *pool_args]
     out.services.append(Service("gptoss-proxy.service", {host_var(node.name): f"<{node.name}>"}, effective, waits=("the router's venv",)))
-    out.units.append("gptoss-proxy.service")
-    out.wants.append("gptoss-proxy.service")
+    out.units += ["gptoss-proxy.service", "gptoss-api.service"]
+    out.wants += ["gptoss-proxy.service", "gptoss-api.service"]
     _render_members(cfg, out, bin_dir, what="every server's name in /etc/hosts, and the routers' settings and pool (SSM)")
 
 
@@ -462,7 +473,7 @@ def _render_telemetry(cfg: ClusterConfig, node: Node, out: NodeRender, bin_dir: 
     units.append("gptoss-telemetry.service")
     routed = any(p.kind == "vllm-router" for p in cfg.layout.proxies_on(node.name))
     router_url = health_url("127.0.0.1", cfg.serving.proxy.router.metrics_port, "/metrics") if routed else None
-    out.files[f"{ETC}/telemetry.json"] = (telemetry.node_config(cfg, node, servers, units, router_url), 0o644)
+    out.files[f"{ETC}/telemetry.json"] = (telemetry.node_config(cfg, node, servers, units, router_url, API_SOCKET if routed else None), 0o644)
     out.files[f"{UNIT_DIR}/gptoss-telemetry.service"] = _unit(
         "gptoss-telemetry.service", bin=bin_dir, log_group=telemetry.log_group(cfg), namespace=telemetry.namespace(cfg)
     )
@@ -527,44 +538,9 @@ def render_node(cfg: ClusterConfig, layout: Layout, node: Node, *, bin_dir: str 
     for name in sorted(out.scripts & NODE_SCRIPTS):
         out.files[f"{bin_dir}/{name}"] = (scripts[name], 0o755)
     out.files[UNITS_FILE] = ("\n".join(out.units) + "\n", 0o644)
-    shipped = {*out.files, MANIFEST, *(f"{bin_dir}/{n}" for n in out.scripts)}
+    shipped = {*out.files, *out.shared, MANIFEST, *(f"{bin_dir}/{n}" for n in out.scripts)}
     out.files[MANIFEST] = ("\n".join(sorted(shipped)) + "\n", 0o644)
     return out
-
-
-def health_checks(cfg: ClusterConfig, render: NodeRender) -> list[tuple[str, str | None, str | None]]:
-    """(unit, local health URL or None, phase name or None) for every unit a ready node runs."""
-    s = cfg.serving
-    checks: list[tuple[str, str | None, str | None]] = [
-        ("gptoss-scripts.service", None, None),
-        ("gptoss-nvme.service", None, None),
-        ("gptoss-identity.service", None, None),
-        ("gptoss-node-check.service", None, None),
-        ("gptoss-stage.service", None, None),
-    ]
-    for svc in render.services:
-        if svc.unit == "gptoss-decode.service":
-            checks.append((svc.unit, health_url("127.0.0.1", s.decode.http_port, s.server_health_path), "decode"))
-        elif svc.unit == "gptoss-server.service":
-            checks.append((svc.unit, health_url("127.0.0.1", s.server.port, s.server_health_path), "server"))
-        elif svc.unit.startswith("gptoss-prefill@"):
-            port = int(svc.environment["GPTOSS_HTTP_PORT"])
-            index = svc.unit.split("@")[1].split(".")[0]
-            checks.append((svc.unit, health_url("127.0.0.1", port, s.server_health_path), f"prefill_{index}"))
-        elif svc.unit == "gptoss-proxy.service":
-            checks.append((svc.unit, health_url("127.0.0.1", s.proxy.port, cfg.proxy_health_path), "proxy"))
-            if cfg.proxy_kind == "toy":
-                checks.append(("gptoss-group-health.service", health_url("127.0.0.1", s.proxy.group_health_port, "/ready"), None))
-    # The members' and the health watch's timers (their runs come and go; the timer stays active).
-    checks += [(u, None, None) for u in render.units if u.endswith(".timer")]
-    if cfg.observability.enabled:
-        checks.append(("gptoss-telemetry.service", None, None))
-    return checks
-
-
-def health_file(cfg: ClusterConfig, render: NodeRender) -> str:
-    """`unit url phase` lines read by gptoss-status (`-` where there is none)."""
-    return "".join(f"{unit} {url or '-'} {phase or '-'}\n" for unit, url, phase in health_checks(cfg, render))
 
 
 @functools.cache

@@ -71,7 +71,7 @@ NODE_METRICS = (
 ROUTER_METRICS = (
     Metric("RouterRequestsPerSecond", "Count/Second", "router", "rate of vllm_router_pd_requests_total"),
     Metric("RouterErrorsPerSecond", "Count/Second", "router", "rate of vllm_router_pd_{prefill,decode,stream}_errors_total"),
-    Metric("RouterRetriesPerSecond", "Count/Second", "router", "rate of vllm_router_retries_total"),
+    Metric("GateRetriesPerSecond", "Count/Second", "router", "requests the API gate (HAProxy) sent again through the router, per second"),
     Metric("RouterUnhealthyServers", "Count", "router", "servers whose vllm_router_worker_health is 0 (also by Cluster alone: the worst router)"),
     Metric("RouterPendingDecode", "Count", "router", "vllm_router_pd_pending_decode_requests (the decode queue)"),
     Metric("RouterRequestMs", "Milliseconds", "router", "mean of vllm_router_pd_request_duration_seconds over the interval"),
@@ -91,8 +91,9 @@ def log_group(cfg: ClusterConfig) -> str:
     return f"/gptoss/{cfg.cluster_name}"
 
 
-def node_config(cfg: ClusterConfig, node: Node, servers: list[dict[str, str]], units: list[str], router_metrics_url: str | None = None) -> str:
-    """The collector's telemetry.json for one node (`router_metrics_url` on a router's node)."""
+def node_config(cfg: ClusterConfig, node: Node, servers: list[dict[str, str]], units: list[str], router_metrics_url: str | None = None,
+                gate_socket: str | None = None) -> str:  # fmt: skip
+    """The collector's telemetry.json for one node (`router_metrics_url` and the API gate's `gate_socket` on a router's node)."""
     doc = {
         "namespace": namespace(cfg),
         "region": cfg.region,
@@ -109,5 +110,7 @@ def node_config(cfg: ClusterConfig, node: Node, servers: list[dict[str, str]], u
     }
     if router_metrics_url:
         doc["router_metrics_url"] = router_metrics_url
+    if gate_socket:
+        doc["gate_socket"] = gate_socket
     # Compact: the user data of a router node is near its budget (python3 -m json.tool shows it indented).
     return json.dumps(doc, separators=(",", ":")) + "\n"

@@ -34,7 +34,11 @@ def scripts_asset(renders: list[NodeRender], *, bin_dir: str = BIN) -> bytes:
     """The scripts every node fetches: one reproducible tarball for the whole stack."""
     scripts = shipped_scripts()
     names = set().union(*(r.scripts for r in renders)) - NODE_SCRIPTS
-    return bundle({f"{bin_dir}/{n}": (scripts[n], 0o755) for n in sorted(names)})
+    files = {f"{bin_dir}/{n}": (scripts[n], 0o755) for n in sorted(names)}
+    for r in renders:
+        for path, content in r.shared.items():
+            assert files.setdefault(path, content) == content, f"{path} differs between nodes: it cannot be shared"
+    return bundle(files)
 
 
 XZ_PRESET = 9 | lzma.PRESET_EXTREME

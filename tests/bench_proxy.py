@@ -3,13 +3,12 @@
 Both run the command lines `plan` renders for a fleet of 2 decode servers and 6 prefill
 replicas (each node on its own 127.N.x.y address, as tests/unit/test_router.py does); the
 fake servers answer at once (no model), so what is measured is the proxy's own cost. For each
-number of concurrent clients (1, 32, 128; keep-alive connections, 6 s each; the router's API gate
-answers each request with Connection: close, so its clients reconnect each time):
+number of concurrent clients (1, 32, 128; keep-alive connections, 6 s each):
 
 - requests per second through the proxy (both endpoints, as the NLB spreads them);
 - p50 and p99 latency end to end through the proxy: with servers that take no time, what the
   proxy adds plus the client's own cost, which is the same on both sides;
-- the router without its API gate (bound to the endpoint itself), to show what the gate costs;
+- the router without its API gate (HAProxy; the router bound to the endpoint itself), to show what the gate costs;
 - for reference, the p50 of a client that makes the two calls itself (prefill, then decode with
   the returned parameters) against the same servers: no proxy at all.
 

@@ -26,8 +26,10 @@ class Router(Frozen):
     The defaults are what the loopback experiments measured (docs/benchmarks.md
     'The endpoint under faults' and 'Health checks under saturation'): a server that refuses connections is out within
     failure threshold x interval (3 s), one that stopped answering within that plus the timeout
-    (13 s); what the router sent it before that fails (0.1.17 does not retry a failed handoff on
-    another server), nothing after; a server slowed by a burst of long prompts stays in.
+    (13 s); what the router sent it before that is answered 500 and sent again by the node's API
+    gate (serving.proxy.gate.retries: 0.1.17 has no retry loop and no circuit breaker on its PD
+    path, so the spec renders none of its --retry-* and --cb-* flags); a server slowed by a burst of
+    long prompts stays in.
     """
 
     version: str = Field("0.1.17", pattern=r"^[0-9]+(\.[0-9]+){1,3}$", description="The vllm-router release.")
@@ -57,15 +59,6 @@ class Router(Frozen):
     )  # fmt: skip
     health_failure_threshold: int = Field(3, ge=1, le=20, description="Failed checks in a row that take a server out of rotation.")
     health_success_threshold: int = Field(2, ge=1, le=20, description="Passed checks in a row that bring it back (2: one lucky answer does not).")
-    retry_max_retries: int = Field(
-        3, ge=1, le=10,
-        description="Attempts per request, the first included: a request that failed to reach a server is sent again, "
-        "to another (the pinned router's --disable-retries is 'equivalent to setting retry_max_retries=1'; 0 is no value it takes).",
-    )  # fmt: skip
-    retry_initial_backoff_ms: int = Field(20, ge=1, le=10000, description="First pause before a retry.")
-    retry_max_backoff_ms: int = Field(500, ge=1, le=60000, description="Longest pause between retries.")
-    cb_failure_threshold: int = Field(3, ge=1, le=100, description="Failures in a row that open a server's circuit breaker.")
-    cb_timeout_s: int = Field(5, ge=1, le=600, description="How long an open breaker keeps the server out before one trial request.")
     request_timeout_s: int = Field(1800, ge=10, le=REQUEST_TIMEOUT_MAX_S, description="The longest one request may take end to end.")
     worker_startup_check_interval_s: int = Field(
         1, ge=1, le=300,
@@ -79,10 +72,12 @@ class Router(Frozen):
         "where gptoss-router passes on only the OpenAI API and the health routes.",
     )  # fmt: skip
     restart_gap_s: int = Field(
-        60, ge=5, le=3600,
-        description="A new router setting or pool restarts the routers one at a time, node index x this apart (decode-0 at "
-        "once, decode-1 this much later, ...): longer than a router takes to serve again after a restart. Run-time data "
-        "(the fleet's SSM parameter): changing it replaces no instance.",
+        120, ge=5, le=3600,
+        description="A new router setting or pool restarts the routers one at a time: decode-0 first, each next one once the "
+        "one before serves the new document again (its API gate's readiness says so). Each restart goes lame-duck "
+        "(serving.proxy.gate.lame_duck_s), drains (request_timeout_s), then starts; this is how long its start may take on "
+        "top of those before the next router stops waiting and the roll stops there. Run-time data (the fleet's SSM "
+        "parameter): changing it replaces no instance.",
     )  # fmt: skip
     max_routers: int = Field(
         8, ge=1, le=64,
@@ -111,11 +106,6 @@ class Router(Frozen):
                 "serving.proxy.router.wheel", self.wheel, f"is not a wheel of version {self.version}",
                 "give the wheel file of the pinned version (and its sha256)",
             )  # fmt: skip
-        if self.retry_max_backoff_ms < self.retry_initial_backoff_ms:
-            raise rule_error(
-                "serving.proxy.router.retry_max_backoff_ms", self.retry_max_backoff_ms,
-                f"is below retry_initial_backoff_ms={self.retry_initial_backoff_ms}", "raise it or lower the initial back-off",
-            )  # fmt: skip
         seen: set[str] = set()
         for flag in self.extra_flags:
             if flag.name in seen:
@@ -124,16 +114,70 @@ class Router(Frozen):
         return self
 
 
+class Gate(Frozen):
+    """HAProxy in front of a router node's router: the endpoint clients and the load balancer reach.
+
+    It passes on only the OpenAI API and the health routes, buffers each request whole so that a
+    request whose prefill failed or whose decode server could not be reached is sent again through
+    the router (before any byte of an answer went out), bounds connections, heads, bodies and idle
+    answers, and answers /readiness 503 while its router goes lame-duck before a restart.
+    """
+
+    haproxy_version: str = Field(
+        "2.8", pattern=r"^[0-9]+\.[0-9]+$",
+        description="The HAProxy release the node runs, major.minor: the image's own package (Ubuntu 24.04, the Neuron "
+        "DLAMI's, ships 2.8); a node installs haproxy=<this>.* from its apt sources when the image lacks it, and refuses another.",
+    )  # fmt: skip
+    max_connections: int = Field(
+        4096, ge=64, le=100000,
+        description="Client connections one node holds (keep-alive ones included); the unit's open-file limit is sized from it.",
+    )  # fmt: skip
+    max_requests: int = Field(
+        1024, ge=8, le=50000,
+        description="Requests one node passes to its router at once; one more is answered 503 with Retry-After at once "
+        "(not queued: the load balancer's other targets or the client's retry serve it sooner).",
+    )  # fmt: skip
+    retries: int = Field(
+        2, ge=0, le=2,
+        description="More attempts for a request whose first failed before any byte of its answer (the router's 500 for a "
+        "failed prefill, 502/504, a refused or reset connection to the router): each through the router again, which picks "
+        "the next server. Never on 429 or 503 (a full queue) and never after a byte went to the client.",
+    )  # fmt: skip
+    retry_budget_percent: int = Field(
+        10, ge=1, le=100,
+        description="Retries stop while more than this share of the node's requests of the last 10 s failed (and at least "
+        "10 did): retries then only multiply an overload or an outage.",
+    )  # fmt: skip
+    head_timeout_s: int = Field(30, ge=1, le=3600, description="The longest a client may take to send a request, head and body.")
+    idle_timeout_s: int = Field(
+        900, ge=1, le=86400,
+        description="The longest silence of an answer: before its first byte (a non-streamed completion is silent until it is "
+        "done) and between two chunks of a stream. The router's request timeout bounds the whole request.",
+    )  # fmt: skip
+    body_bytes_per_token: int = Field(
+        16, ge=4, le=64,
+        description="The request body cap is serving.shape.max_model_len x this + 64 KiB (a token is about 4 bytes of text; "
+        "JSON escapes and chat framing take the rest): a longer body could not fit the model's context anyway.",
+    )  # fmt: skip
+    lame_duck_s: int = Field(
+        30, ge=0, le=600,
+        description="Before its router restarts, the node answers /readiness 503 this long while it serves what it holds, "
+        "so that the load balancer (2 failed checks 10 s apart) stops sending it new connections first.",
+    )  # fmt: skip
+
+
 class Proxy(Frozen):
     """The endpoint of a DI fleet: the examples' toy proxy, or vLLM's router."""
 
     kind: ProxyKind | None = Field(
         None,
         description="'toy' runs the references' toy_proxy_server.py exactly as they do (one per decode server, a fixed "
-        "group of replicas); 'vllm-router' runs vLLM's router, which health-checks and retries. Unset: the router when "
+        "group of replicas); 'vllm-router' runs vLLM's router, which health-checks its servers, behind HAProxy, which "
+        "retries what failed before its first byte. Unset: the router when "
         "the fleet has more than one decode server, the toy proxy for the references' one-decode layouts.",
     )
     router: Router = Field(default_factory=Router)
+    gate: Gate = Field(default_factory=Gate)
     port: int = Field(8000, ge=1024, le=65535, description="The client endpoint.")
     bind_host: str = Field("0.0.0.0", description="The proxy defaults to 127.0.0.1; other nodes and the NLB must reach it.")
     health_path: str = Field("/healthcheck", description="The proxy has no /health route.")

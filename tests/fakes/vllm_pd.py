@@ -62,6 +62,7 @@ def main() -> None:
     p.add_argument("--side-channel-port", type=int, default=5559)
     p.add_argument("--latency-ms", type=float, default=0)
     p.add_argument("--ms-per-token", type=float, default=0)
+    p.add_argument("--stream-ms-per-token", type=float, default=20, help="pause before each event of a stream")
     p.add_argument("--slots", type=int, default=0, help="requests the engine runs at once (0: no limit)")
     # vLLM's API server tokenizes a prompt on its one event loop, which also answers /health: a burst of
     # long prompts delays /health (upstream reports seconds). ms of loop time per prompt word.
@@ -184,7 +185,24 @@ def main() -> None:
                 stats["served"] += 1
                 stats["times"].append(round(time.time(), 3))
                 stats["waits_ms"].append(round(waited * 1000, 1))
+            if args.role == "decode" and req.get("stream") is True:
+                return self._stream(tokens, args.stream_ms_per_token)
             self._json(answer)
+
+        def _stream(self, tokens: int, ms_per_token: float) -> None:
+            """A token stream as vLLM sends one: server-sent events, one per token, then [DONE]; the connection closes at its end."""
+            self.send_response(200)
+            self.send_header("Content-Type", "text/event-stream")
+            self.send_header("Connection", "close")
+            self.end_headers()
+            self.close_connection = True
+            for i in range(tokens):
+                time.sleep(ms_per_token / 1000)
+                event = {"id": "cmpl-decode", "choices": [{"index": 0, "text": f" t{i}", "finish_reason": None}]}
+                self.wfile.write(b"data: " + json.dumps(event).encode() + b"\n\n")
+                self.wfile.flush()
+            self.wfile.write(b"data: [DONE]\n\n")
+            self.wfile.flush()
 
     http.server.ThreadingHTTPServer.request_queue_size = 1024  # a listen backlog like uvicorn's, not socketserver's 5
     server = http.server.ThreadingHTTPServer((args.host, args.port), Handler)

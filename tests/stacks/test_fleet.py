@@ -70,6 +70,11 @@ def test_one_internal_endpoint_over_every_proxy(fleet_synth: Synth) -> None:
     assert (p["HealthCheckProtocol"], p["HealthCheckPort"], p["HealthCheckPath"], p["Port"]) == ("HTTP", "8000", "/readiness", 8000)
     attrs = {a["Key"]: a["Value"] for a in p["TargetGroupAttributes"]}
     assert attrs["preserve_client_ip.enabled"] == "false", "the port forward from a proxy node would hairpin"
+    # A router going lame-duck before a restart answers /readiness 503: its target turns unhealthy, and its open
+    # connections must drain (not be reset, the NLB's default) for the request timeout, as on a deregistration.
+    assert attrs["target_health_state.unhealthy.connection_termination.enabled"] == "false"
+    assert attrs["target_health_state.unhealthy.draining_interval_seconds"] == "1800"
+    assert attrs["deregistration_delay.timeout_seconds"] == "1800"
     rules = ingress_rules(t)
     lb_groups = {r[3] for r in rules if "ProxyEndpointGroup" in r[3]}
     assert {(r[1], r[2]) for r in rules if r[3] in lb_groups} == {(8000, 8000)}

@@ -174,8 +174,16 @@ def test_the_scripts_asset_holds_every_other_script_any_node_runs() -> None:
     for layout in LAYOUTS:
         asset = unbundle(scripts_asset(renders(layout)))
         needed = set().union(*(r.scripts for r in renders(layout))) - NODE_SCRIPTS
-        assert {p.rsplit("/", 1)[1] for p in asset} == needed
-        assert all(mode == 0o755 and text == node_script(p.rsplit("/", 1)[1]) for p, (text, mode) in asset.items())
+        shared = {p: f for r in renders(layout) for p, f in r.shared.items()}
+        scripts = {p: f for p, f in asset.items() if p not in shared}
+        assert {p.rsplit("/", 1)[1] for p in scripts} == needed
+        assert all(mode == 0o755 and text == node_script(p.rsplit("/", 1)[1]) for p, (text, mode) in scripts.items())
+        # The API gate's configuration, the same on every router node, travels with the scripts, not in each node's user data.
+        assert {p: asset[p] for p in shared} == shared
+        assert set(shared) == ({"/etc/gptoss/haproxy.cfg"} if any("gptoss-api.service" in r.units for r in renders(layout)) else set())
+        for r in renders(layout):
+            manifest = r.files["/etc/gptoss/manifest"][0].split()
+            assert all(p in manifest for p in r.shared) and all(p not in r.files for p in r.shared), r.node.name
     assert scripts_asset(renders("6p1d")) == scripts_asset(render_cluster(load_config({}))), "reproducible"
 
 

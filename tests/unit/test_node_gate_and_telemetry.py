@@ -551,10 +551,19 @@ def test_collector_publishes_every_catalog_metric_in_a_payload_cloudwatch_accept
                  "GPTOSS_SYSTEMCTL": str(tmp_path / "systemctl"), "GPTOSS_STATE_DIR": str(tmp_path / "state")}.items():  # fmt: skip
         monkeypatch.setenv(k, v)
     mod = _collector()
+    # The node's API gate: the real HAProxy, in front of a stand-in router whose answers each request chooses.
+    from clusterspec.sections.proxy import Proxy
+    from tests.api_gate import start_gate
+    from tests.unit.test_api_gate import Upstream, _port, completion
+
+    upstream = Upstream()
+    threading.Thread(target=upstream.serve_forever, daemon=True).start()
+    gate = start_gate(tmp_path / "gate", Proxy(), host="127.0.0.1", port=_port(), router_port=upstream.server_address[1])
     cfg = {"namespace": "GptOss/c1", "region": "us-east-2", "cluster": "c1", "node": "decode-0", "role": "decode", "interval_s": 60,
            "log_group": "/gptoss/c1", "efa": True, "metrics": [m.name for m in telemetry.ALL_METRICS],
            "servers": [{"name": "decode-0/decode", "unit": "gptoss-decode.service", "health_url": f"{base}/health", "metrics_url": f"{base}/metrics"}],
-           "units": ["gptoss-stage.service", "gptoss-decode.service"], "router_metrics_url": f"{base}/router-metrics"}  # fmt: skip
+           "units": ["gptoss-stage.service", "gptoss-decode.service"], "router_metrics_url": f"{base}/router-metrics",
+           "gate_socket": str(gate.socket_dir / "haproxy.sock")}  # fmt: skip
     try:
         for dev in ("rdmap0s0", "rdmap1s0"):
             (ib / dev / "ports/1/hw_counters/rx_bytes").write_text("1000\n")
@@ -568,12 +577,16 @@ def test_collector_publishes_every_catalog_metric_in_a_payload_cloudwatch_accept
             time.sleep(0.1)
         c.collect(1000.0)
         handler.n = 11  # ten more requests in 60 s
+        for i in range(20):  # and 20 through the gate whose first attempt the router answered 500: 20 retries
+            assert completion(gate.port, id=f"r{i}", answers=[500])[0] == 200
         for dev in ("rdmap0s0", "rdmap1s0"):
             (ib / dev / "ports/1/hw_counters/rx_bytes").write_text(str(1000 + 6_000_000) + "\n")
             (ib / dev / "ports/1/hw_counters/tx_bytes").write_text(str(500 + 600_000) + "\n")
         data = c.collect(1060.0)
     finally:
         server.shutdown()
+        gate.stop()
+        upstream.shutdown()
         if c.neuron and c.neuron.proc:
             c.neuron.proc.kill()
     values = {d["MetricName"]: d["Value"] for d in data}
@@ -596,7 +609,7 @@ def test_collector_publishes_every_catalog_metric_in_a_payload_cloudwatch_accept
     )
     assert (values["UnitsNotReady"], values["StagingFailing"], values["ServersDown"]) == (1, 1, 0)
     assert values["RouterRequestsPerSecond"] == pytest.approx(100 / 60, abs=1e-5) and values["RouterErrorsPerSecond"] == pytest.approx(10 / 60, abs=1e-5)
-    assert values["RouterErrorPercent"] == pytest.approx(10.0) and values["RouterRetriesPerSecond"] == pytest.approx(20 / 60, abs=1e-5)
+    assert values["RouterErrorPercent"] == pytest.approx(10.0) and values["GateRetriesPerSecond"] == pytest.approx(20 / 60, abs=1e-5)
     assert (values["RouterUnhealthyServers"], values["RouterPendingDecode"], values["RouterRequestMs"]) == (1, 4, pytest.approx(250.0))
     # Staged: the same collector reports it (the decode server is gone by now: one unit not ready).
     stage_state.write_text("ActiveState=active\nSubState=exited\nNRestarts=1\n")

@@ -14,7 +14,9 @@ examples' toy_proxy_server.py, with its rendered argv): the numbers print side b
 
 from __future__ import annotations
 
+import hashlib
 import http.client
+import http.server
 import json
 import os
 import signal
@@ -24,6 +26,7 @@ import sys
 import threading
 import time
 import urllib.request
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -37,6 +40,7 @@ from clusterspec.loading import load_config
 from clusterspec.paths import WHEELS_DIR, router_parameter
 from clusterspec.quoting import env_file as render_env_file
 from clusterspec.render import cluster_env, render_cluster
+from tests.api_gate import Gate, start_gate
 from tests.conftest import ROOT, fake_command, private_etc, real_aws_cli, serve_health, with_etc
 from tests.fakes.vllm_pd import engine_id
 
@@ -140,6 +144,8 @@ class Fleet:
     envs: dict[str, dict[str, str]] = field(default_factory=dict)
     endpoints: list[tuple[str, int]] = field(default_factory=list)
     routers: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
+    gates: dict[str, Gate] = field(default_factory=dict)
+    router_commands: dict[str, tuple[list[str], dict[str, str]]] = field(default_factory=dict)
 
     def start(self, name: str) -> None:
         log = (self.tmp / f"{name.replace(':', '_')}.log").open("ab")
@@ -158,6 +164,8 @@ class Fleet:
             if p.poll() is None:
                 p.kill()
                 p.wait()
+        for g in self.gates.values():
+            g.stop()
 
 
 def _substitute(argv: list[str], names: dict[str, str]) -> list[str]:
@@ -214,10 +222,12 @@ def _fleet(kind: str, tmp: Path, router_venv: Path | None, prefill_ms: float = P
             # Each node binds its own address (the spec's 0.0.0.0 would take the port on all of them;
             # the router's loopback its internal port, for every router of this machine at once).
             argv[argv.index("--host") + 1] = ip
-            if "--api" in argv:
-                argv[argv.index("--api") + 1] = f"{ip}:{s.proxy.port}"
-                if not gate:
-                    del argv[argv.index("--api") : argv.index("--api") + 2]
+            if kind == "vllm-router":
+                if gate:
+                    # The node's API gate: HAProxy with the rendered configuration, in front of the router.
+                    fleet.gates[r.node.name] = start_gate(tmp / f"gate-{r.node.name}", s.proxy, host=ip, port=s.proxy.port, router_host=ip,
+                                                          router_port=s.proxy.router.internal_port, max_model_len=s.shape.max_model_len)  # fmt: skip
+                else:
                     argv[argv.index("--port") + 1] = str(s.proxy.port)
             env = dict(os.environ)
             if kind == "vllm-router":
@@ -232,6 +242,7 @@ def _fleet(kind: str, tmp: Path, router_venv: Path | None, prefill_ms: float = P
                 # The router reaches every server by its node's name, which the node's /etc/hosts holds.
                 argv = with_etc(argv, private_etc(tmp / f"etc-{r.node.name}", names))
             log = (tmp / f"proxy-{r.node.name}.log").open("ab")
+            fleet.router_commands[r.node.name] = (argv, env)
             fleet.routers[r.node.name] = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT)
             fleet.endpoints.append((ip, s.proxy.port))
     try:
@@ -257,6 +268,7 @@ class Run:
     served: dict[str, list[float]]
     violations: list[str]
     t0: float
+    kinds: Counter[str] = field(default_factory=Counter)
 
     def failed(self, start: float, end: float) -> int:
         return sum(1 for t, ok in self.results if start <= t < end and not ok)
@@ -268,6 +280,7 @@ class Run:
 def _load(fleet: Fleet, faults: list[tuple[float, Any]]) -> Run:
     """CLIENTS clients for DURATION_S seconds, spread over the endpoints as the NLB would; faults at their times."""
     results: list[tuple[float, bool]] = []
+    kinds: Counter[str] = Counter()
     lock = threading.Lock()
     t0 = time.monotonic()
     stop = t0 + DURATION_S
@@ -279,17 +292,23 @@ def _load(fleet: Fleet, faults: list[tuple[float, Any]]) -> Run:
         while time.monotonic() < stop:
             n += 1
             body = json.dumps({"model": "gpt-oss", "prompt": f"client {i} request {n}", "max_tokens": 8})
-            ok = False
+            ok, kind = False, ""
             try:
                 conn.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
                 resp = conn.getresponse()
                 data = resp.read()
                 ok = resp.status == 200 and json.loads(data).get("choices", [{}])[0].get("text") == " ok"
-            except (OSError, http.client.HTTPException, ValueError):
+                kind = str(resp.status) if resp.status != 200 else "bad answer"
+                if resp.getheader("Connection", "").lower() == "close":
+                    conn.close()
+            except (OSError, http.client.HTTPException, ValueError) as e:
+                kind = type(e).__name__
                 conn.close()
                 conn = http.client.HTTPConnection(host, port, timeout=30)
             with lock:
                 results.append((time.monotonic() - t0, ok))
+                if not ok:
+                    kinds[kind] += 1
 
     threads = [threading.Thread(target=client, args=(i,)) for i in range(CLIENTS)]
     for t in threads:
@@ -307,7 +326,7 @@ def _load(fleet: Fleet, faults: list[tuple[float, Any]]) -> Run:
             st = fleet.stats(name)
             served[name] = [t - wall for t in st["times"]]
             violations += st["violations"]
-    return Run(results, served, violations, t0)
+    return Run(results, served, violations, t0, kinds)
 
 
 def _scenario(kind: str, tmp: Path, router_venv: Path | None, collect: Any = None) -> tuple[Run, Fleet, dict[str, str]]:
@@ -380,14 +399,21 @@ def test_router_keeps_serving_when_a_prefill_replica_or_a_decode_server_dies(
         print(f"{'':<58}{'router':>10}{'toy':>10}")
         for key in router:
             print(f"{key:<58}{router[key]:>10}{toy[key]:>10}")
+        print(f"failures by kind: router {dict(run.kinds)}; toy {dict(toy_run.kinds)}")
     # Every completion went prefill -> decode with the parameters that prefill returned.
     assert run.violations == [], run.violations[:3]
     assert router["requests"] > 1000, router
-    # A dead server costs at most its share of the requests for one health window; nothing fails
-    # once it is out of rotation. The toy proxy keeps failing until the server is back.
+    # A request the router sent to a dead server is answered 500 before any byte, and the API gate sends
+    # it again through the router (2 more attempts), which picks anew: it fails only when all three
+    # picks were the dead server, before its health checks take it out: a 1/6 x 1/6 share of the
+    # dead replica's 1/6 in the window, a 1/2 x 1/2 share of the dead decode server's 1/2 (twice that
+    # here, for the machine's load). Without retries every request sent there fails (1/6 and 1/2 of the
+    # window's requests: the 235 and 946 of docs/benchmarks.md before the gate retried).
+    # Nothing fails once the server is out of rotation. The toy proxy keeps failing until the server is back.
     rate = router["requests"] / DURATION_S
-    assert router["failed while the replica was dead"] <= 2 * rate * window / 6, router
-    assert router["failed after the decode kill"] <= 2 * rate * window / 2, router
+    assert router["failed while the replica was dead"] <= 2 * rate * window / 6 / 36, router
+    assert router["failed after the decode kill"] <= 2 * rate * window / 2 / 4, router
+    assert set(run.kinds) <= {"500"}, run.kinds
     assert router["failed after the health window"] == 0, router
     assert toy["failed after the health window"] > 0, toy
     # The replica that came back is used again within the health interval (plus its own start).
@@ -401,6 +427,119 @@ def test_router_keeps_serving_when_a_prefill_replica_or_a_decode_server_dies(
     # A rate the collector derives over its own interval: the clients' rate, within a factor the machine's load cannot break.
     assert 0.5 * seen / (DURATION_S - 1) <= last["RouterRequestsPerSecond"] <= 1.5 * seen / (DURATION_S - 1), (last, seen)
     assert 0 < last["RouterErrorPercent"] < 25 and last["RouterErrorsPerSecond"] > 0, last
+
+
+class Balancer:
+    """The load balancer's stand-in (an NLB cannot run here): it checks each node's /readiness every
+    INTERVAL_S, a node is in after 2 answers 200 in a row and out after 2 failures (the target group's
+    thresholds, its 10 s interval scaled down), and each new connection goes to a node that is in."""
+
+    INTERVAL_S = 0.25
+
+    def __init__(self, endpoints: list[tuple[str, int]]) -> None:
+        self.endpoints = endpoints
+        self.healthy = {e: True for e in endpoints}
+        self.streak = {e: 0 for e in endpoints}
+        self.out_at: dict[tuple[str, int], list[float]] = {e: [] for e in endpoints}
+        self.stop = threading.Event()
+        self.turn = 0
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while not self.stop.wait(self.INTERVAL_S):
+            for e in self.endpoints:
+                try:
+                    ok = urllib.request.urlopen(f"http://{e[0]}:{e[1]}/readiness", timeout=1).status == 200
+                except OSError:
+                    ok = False
+                self.streak[e] = (max(self.streak[e], 0) + 1) if ok else (min(self.streak[e], 0) - 1)
+                if self.healthy[e] and self.streak[e] <= -2:
+                    self.healthy[e] = False
+                    self.out_at[e].append(time.monotonic())
+                elif not self.healthy[e] and self.streak[e] >= 2:
+                    self.healthy[e] = True
+
+    def pick(self) -> tuple[str, int]:
+        ready = [e for e in self.endpoints if self.healthy[e]] or self.endpoints
+        self.turn += 1
+        return ready[self.turn % len(ready)]
+
+
+def test_a_router_restart_goes_lame_duck_first_and_cuts_no_stream(router_venv: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A router restarts as its unit does it (ExecStop gptoss-api lame-duck, SIGTERM, a new start that tells the
+    gate its fleet document) under 64 streaming clients behind the balancer's stand-in: no stream is cut,
+    no request fails, the node leaves the balancer before its router stops and comes back after."""
+    fleet = _fleet("vllm-router", tmp_path, router_venv, server_args={"decode": ["--stream-ms-per-token", "25"]})
+    node = "decode-0"
+    gate = fleet.gates[node]
+    argv, env = fleet.router_commands[node]
+    fleet_doc = tmp_path / "router-fleet.started"
+    fleet_doc.write_text("domain gptoss.internal\n")
+    assert gate.api("serving", str(fleet_doc)).returncode == 0
+    balancer = Balancer(fleet.endpoints)
+    results: list[tuple[float, str, tuple[str, int]]] = []
+    lock = threading.Lock()
+    t0 = time.monotonic()
+    stop = t0 + 24.0
+    restart_log: list[tuple[str, float]] = []
+
+    def client(i: int) -> None:
+        n = 0
+        while time.monotonic() < stop:
+            n += 1
+            endpoint = balancer.pick()
+            body = json.dumps({"model": "gpt-oss", "prompt": f"client {i} stream {n}", "max_tokens": 24, "stream": True})
+            outcome = "cut"
+            try:
+                conn = http.client.HTTPConnection(*endpoint, timeout=30)
+                conn.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
+                resp = conn.getresponse()
+                if resp.status != 200:
+                    outcome = f"status {resp.status}"
+                else:
+                    data = resp.read()
+                    outcome = "ok" if data.rstrip().endswith(b"data: [DONE]") and data.count(b"data: {") == 24 else "cut"
+                conn.close()
+            except (OSError, http.client.HTTPException) as e:
+                outcome = f"cut ({type(e).__name__})"
+            with lock:
+                results.append((time.monotonic() - t0, outcome, endpoint))
+
+    def restart() -> None:
+        restart_log.append(("lame-duck", time.monotonic() - t0))
+        lame = gate.api("lame-duck", extra={"GPTOSS_API_LAME_DUCK_S": "2", "GPTOSS_API_DRAIN_S": "60"})
+        assert lame.returncode == 0, lame
+        restart_log.append(("stop", time.monotonic() - t0))
+        fleet.routers[node].terminate()
+        fleet.routers[node].wait(30)
+        log = (tmp_path / f"proxy-{node}.log").open("ab")
+        fleet.routers[node] = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT)
+        assert gate.api("serving", str(fleet_doc)).returncode == 0
+        restart_log.append(("started", time.monotonic() - t0))
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(CLIENTS)]
+    try:
+        for t in threads:
+            t.start()
+        time.sleep(4.0)
+        restart()
+        for t in threads:
+            t.join()
+    finally:
+        balancer.stop.set()
+        fleet.stop()
+    outcomes = Counter(o for _, o, _ in results)
+    mine = gate.host, gate.port
+    back = [t for t, o, e in results if e == mine and t > restart_log[-1][1] and o == "ok"]
+    with capsys.disabled():
+        print(f"\nrouter restart under {CLIENTS} streaming clients (24 events, 25 ms apart) over 2 nodes behind the balancer's stand-in: "
+              f"{dict(outcomes)}; {', '.join(f'{k} at {v:.1f}s' for k, v in restart_log)}; node out of the balancer at "
+              f"{[round(t - t0, 1) for t in balancer.out_at[mine]]}s; served again from {min(back) if back else -1:.1f}s")  # fmt: skip
+    assert len(results) > 500 and outcomes == {"ok": len(results)}, outcomes
+    stopped = dict(restart_log)["stop"]
+    assert balancer.out_at[mine] and balancer.out_at[mine][0] - t0 < stopped, "the node left the balancer before its router stopped"
+    assert back, "the restarted router serves again"
 
 
 def _members_env(tmp: Path, url: str, node: str = "decode-1", kind: str = "vllm-router") -> tuple[dict[str, str], Any]:
@@ -538,8 +677,9 @@ def test_a_surge_replacement_takes_its_nodes_name_only_when_its_group_lets_the_o
 
 def test_a_new_router_setting_or_member_restarts_the_routers_one_node_at_a_time(moto_url: str, tmp_path: Path, shipped: Any) -> None:
     """The fleet's router document (the stack's SSM parameter) changes: each router node's members sync
-    copies it and restarts its router in its turn, node index x 60 s after it saw the change, never
-    all at once; an unchanged document restarts nothing."""
+    copies it and restarts its router only once the router before it (decode-<i-1>) serves the new
+    document (its API gate's /readiness: 200 and X-Gptoss-Fleet, the document's sha256); decode-0 goes
+    first; the roll stops at a router that does not come back; an unchanged document restarts nothing."""
     env, ec2 = _members_env(tmp_path, moto_url)  # decode-1: index 1
     ssm = boto3.client("ssm", endpoint_url=moto_url, region_name="us-east-2", aws_access_key_id="testing", aws_secret_access_key="testing")
     fleet = Ec2Fleet(ec2)
@@ -557,30 +697,59 @@ def test_a_new_router_setting_or_member_restarts_the_routers_one_node_at_a_time(
     assert _members(shipped, env, "sync").returncode == 0 and not (tmp_path / "systemctl.log").exists(), "nothing changed: nothing restarts"
     changed = doc.read_text().replace("arg --health-check-timeout-secs\narg 10\n", "arg --health-check-timeout-secs\narg 12\n")
     assert changed != doc.read_text()
+    want = hashlib.sha256(changed.encode()).hexdigest()
     ssm.put_parameter(Name="/gptoss/gptoss-8k1k/router", Value=changed, Type="String", Overwrite=True)
     res = _members(shipped, env, "sync")
-    assert res.returncode == 0 and "this node's router restarts in its turn, in 60 s (one router every 60 s)" in res.stdout, res.stdout
-    assert doc.read_text() == changed and not (tmp_path / "systemctl.log").exists(), "its turn has not come"
-    assert _members(shipped, env, "sync").returncode == 0 and not (tmp_path / "systemctl.log").exists(), "still not"
-    (tmp_path / "router-roll-due").write_text(str(int(time.time()) - 1))  # its turn came (60 s later)
-    res = _members(shipped, env, "sync")
-    assert "restarting this node's router with the fleet's new settings and pool" in res.stdout, res.stdout
-    assert (tmp_path / "systemctl.log").read_text() == "try-restart gptoss-proxy.service\n"
-    # Once restarted (gptoss-router-pool copies the new document), nothing is due any more.
-    subprocess.run([str(shipped("gptoss-router-pool")), str(doc), "--", "true"], check=True, timeout=30)
-    assert _members(shipped, env, "sync").returncode == 0 and (tmp_path / "systemctl.log").read_text().count("try-restart") == 1
-    assert not (tmp_path / "router-roll-due").exists()
+    assert res.returncode == 0 and "this node's router restarts once decode-0 serves them (its readiness now: no answer; at most 1950s)" in res.stdout, res.stdout
+    assert doc.read_text() == changed and not (tmp_path / "systemctl.log").exists(), "decode-0 has not restarted yet"
+    # decode-0's API gate (at its address in the hosts block), as its readiness answers while its router rolls.
+    answer = {"status": 200, "fleet": "0" * 64}
+
+    class Readiness(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            self.send_response(answer["status"] if self.path == "/readiness" else 404)
+            self.send_header("X-Gptoss-Fleet", str(answer["fleet"]))
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    predecessor = http.server.ThreadingHTTPServer((FLEET_IPS["decode-0"], PORTS["serving.proxy.port"]), Readiness)
+    threading.Thread(target=predecessor.serve_forever, daemon=True).start()
+    try:
+        res = _members(shipped, env, "sync")  # decode-0 still runs the old document
+        assert f"(its readiness now: 200 {'0' * 64}; at most 1950s)" in res.stdout and not (tmp_path / "systemctl.log").exists(), res.stdout
+        assert _members(shipped, env, "sync").stdout == "", "said once, not at every poll"
+        answer.update(status=503, fleet=want)  # restarted with it, not ready yet
+        res = _members(shipped, env, "sync")
+        assert f"(its readiness now: 503 {want}" in res.stdout and not (tmp_path / "systemctl.log").exists(), res.stdout
+        answer.update(status=200)
+        res = _members(shipped, env, "sync")
+        assert "restarting this node's router with the fleet's new settings and pool (decode-0 serves them); it goes lame-duck first" in res.stdout, res.stdout
+        assert (tmp_path / "systemctl.log").read_text() == "--no-block try-restart gptoss-proxy.service\n"
+        # Once restarted (gptoss-router-pool copies the new document), nothing is due any more.
+        subprocess.run([str(shipped("gptoss-router-pool")), str(doc), "--", "true"], check=True, timeout=30)
+        assert _members(shipped, env, "sync").returncode == 0 and (tmp_path / "systemctl.log").read_text().count("try-restart") == 1
+        # A router that does not come back stops the roll: this node waits the document's restart_gap, then says so once and keeps its router.
+        again = changed + "pool decode 9 9 8200 8200\n"
+        ssm.put_parameter(Name="/gptoss/gptoss-8k1k/router", Value=again, Type="String", Overwrite=True)
+        assert "restarts once decode-0 serves them" in _members(shipped, env, "sync").stdout
+        since = tmp_path / "router-roll-since"
+        since.write_text(f"{int(time.time()) - 1951} {hashlib.sha256(again.encode()).hexdigest()}\n")
+        res = _members(shipped, env, "sync")
+        assert (f"the roll stops here: decode-0 has not served the fleet's new router settings and pool within 1950s of this node seeing them "
+                f"(its readiness: 200 {want}); this node's router keeps the settings it has until decode-0 serves") in res.stdout, res.stdout  # fmt: skip
+        assert _members(shipped, env, "sync").stdout == "" and (tmp_path / "systemctl.log").read_text().count("try-restart") == 1
+    finally:
+        predecessor.shutdown()
+        predecessor.server_close()
     # decode-0 (index 0) restarts at the first sync that sees a change.
     env0 = env | {"GPTOSS_CLUSTER_ENV": str(tmp_path / "cluster0.env")}
     (tmp_path / "cluster0.env").write_text(Path(env["GPTOSS_CLUSTER_ENV"]).read_text().replace("GPTOSS_NODE=decode-1", "GPTOSS_NODE=decode-0"))
-    ssm.put_parameter(Name="/gptoss/gptoss-8k1k/router", Value=changed + "pool decode 9 9 8200 8200\n", Type="String", Overwrite=True)
     res = _members(shipped, env0, "sync")
-    assert "in its turn, in 0 s" in res.stdout and (tmp_path / "systemctl.log").read_text().count("try-restart") == 2, res.stdout
-    # The gap is the fleet's (serving.proxy.router.restart_gap_s, in the document): 45 s apart now, no instance replaced for it.
-    subprocess.run([str(shipped("gptoss-router-pool")), str(doc), "--", "true"], check=True, timeout=30)
-    ssm.put_parameter(Name="/gptoss/gptoss-8k1k/router", Value=doc.read_text().replace("restart_gap 60\n", "restart_gap 45\n"), Type="String", Overwrite=True)
-    res = _members(shipped, env, "sync")
-    assert "this node's router restarts in its turn, in 45 s (one router every 45 s)" in res.stdout, res.stdout
+    assert "restarting this node's router with the fleet's new settings and pool; it goes lame-duck first" in res.stdout, res.stdout
+    assert (tmp_path / "systemctl.log").read_text().count("try-restart") == 2
 
 
 def test_the_toy_proxys_members_wait_for_its_group_and_restart_it_when_one_is_replaced(moto_url: str, tmp_path: Path, shipped: Any) -> None:
@@ -673,10 +842,12 @@ def test_a_running_router_admits_a_replaced_prefill_node_at_its_new_address_with
     (svc,) = [s for r in render_cluster(cfg) if r.node.name == "decode-0" for s in r.services if s.unit == "gptoss-proxy.service"]
     argv = [str(router_venv / "bin" / "python"), str(ROOT / "userdata" / "bin" / "gptoss-router"), *svc.argv[2:]]
     argv[argv.index("--host") + 1] = ips["decode-0"]
-    argv[argv.index("--api") + 1] = f"{ips['decode-0']}:{cfg.serving.proxy.port}"
     argv[argv.index("--prometheus-host") + 1] = ips["decode-0"]
     assert "http://prefill-1.gptoss.internal:28100" in argv, "the router's pool names nodes, not addresses"
     router = subprocess.Popen(with_etc(argv, etc), stdout=(tmp_path / "router.log").open("wb"), stderr=subprocess.STDOUT)
+    procs.append(router)
+    gate = start_gate(tmp_path / "gate", cfg.serving.proxy, host=ips["decode-0"], port=cfg.serving.proxy.port, router_host=ips["decode-0"],
+                      router_port=cfg.serving.proxy.router.internal_port)  # fmt: skip
     base = f"http://{ips['decode-0']}:{cfg.serving.proxy.port}"
 
     def readiness() -> dict[str, Any]:
@@ -721,13 +892,13 @@ def test_a_running_router_admits_a_replaced_prefill_node_at_its_new_address_with
         assert stats["served"] > 0 and stats["violations"] == [], stats
         print(f"\nreplacement admitted {admitted:.1f}s after the members' sync; it served {stats['served']} of 20 prefills")
     finally:
-        router.kill()
+        gate.stop()
         for p in procs:
             p.kill()
 
 
 def test_the_pinned_routers_admin_routes_answer_on_loopback_and_never_at_the_endpoint(router_venv: Path, tmp_path: Path) -> None:
-    """The real router (the pinned wheel) behind its API gate, as the node starts it: every admin route
+    """The real router (the pinned wheel) behind its API gate (HAProxy), as the node starts them: every admin route
     sent to the endpoint is refused and changes nothing (the pool stays whole, completions pass); the
     same route on the router's own port answers, so it is the gate that refuses it."""
     cfg = load_config({"decode_instances": 1, "prefill_per_decode": 1, "replicas_per_prefill_instance": 1, "serving.proxy.kind": "vllm-router", **PORTS})
@@ -743,11 +914,14 @@ def test_the_pinned_routers_admin_routes_answer_on_loopback_and_never_at_the_end
     (svc,) = [s for r in render_cluster(cfg) if r.node.name == "decode-0" for s in r.services if s.unit == "gptoss-proxy.service"]
     argv = [str(router_venv / "bin" / "python"), str(ROOT / "userdata" / "bin" / "gptoss-router"), *svc.argv[2:]]
     internal_port = PORTS["serving.proxy.router.internal_port"]
-    assert argv[2:8] == ["--api", f"0.0.0.0:{cfg.serving.proxy.port}", "--host", "127.0.0.1", "--port", str(internal_port)], argv[2:8]
-    # This node's own address for both (every router of this machine on its own loopback address).
-    argv[3], argv[5] = f"{ips['decode-0']}:{cfg.serving.proxy.port}", ips["decode-0"]
+    assert argv[2:6] == ["--host", "127.0.0.1", "--port", str(internal_port)], argv[2:6]
+    # This node's own address for the router and its gate (every router of this machine on its own loopback address).
+    argv[3] = ips["decode-0"]
     argv[argv.index("--prometheus-host") + 1] = ips["decode-0"]
     router = subprocess.Popen(with_etc(argv, private_etc(tmp_path, ips)), stdout=(tmp_path / "router.log").open("wb"), stderr=subprocess.STDOUT)
+    procs.append(router)
+    gate = start_gate(tmp_path / "gate", cfg.serving.proxy, host=ips["decode-0"], port=cfg.serving.proxy.port, router_host=ips["decode-0"],
+                      router_port=internal_port)  # fmt: skip
     endpoint, internal = f"http://{ips['decode-0']}:{cfg.serving.proxy.port}", f"http://{ips['decode-0']}:{internal_port}"
 
     def call(base: str, method: str, path: str) -> tuple[int, bytes]:
@@ -780,17 +954,8 @@ def test_the_pinned_routers_admin_routes_answer_on_loopback_and_never_at_the_end
         prompt = json.dumps({"model": "m", "prompt": "through the gate " * 2000, "max_tokens": 4}).encode()
         req = urllib.request.Request(f"{endpoint}/v1/completions", prompt, {"Content-Type": "application/json"})
         assert json.loads(urllib.request.urlopen(req, timeout=30).read())["choices"][0]["text"] == " ok"
-        # The gate killed outright (not by systemd, which stops the whole unit): its router goes with it
-        # and frees its port, so the unit's restart can bind it again.
-        router.kill()
-        router.wait(30)
-        deadline = time.monotonic() + 30
-        while call(internal, "GET", "/list_workers")[0] != 0:
-            assert time.monotonic() < deadline, "the router outlived its gate"
-            time.sleep(0.2)
     finally:
-        router.terminate()
-        router.wait(60)
+        gate.stop()
         for p in procs:
             p.kill()
 

@@ -128,7 +128,7 @@ def test_every_modeled_router_value_at_its_spec_bound_starts_the_wheel(wheel_ver
     values = _bounds(edge)
     # Ports keep distinct values (at one bound, all would be one port).
     values = {k: v for k, v in values.items() if not k.endswith("port")}
-    assert {"health_check_interval_s", "retry_max_retries", "cb_timeout_s", "request_timeout_s", "worker_startup_check_interval_s"} <= set(values)
+    assert {"health_check_interval_s", "health_failure_threshold", "request_timeout_s", "worker_startup_check_interval_s"} <= set(values)
     cfg = load_config({"decode_instances": 2, "prefill_per_decode": 1} | {f"serving.proxy.router.{k}": v for k, v in values.items()})
     check(cfg)
     argv = base_argv(cfg)

@@ -58,9 +58,9 @@ def test_plan_says_which_proxy_runs_and_why() -> None:
         return res.stdout
 
     assert "proxy: the examples' toy proxy on prefill-0\n    why: one decode server, as the references test it" in plan()
-    assert "proxy: vLLM router 0.1.17 on decode-0..7\n    why: 8 decode servers: it health-checks and retries" in plan("-c", "decode_instances=8")
+    assert "proxy: vLLM router 0.1.17 on decode-0..7\n    why: 8 decode servers: it health-checks them" in plan("-c", "decode_instances=8")
     doc = json.loads(plan("-c", "decode_instances=8", "--json"))
-    assert doc["proxy"] == {"kind": "vllm-router", "why": "8 decode servers: it health-checks and retries",
+    assert doc["proxy"] == {"kind": "vllm-router", "why": "8 decode servers: it health-checks them",
                             "nodes": [f"decode-{d}" for d in range(8)], "health_path": "/readiness"}  # fmt: skip
 
 
@@ -69,11 +69,12 @@ def test_the_rendered_router_command_line_parses_with_the_pinned_routers_own_par
     r = cfg.serving.proxy.router
     parser = router_parser(WHEELS_DIR / r.wheel, r.sha256)
     (svc,) = [s for s in render_cluster(cfg)[-1].services if s.unit == "gptoss-proxy.service"]
-    args = parser.parse_args(svc.argv[4:])
+    args = parser.parse_args(svc.argv[2:])
     assert args.vllm_pd_disaggregation and args.kv_connector == "nixl"
     assert len(args.prefill) == 48 and len(args.decode) == 8
-    assert (args.health_check_interval_secs, args.health_failure_threshold, args.retry_max_retries) == (
-        r.health_check_interval_s, r.health_failure_threshold, r.retry_max_retries)  # fmt: skip
+    assert (args.health_check_interval_secs, args.health_failure_threshold) == (r.health_check_interval_s, r.health_failure_threshold)
+    # 0.1.17's PD path has no retry loop and no breaker: the spec sets none of their flags (the API gate retries), the router's defaults stay.
+    assert not any(a.startswith(("--retry-", "--cb-")) for a in svc.argv)
     assert args.worker_startup_timeout_secs == cfg.serving.engine_ready_timeout_s
 
 
@@ -82,7 +83,7 @@ def test_the_rendered_router_command_line_parses_with_the_pinned_routers_own_par
     [
         ({"name": "--queue-siz", "value": "200"}, "is not a flag of vllm-router (abbreviations are refused)"),
         ({"name": "--port", "value": "9000"}, "sets what the spec already sets from a typed field"),
-        ({"name": "--retry-max-retries", "value": "9"}, "sets what the spec already sets from a typed field"),
+        ({"name": "--health-failure-threshold", "value": "9"}, "sets what the spec already sets from a typed field"),
         ({"name": "--queue-size"}, "takes a value"),
         ({"name": "--disable-retries", "value": "yes"}, "takes no value"),
         ({"name": "--log-level", "value": "loud"}, "vllm-router refuses the command line: argument --log-level: invalid choice"),
@@ -141,7 +142,8 @@ def test_the_fleets_router_document_is_a_few_lines_for_any_fleet_and_expands_to_
     lines = doc.splitlines()
     assert lines[0] == "domain gptoss.internal"
     assert [x for x in lines if x.startswith("pool ")] == ["pool prefill 0 2 8100 8115", "pool prefill 3 3 8100 8105", "pool decode 0 8 8200 8200"]
-    assert lines[1] == "restart_gap 60", "the routers restart 60 s apart for a new document (serving.proxy.router.restart_gap_s)"
+    # The next router of a roll waits for one that restarts: its lame-duck 30 s, its drain (the request timeout, 1,800 s) and its start (120 s).
+    assert lines[1] == "restart_gap 1950", "serving.proxy.gate.lame_duck_s + router.request_timeout_s + router.restart_gap_s"
     assert lines[2:6] == ["arg --vllm-pd-disaggregation", "arg --kv-connector", "arg nixl", "arg --prefill-policy"]
     assert "arg --request-timeout-secs" in lines and lines[lines.index("arg --request-timeout-secs") + 1] == "arg 1800"
     (tmp_path / "fleet").write_text(doc)
@@ -159,7 +161,7 @@ def test_the_fleets_router_document_is_a_few_lines_for_any_fleet_and_expands_to_
     # A malformed line: the router does not start with a hole in its pool.
     for bad, said in ((doc.replace("pool decode 0 8", "pool decode 0 8 ; rm"), "not pool ROLE FIRST LAST FIRST_PORT LAST_PORT"),
                       (doc.replace("domain gptoss.internal\n", ""), "names no members' domain"),
-                      (doc.replace("restart_gap 60", "restart_gap soon"), "not restart_gap SECONDS"),
+                      (doc.replace("restart_gap 1950", "restart_gap soon"), "not restart_gap SECONDS"),
                       ("\n".join(x for x in lines if not x.startswith("pool ")), "names no server"),
                       ("", "is missing or empty")):  # fmt: skip
         (tmp_path / "fleet").write_text(bad)
@@ -173,8 +175,7 @@ def test_the_fleets_router_document_is_a_few_lines_for_any_fleet_and_expands_to_
 # decode server on 8200), not from the code that renders it: a changed flag or value fails here.
 ROUTER_3P8D = [
     "/opt/gptoss/vllm-router/0.1.17-85c96bea4d57/bin/python", "/opt/gptoss/bin/gptoss-router",
-    # Clients reach the API gate on 8000; the router and its admin routes listen on loopback alone.
-    "--api", "0.0.0.0:8000",
+    # Clients reach the API gate (HAProxy) on 8000; the router and its admin routes listen on loopback alone.
     "--host", "127.0.0.1",
     "--port", "8010",
     "--vllm-pd-disaggregation",
@@ -188,11 +189,6 @@ ROUTER_3P8D = [
     "--health-check-timeout-secs", "10",
     "--health-failure-threshold", "3",
     "--health-success-threshold", "2",
-    "--retry-max-retries", "3",
-    "--retry-initial-backoff-ms", "20",
-    "--retry-max-backoff-ms", "500",
-    "--cb-failure-threshold", "3",
-    "--cb-timeout-duration-secs", "5",
     "--request-timeout-secs", "1800",
     "--worker-startup-timeout-secs", "14400",
     "--worker-startup-check-interval", "1",

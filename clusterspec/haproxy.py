@@ -1,0 +1,156 @@
+"""A router node's API gate: HAProxy's configuration, from the spec.
+
+HAProxy (the image's package) listens on serving.proxy.port and passes on only the OpenAI API
+and the health routes to the router on 127.0.0.1 (its admin routes answer there alone). It
+buffers each request whole, so that a request answered 500/502/504 by the router (0.1.17 in PD
+mode answers 500 for a prefill server it could not reach and does not retry), or whose
+connection to the router failed, is sent again through the router before any byte of an
+answer went out; a retry budget stops retries while the node's requests are failing broadly.
+
+Its run-time state is one map file (API_MAP): `lame 1` makes /readiness answer 503 and every
+answer close its connection (a router about to restart, gptoss-api lame-duck); `fleet <sha>` is
+the router's fleet document, which /readiness carries in X-Gptoss-Fleet (the next router of a
+roll waits for it). gptoss-api changes both through the admin socket (API_SOCKET), and the file.
+"""
+
+from __future__ import annotations
+
+from clusterspec.sections.proxy import REQUEST_TIMEOUT_MAX_S, Proxy
+
+# (method, path) a client outside the node may ask for: the OpenAI API the fleet serves and the
+# routes the load balancer and operators check. The path is compared exactly, query removed.
+API_ROUTES: tuple[tuple[str, str], ...] = (
+    ("POST", "/v1/completions"), ("POST", "/v1/chat/completions"), ("GET", "/v1/models"),
+    ("GET", "/health"), ("GET", "/readiness"), ("GET", "/liveness"),
+)  # fmt: skip
+API_CONFIG = "/etc/gptoss/haproxy.cfg"
+API_MAP = "/run/gptoss/api.map"
+API_SOCKET = "/run/gptoss/haproxy.sock"
+FLEET_HEADER = "X-Gptoss-Fleet"
+HEAD_BYTES = 64 * 1024  # request line and headers, and what HAProxy may add to them
+BODY_MARGIN = 64 * 1024
+HAPROXY_ERRORS = (
+    (400, "a malformed request"), (408, "the request did not arrive in time"), (500, "the gate failed"),
+    (502, "the router gave no valid answer"), (503, "the router is not answering"), (504, "the answer was silent too long"),
+)  # fmt: skip
+
+
+def body_cap(proxy: Proxy, max_model_len: int) -> int:
+    """The largest request body a node takes: the model's context in bytes, with room for JSON and chat framing."""
+    return max_model_len * proxy.gate.body_bytes_per_token + BODY_MARGIN
+
+
+def open_files(proxy: Proxy) -> int:
+    """HAProxy's open-file limit: a client and a router socket per request, the clients' idle ones, and margin."""
+    return 2 * (proxy.gate.max_connections + proxy.gate.max_requests) + 256
+
+
+def _json(status: int, message: str) -> str:
+    return f'{{"error":{{"message":"{message}","type":"gptoss_api_gate","code":{status}}}}}'
+
+
+def api_gate_config(
+    proxy: Proxy,
+    *,
+    max_model_len: int,
+    bind: str,
+    router_port: int,
+    router_host: str = "127.0.0.1",
+    api_map: str = API_MAP,
+    socket: str = API_SOCKET,
+) -> str:
+    """haproxy.cfg of a router node: `bind` HOST:PORT for clients, the router at router_host:router_port (loopback on a node)."""
+    g = proxy.gate
+    cap = body_cap(proxy, max_model_len)
+    paths = sorted({p for _, p in API_ROUTES})
+    allowed = [f"http-request set-var(txn.api_route) bool(true) if {{ method {m} }} {{ path {p} }}" for m, p in API_ROUTES]
+    # HAProxy answers an aborted or refused request itself; each answer names why, as JSON.
+    lines = [
+        "# Rendered from the spec (serving.proxy.gate): the node's API gate in front of its router.",
+        "global",
+        f"    maxconn {g.max_connections + g.max_requests + 64}",
+        f"    stats socket {socket} mode 600 level admin",
+        # A request is retried only if HAProxy holds it whole: the buffer takes the largest body and the head.
+        f"    tune.bufsize {cap + HEAD_BYTES}",
+        "    tune.maxrewrite 16384",
+        # A reload or stop lets the streams it holds end: the router's request timeout ends each (run-time
+        # data, from the fleet's document), this only bounds it by the spec's longest.
+        f"    hard-stop-after {REQUEST_TIMEOUT_MAX_S + 30}s",
+        "    log stdout format short daemon notice",
+        "",
+        "defaults",
+        "    mode http",
+        "    log global",
+        "    option httplog",
+        "    option dontlognull",
+        # Only what went wrong (an error, a retry, a timeout, a refusal) is logged: a line per request costs CPU the router needs.
+        "    option dontlog-normal",
+        f"    timeout http-request {g.head_timeout_s}s",
+        "    timeout http-keep-alive 60s",
+        f"    timeout client {g.idle_timeout_s}s",
+        f"    timeout server {g.idle_timeout_s}s",
+        "    timeout connect 2s",
+        "    timeout client-fin 30s",
+        # HAProxy's own answers (a head too slow, no router, an answer too slow) in the API's JSON form.
+        *[
+            f"    http-error status {code} content-type application/json string '{_json(code, why)}'"
+            for code, why in HAPROXY_ERRORS
+        ],
+        "",
+        # One entry: the node's request and failure rates, the retry budget's.
+        "backend retry_budget",
+        "    stick-table type integer size 1 expire 60s store http_req_rate(10s),http_fail_rate(10s)",
+        "",
+        "frontend api",
+        f"    bind {bind}",
+        f"    maxconn {g.max_connections}",
+        "    option http-buffer-request",
+        "    http-request track-sc0 int(0) table retry_budget",
+        f"    acl lame_duck str(lame),map({api_map},0) -m str 1",
+        "    acl readiness path /readiness",
+        *[f"    {a}" for a in allowed],
+        *[f"    acl known_path path {p}" for p in paths],
+        "    http-request set-var(txn.readiness) bool(true) if readiness",
+        f"    http-request return status 404 content-type application/json string '{_json(404, 'not served here (only the OpenAI API and the health routes)')}' if !known_path",
+        f"    http-request return status 405 content-type application/json string '{_json(405, 'method not served on this path')}' if !{{ var(txn.api_route) -m bool }}",
+        f"    http-request return status 413 content-type application/json string '{_json(413, f'request body over {cap} bytes')}' if {{ req.body_len ge {cap} }}",
+        f"    http-request return status 503 content-type application/json string '{_json(503, 'draining: this node restarts its router')}' if readiness lame_duck",
+        f"    http-request return status 503 content-type application/json string '{_json(503, f'this node serves {g.max_requests} requests at once; retry')}' hdr Retry-After 1 if {{ be_conn(router) ge {g.max_requests} }}",
+        "    http-request del-header Connection",
+        "    default_backend router",
+        f"    http-after-response set-header {FLEET_HEADER} %[str(fleet),map({api_map},none)] if {{ var(txn.readiness) -m bool }}",
+        # Lame-duck: each answer closes its connection, so a client's next request opens a new one, which the load balancer sends elsewhere.
+        "    http-after-response set-header Connection close if lame_duck",
+        "",
+        "backend router",
+        f"    retries {g.retries}",
+        *(["    retry-on conn-failure empty-response junk-response 500 502 504"] if g.retries else []),
+        # The budget: retries stop while more than retry_budget_percent of the last 10 s's requests failed (10 at least).
+        "    http-request set-var(txn.requests) sc_http_req_rate(0)",
+        "    http-request set-var(txn.failed) sc_http_fail_rate(0)",
+        f"    http-request set-var(txn.allowed) var(txn.requests),mul({g.retry_budget_percent})",
+        "    http-request set-var(txn.over) var(txn.failed),mul(100),sub(txn.allowed)",
+        "    http-request disable-l7-retry if { var(txn.failed) -m int ge 10 } { var(txn.over) -m int gt 0 }",
+        f"    server router {router_host}:{router_port}",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def api_gate_unit(proxy: Proxy, *, bin_dir: str, restart_sec: int) -> dict[str, object]:
+    """The values of gptoss-api.service's template (userdata/units)."""
+    return {
+        "bin": bin_dir, "version": proxy.gate.haproxy_version, "port": proxy.port, "router_port": proxy.router.internal_port,
+        "config": API_CONFIG, "map": API_MAP, "map_dir": API_MAP.rpartition("/")[0], "open_files": open_files(proxy),
+        "backoff_s": proxy.restart_backoff_s, "backoff_max_s": proxy.restart_backoff_max_s,
+        # A start may install the package (apt, up to 600 s) after its back-off.
+        "start_timeout_s": proxy.restart_backoff_max_s + 660,
+        # A stop lets the streams end (hard-stop-after in the configuration).
+        "stop_timeout_s": REQUEST_TIMEOUT_MAX_S + 60,
+        "restart_sec": restart_sec,
+    }  # fmt: skip
+
+
+def initial_map(fleet: str = "none") -> str:
+    """The map file HAProxy starts with: serving, no fleet document yet."""
+    return f"lame 0\nfleet {fleet}\n"

@@ -1,0 +1,94 @@
+"""The node's API gate as it runs: the real HAProxy with the configuration the spec renders, on loopback.
+
+The map and the admin socket live in the test's own folder; gptoss-api (the node's script)
+reaches them through GPTOSS_API_MAP and GPTOSS_API_SOCKET.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from clusterspec.haproxy import api_gate_config, initial_map
+from clusterspec.sections.proxy import Proxy
+from tests.conftest import ROOT
+
+API_CTL = ROOT / "userdata" / "bin" / "gptoss-api"
+
+
+def haproxy() -> str:
+    found = shutil.which("haproxy") or ("/usr/sbin/haproxy" if Path("/usr/sbin/haproxy").exists() else None)
+    assert found, "HAProxy is not installed: `make setup` installs it (Debian's haproxy package)"
+    return found
+
+
+@dataclass
+class Gate:
+    proc: subprocess.Popen[bytes]
+    host: str
+    port: int
+    folder: Path
+    config: str
+    socket_dir: Path  # short: a Unix socket's path holds at most 107 bytes
+
+    @property
+    def env(self) -> dict[str, str]:
+        return {
+            **os.environ,
+            "GPTOSS_API_MAP": str(self.folder / "api.map"),
+            "GPTOSS_API_SOCKET": str(self.socket_dir / "haproxy.sock"),
+        }
+
+    def api(self, *args: str, extra: dict[str, str] | None = None, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            ["python3", str(API_CTL), *args], env=self.env | (extra or {}), capture_output=True, text=True, timeout=timeout
+        )
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        shutil.rmtree(self.socket_dir, ignore_errors=True)
+
+
+def start_gate(
+    folder: Path,
+    proxy: Proxy,
+    *,
+    host: str,
+    port: int,
+    router_port: int,
+    router_host: str = "127.0.0.1",
+    max_model_len: int = 10240,
+) -> Gate:
+    """HAProxy in the foreground (-db) with the rendered configuration; returns once it accepts connections."""
+    folder.mkdir(parents=True, exist_ok=True)
+    socket_dir = Path(tempfile.mkdtemp(prefix="gptoss-gate-", dir="/tmp"))
+    cfg = api_gate_config(proxy, max_model_len=max_model_len, bind=f"{host}:{port}", router_port=router_port, router_host=router_host,
+                          api_map=str(folder / "api.map"), socket=str(socket_dir / "haproxy.sock"))  # fmt: skip
+    (folder / "haproxy.cfg").write_text(cfg)
+    if not (folder / "api.map").exists():
+        (folder / "api.map").write_text(initial_map())
+    log = (folder / "haproxy.log").open("ab")
+    proc = subprocess.Popen([haproxy(), "-db", "-f", str(folder / "haproxy.cfg")], stdout=log, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 20
+    while True:
+        try:
+            socket.create_connection((host, port), timeout=1).close()
+            break
+        except OSError:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                proc.kill()
+                raise AssertionError(f"HAProxy did not start: {(folder / 'haproxy.log').read_text()[-2000:]}") from None
+            time.sleep(0.05)
+    return Gate(proc, host, port, folder, cfg, socket_dir)
