@@ -24,7 +24,7 @@ SUITE = "trixie"
 MIRROR = "http://deb.debian.org/debian"
 PACKAGES = (
     "linux-image-amd64,initramfs-tools,systemd-sysv,udev,dbus,cloud-init,mdadm,xfsprogs,curl,git,"
-    "python3,python3-venv,xz-utils,iproute2,ca-certificates,openssh-server,netbase,kmod,iptables"
+    "python3,python3-venv,xz-utils,iproute2,ca-certificates,openssh-server,netbase,kmod,iptables,haproxy"
 )
 # The real client library in the guest's vLLM venv (the DLAMI's Python has its own).
 GUEST_HF_HUB = "huggingface_hub==1.33.0"

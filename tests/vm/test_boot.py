@@ -22,6 +22,7 @@ import json
 import re
 import subprocess
 import time
+from collections import Counter
 from typing import Any
 
 from clusterspec.paths import MANIFEST
@@ -56,7 +57,8 @@ SERVABLE = {"config.json", "model.safetensors.index.json", "tokenizer.json", *(f
 # real systemd, bash and the exec chain must hand each one to the server exactly as written.
 ODD_ENV = {f"ODD_{i}": {"value": v, "reason": "odd but legal"} for i, v in enumerate(ODD_VALUES)}
 ODD_FLAGS = [{"name": f"--odd-{i}", "value": v, "reason": "odd but legal"} for i, v in enumerate(ODD_VALUES)]
-ROUTED_SERVING: dict[str, Any] = {"proxy": {"kind": "vllm-router"}, "decode": {"max_num_seqs": 4, "env": ODD_ENV, "extra_flags": ODD_FLAGS}}
+# The guest's HAProxy is Debian 13's (3.0), the API gate's pin on a router node; a 10 s lame-duck (no load balancer here waits 20 s).
+ROUTED_SERVING: dict[str, Any] = {"proxy": {"kind": "vllm-router", "gate": {"haproxy_version": "3.0", "lame_duck_s": 10}}, "decode": {"max_num_seqs": 4, "env": ODD_ENV, "extra_flags": ODD_FLAGS}}
 ROUTED = BASE | {"serving": ROUTED_SERVING}
 TIMES: dict[str, float] = {}  # what the scenarios measured, printed by the replacement's
 
@@ -622,9 +624,62 @@ def test_a_surge_replaces_decode_1_a_router_node_which_proves_its_own_server_and
           f"\n  first boot, launch to serving: {TIMES.get('first boot: launch to serving', float('nan')):.0f} s (its servers compiled; the harness held the"
           f" compile until both boots had finished, {TIMES.get('first boot: launch to released compile', float('nan')):.0f} s after the launch)"
           f"\n  surge replacement of decode-1, launch to its group signal: {signalled:.0f} s (its identity's compile cache restored)")  # fmt: skip
+    router_restart_and_prefill_kill_under_streams(cluster, decode, new.ip)
     # Back to the default layout's two nodes for the next scenario: decode-1's group goes with its instance.
     cluster.deploy(ROUTED)
     cluster.remove("decode-1")
+
+
+# Streaming clients on decode-0, each standing in for the load balancer: a request goes to a router node
+# whose /readiness answered 200 at its last check (every 2 s, the target group's thresholds scaled down),
+# and reads its stream to [DONE]; each outcome in a line (ok, cut, or the HTTP status).
+STREAMS = r"""cat > /root/streams.sh <<'EOF'
+#!/bin/bash
+ready=(IPS)
+last=0
+n=0
+while [ ! -e /run/vm-streams.stop ]; do
+  if [ $((SECONDS - last)) -ge 2 ]; then
+    ok=(); for ip in IPS; do curl -sf -m 2 -o /dev/null "http://$ip:8000/readiness" && ok+=("$ip"); done
+    [ ${#ok[@]} -gt 0 ] && ready=("${ok[@]}"); last=$SECONDS
+  fi
+  n=$((n + 1)); ip=${ready[$((n % ${#ready[@]}))]}
+  out=$(curl -sS -m 120 -w '\n%{http_code}' "http://$ip:8000/v1/completions" -H 'Content-Type: application/json' \
+    -d "{\"model\": \"MODEL\", \"prompt\": \"stream $n\", \"max_tokens\": 10, \"stream\": true}" 2>&1)
+  code=$(tail -n 1 <<<"$out")
+  if [ "$code" != 200 ]; then r="status-$code"; elif [ "$(grep -c '^data: {' <<<"$out")" = 10 ] && grep -q '^data: \[DONE\]' <<<"$out"; then r=ok; else r=cut; fi
+  echo "$(date +%s) $ip $r" >> /var/lib/fakes/streams.log
+done
+EOF
+chmod +x /root/streams.sh && rm -f /run/vm-streams.stop /var/lib/fakes/streams.log && for i in 1 2 3 4; do systemd-run --unit=vm-streams-$i --collect /root/streams.sh; done"""
+
+
+def router_restart_and_prefill_kill_under_streams(cluster: VmCluster, decode: Any, other_ip: str) -> None:
+    """Two router nodes; four streaming clients. decode-0's router restarts as a new fleet document restarts it
+    (systemctl restart: ExecStop goes lame-duck, drains, then the new start), and a prefill replica is killed:
+    no stream is cut and no request fails."""
+    mine = cluster.ip("decode-0")
+    decode.ssh(STREAMS.replace("IPS", f"{mine} {other_ip}").replace("MODEL", MODEL))
+    time.sleep(15)
+    t0, wall0 = time.monotonic(), time.time()
+    decode.ssh("systemctl restart gptoss-proxy.service", timeout=900)  # returns once the new router started
+    restarted = time.monotonic() - t0
+    cluster.vms["prefill-0"].ssh("systemctl kill -s SIGKILL gptoss-prefill@1.service")
+    decode.wait_until("curl -sf -o /dev/null http://127.0.0.1:8000/readiness", 300, "decode-0's router ready again")
+    back = time.monotonic() - t0
+    time.sleep(20)
+    decode.ssh("touch /run/vm-streams.stop")
+    decode.wait_until("! systemctl is-active --quiet vm-streams-1 vm-streams-2 vm-streams-3 vm-streams-4", 240, "the clients' last streams")
+    lines = [line.split() for line in decode.ssh("cat /var/lib/fakes/streams.log").stdout.splitlines()]
+    outcomes = Counter(r for _, _, r in lines)
+    on_mine_after = [t for t, ip, r in lines if ip == mine and r == "ok" and float(t) > wall0 + back]
+    lame = cluster.journal("decode-0", "gptoss-proxy.service")
+    print(f"\nrouter restart of decode-0 and a killed prefill replica under 4 streaming clients (TCG, 10 events 0.2 s apart, "
+          f"the clients choosing a ready router node every 2 s): {len(lines)} streams, {dict(outcomes)}; restart returned after "
+          f"{restarted:.0f} s (lame-duck 10 s, drain, start), router ready again after {back:.0f} s")  # fmt: skip
+    assert "lame-duck: /readiness answers 503" in lame and "it stops now" in lame, lame[-2000:]
+    assert len(lines) >= 20 and outcomes == Counter({"ok": len(lines)}), outcomes
+    assert on_mine_after, "decode-0's router served streams again after its restart"
 
 
 def test_a_new_image_replaces_every_node_and_each_new_gate_hears_why_it_cannot_serve(cluster: VmCluster) -> None:

@@ -122,6 +122,19 @@ def serve(argv: list[str]) -> None:
                                                           "remote_port": port, "remote_block_ids": [0]}})
             tokens = int(req.get("max_tokens", 16))
             served["generated"] += tokens
+            if req.get("stream") is True:
+                # A token stream as vLLM sends one: an event per token, 0.2 s apart, then [DONE]; the connection closes at its end.
+                self.send_response(200)
+                self.send_header("Content-Type", "text/event-stream")
+                self.send_header("Connection", "close")
+                self.end_headers()
+                self.close_connection = True
+                for i in range(tokens):
+                    time.sleep(0.2)
+                    self.wfile.write(b"data: " + json.dumps({"id": "cmpl-fake", "choices": [{"index": 0, "text": f" t{i}"}]}).encode() + b"\n\n")
+                    self.wfile.flush()
+                self.wfile.write(b"data: [DONE]\n\n")
+                return
             self._json({"id": "cmpl-fake", "object": "text_completion", "model": model,
                         "choices": [{"index": 0, "text": " Paris. It is the capital", "finish_reason": "length"}],
                         "usage": {"prompt_tokens": 6, "completion_tokens": tokens, "total_tokens": 6 + tokens}})
