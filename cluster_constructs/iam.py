@@ -116,6 +116,9 @@ class NodePolicy(Construct):
             metrics = iam.PolicyStatement(actions=["cloudwatch:PutMetricData"], resources=["*"])
             metrics.add_condition("StringEquals", {"cloudwatch:namespace": telemetry.namespace(config)})
             self.add(metrics)
+            if config.capacity.type == "capacity-block":
+                # The block's end date, for the alarms before it (EC2's Describe calls take no resource).
+                self.add(iam.PolicyStatement(actions=["ec2:DescribeCapacityReservations"], resources=["*"]))
             self.acknowledge(
                 f"AwsSolutions::AwsSolutions-IAM5[Resource::arn:<AWS::Partition>:logs:{config.region}:<AWS::AccountId>:log-group:{group}:*]",
                 "Nodes create streams in the cluster's one log group, no other group (CreateLogStream takes the group as its "
@@ -150,7 +153,8 @@ class NodePolicy(Construct):
             "AwsSolutions::AwsSolutions-IAM5[Resource::*]",
             "The SSM agent's registration and message-channel calls (ssm:UpdateInstanceInformation, ssmmessages:*Channel, "
             "ec2messages:*Message) take no narrower resource; none reads data. cloudwatch:PutMetricData (observability) is "
-            "limited to the cluster's namespace by a condition.",
+            "limited to the cluster's namespace by a condition. ec2:DescribeCapacityReservations (a Capacity Block's end, "
+            "for the alarms before it) takes no resource.",
         )
         if config.model.hf_token_secret_arn:
             self.acknowledge(

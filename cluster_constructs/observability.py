@@ -94,6 +94,13 @@ def dashboard_body(cfg: ClusterConfig, *, region: str, lb: tuple[str, str] | Non
         )
     )  # fmt: skip
     y = 8
+    if cfg.capacity.type == "capacity-block":
+        # The block's clock, the lowest any node reads, against the alarms' thresholds.
+        hours = [{"label": f"BlockEnds{h:g}h", "value": h} for h in cfg.capacity.notify_hours_before]
+        widgets.append(_widget("Capacity Block: hours until EC2 reclaims its instances (end less 30 min)",
+                               [[telemetry.namespace(cfg), "CapacityBlockHoursLeft", "Cluster", cfg.cluster_name]],
+                               x=0, y=y, width=24, stat="Minimum", annotations={"horizontal": hours}))  # fmt: skip
+        y += 6
     if cfg.proxy_kind == "vllm-router":
         # A SEARCH per metric (one line per router): the body stays the same size at any fleet size.
         for x, (title, names, stat) in enumerate((
@@ -240,6 +247,19 @@ class FleetObservability(Construct):
                   "within its own limits takes to serve: a replacement that never serves, or a server that keeps failing. "
                   "gptoss status names the unit.", step=max(300, period)),
         ]  # fmt: skip
+        # A Capacity Block's end is a planned event: the topic hears it notify_hours_before ahead of
+        # EC2's reclaim (the nodes publish the hours left; the lowest of them counts).
+        if config.capacity.type == "capacity-block" and config.observability.enabled:
+            for hours in config.capacity.notify_hours_before:
+                label = f"{hours:g}".replace(".", "_")
+                self.alarms.append(cloudwatch.CfnAlarm(
+                    self, f"BlockEnds{label}h", alarm_name=f"{config.cluster_name}-BlockEnds{label}h",
+                    alarm_description=f"The Capacity Block the nodes run in has under {hours:g} h before EC2 starts reclaiming its "
+                    "instances (its end less 30 min): extend it (gptoss blocks --extend) or deploy onto the next block.",
+                    namespace=telemetry.namespace(config), metric_name="CapacityBlockHoursLeft", dimensions=cluster_dims,
+                    statistic="Minimum", period=period, evaluation_periods=1, threshold=hours,
+                    comparison_operator="LessThanThreshold", treat_missing_data="notBreaching", alarm_actions=actions,
+                ))  # fmt: skip
         # A node identity's instance replaced after a failed health check (EC2's, or the node's own
         # report), or a replacement its group could not launch (no capacity): EventBridge matches the
         # groups' events, with the causes Auto Scaling documents, and an alarm counts the matches.

@@ -83,7 +83,11 @@ CLUSTER_METRICS = (
     Metric("StagingFailing", "Count", "cluster", "1 while gptoss-stage.service or gptoss-nvme.service has failed or is retrying"),
     Metric("ReplacementHeld", "Count", "cluster", "1 while a node's health watch wants its instance replaced and a replacement budget says no"),
 )
-ALL_METRICS = SERVER_METRICS + NODE_METRICS + ROUTER_METRICS + CLUSTER_METRICS
+# A Capacity Block's clock (capacity.type=capacity-block): read from EC2 by each node, for the alarms before its end.
+BLOCK_METRICS = (
+    Metric("CapacityBlockHoursLeft", "Count", "cluster", "hours until EC2 starts reclaiming the node's Capacity Block (its end less 30 min)"),
+)
+ALL_METRICS = SERVER_METRICS + NODE_METRICS + ROUTER_METRICS + CLUSTER_METRICS + BLOCK_METRICS
 
 
 def log_group(cfg: ClusterConfig) -> str:
@@ -93,6 +97,7 @@ def log_group(cfg: ClusterConfig) -> str:
 
 def node_config(cfg: ClusterConfig, node: Node, servers: list[dict[str, str]], units: list[str], router_metrics_url: str | None = None,
                 gate_socket: str | None = None) -> str:  # fmt: skip
+    block = cfg.capacity.target(node.role)[0] if cfg.capacity.type == "capacity-block" else None
     """The collector's telemetry.json for one node (`router_metrics_url` and the API gate's `gate_socket` on a router's node)."""
     doc = {
         "namespace": namespace(cfg),
@@ -106,11 +111,13 @@ def node_config(cfg: ClusterConfig, node: Node, servers: list[dict[str, str]], u
         "servers": servers,
         "units": units,
         "efa": cfg.serving.disaggregated,
-        "metrics": [m.name for m in ALL_METRICS if router_metrics_url or m not in ROUTER_METRICS],
+        "metrics": [m.name for m in ALL_METRICS if (router_metrics_url or m not in ROUTER_METRICS) and (block or m not in BLOCK_METRICS)],
     }
     if router_metrics_url:
         doc["router_metrics_url"] = router_metrics_url
     if gate_socket:
         doc["gate_socket"] = gate_socket
+    if block:
+        doc["block"] = block
     # Compact: the user data of a router node is near its budget (python3 -m json.tool shows it indented).
     return json.dumps(doc, separators=(",", ":")) + "\n"

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from cluster_ops.commands import (
     bench,
+    blocks,
     deploy,
     destroy,
     diff,
@@ -24,4 +25,4 @@ from cluster_ops.commands import (
 )
 
 # The order `gptoss --help` lists them in.
-COMMANDS = (plan, recipes, preflight, pin_ami, deploy, destroy, diff, status, wait_ready, bench, size, save_cache, local)
+COMMANDS = (plan, recipes, preflight, blocks, pin_ami, deploy, destroy, diff, status, wait_ready, bench, size, save_cache, local)

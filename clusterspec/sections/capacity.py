@@ -49,6 +49,20 @@ class CapacityConfig(Frozen):
     min_hours_left: float = Field(
         0, ge=0, le=24 * 182, description="capacity-block: preflight fails when the block has fewer usable hours left than this."
     )
+    notify_hours_before: tuple[float, ...] = Field(
+        (24, 2),
+        description="capacity-block: the alarm topic hears this many hours before EC2 starts reclaiming the block's instances "
+        "(its end less 30 minutes), one alarm each (BlockEnds<N>h): time to extend it (gptoss blocks --extend) or move.",
+    )
+
+    @model_validator(mode="after")
+    def _notify(self) -> CapacityConfig:
+        for h in self.notify_hours_before:
+            if not 0.5 <= h <= 24 * 14:
+                raise rule_error("capacity.notify_hours_before", h, "must be between 0.5 and 336 hours", "give hours in that range")
+        if len(set(self.notify_hours_before)) != len(self.notify_hours_before):
+            raise rule_error("capacity.notify_hours_before", list(self.notify_hours_before), "names an hour twice", "keep one of each")
+        return self
 
     def target(self, role: str) -> tuple[str | None, str | None]:
         """(reservation id, group ARN) the role's instances launch into."""

@@ -126,3 +126,25 @@ def test_size_estimate_is_conservative_and_close_for_the_stack_and_every_cell(de
             actual = path.stat().st_size
             assert actual <= cell.template_bytes <= actual * 1.2, (cell.name, actual, cell.template_bytes)
             assert len(json.loads(path.read_text())["Resources"]) <= cell.resources + 1  # and CDK's metadata resource
+
+
+def test_a_capacity_blocks_end_pages_the_alarm_topic_before_ec2_reclaims_it_and_on_demand_has_no_such_alarm(synth_variant: Any) -> None:
+    """capacity.type=capacity-block: one alarm per notify_hours_before (24 h and 2 h by default) on the lowest
+    CapacityBlockHoursLeft any node publishes, to the alarm topic; the nodes may read the block's end date.
+    On-Demand: neither."""
+    block = synth_variant(**{"config": "examples/production-3p8d.yaml", "capacity.type": "capacity-block",
+                             "capacity.reservation_id": "cr-0123456789abcdef0"})  # fmt: skip
+    alarms = {a["Properties"]["AlarmName"]: a["Properties"] for a in of_type(block, "AWS::CloudWatch::Alarm").values()}
+    ends = {k: v for k, v in alarms.items() if "BlockEnds" in k}
+    assert sorted(ends) == ["gptoss-prod-BlockEnds24h", "gptoss-prod-BlockEnds2h"], sorted(alarms)
+    for name, hours in (("gptoss-prod-BlockEnds24h", 24), ("gptoss-prod-BlockEnds2h", 2)):
+        a = ends[name]
+        assert (a["MetricName"], a["Statistic"], a["ComparisonOperator"], a["Threshold"], a["TreatMissingData"]) == (
+            "CapacityBlockHoursLeft", "Minimum", "LessThanThreshold", hours, "notBreaching")  # fmt: skip
+        assert a["AlarmActions"], "the alarm topic hears it"
+    assert "CapacityBlockHoursLeft" in json.dumps(of_type(block, "AWS::CloudWatch::Dashboard")), "the dashboard shows the block's clock"
+    policies = json.dumps([p for p in of_type(block, "AWS::IAM::Policy").values()])
+    assert "ec2:DescribeCapacityReservations" in policies
+    on_demand = synth_variant(config="examples/production-3p8d.yaml")
+    assert not [a for a in of_type(on_demand, "AWS::CloudWatch::Alarm").values() if "BlockEnds" in a["Properties"]["AlarmName"]]
+    assert "ec2:DescribeCapacityReservations" not in json.dumps(list(of_type(on_demand, "AWS::IAM::Policy").values()))

@@ -563,7 +563,10 @@ def test_collector_publishes_every_catalog_metric_in_a_payload_cloudwatch_accept
            "log_group": "/gptoss/c1", "efa": True, "metrics": [m.name for m in telemetry.ALL_METRICS],
            "servers": [{"name": "decode-0/decode", "unit": "gptoss-decode.service", "health_url": f"{base}/health", "metrics_url": f"{base}/metrics"}],
            "units": ["gptoss-stage.service", "gptoss-decode.service"], "router_metrics_url": f"{base}/router-metrics",
-           "gate_socket": str(gate.socket_dir / "haproxy.sock")}  # fmt: skip
+           "gate_socket": str(gate.socket_dir / "haproxy.sock"), "block": "cr-0123456789abcdef0"}  # fmt: skip
+    # The AWS CLI's answer for the block's end date (--output text).
+    fake_command(tmp_path, "aws-block", 'echo 2099-01-01T00:00:00+00:00\n')
+    monkeypatch.setattr(mod, "AWS", str(tmp_path / "aws-block"))
     try:
         for dev in ("rdmap0s0", "rdmap1s0"):
             (ib / dev / "ports/1/hw_counters/rx_bytes").write_text("1000\n")
@@ -1274,3 +1277,30 @@ def test_a_prefill_node_proves_each_of_its_own_replicas_with_a_prefill_request(s
     (put,) = peers.puts
     assert put["doc"]["Reason"] == "prefill-0: its 2 prefill replicas each took a prefill request"
     assert [_stats(p)["served"] for p in ports] == [1, 1] and all(_stats(p)["violations"] == [] for p in ports)
+
+
+def test_a_capacity_blocks_hours_left_come_from_ec2_and_follow_an_extension(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The collector asks EC2 (the AWS CLI, as the node runs it: here a stand-in printing what
+    `--query CapacityReservations[0].EndDate --output text` prints) for its block's end, publishes the hours
+    until EC2 starts reclaiming it (the end less 30 min), asks again after 10 minutes (an extension moves
+    the end), and keeps the last answer through a failed call."""
+    import datetime as dt
+    import time as clock
+
+    mod, c, _ = _states_collector(tmp_path, monkeypatch, {})
+    c.cfg["block"] = "cr-0123456789abcdef0"
+    end = tmp_path / "end"
+    calls = tmp_path / "calls"
+    fake_command(tmp_path, "aws", f'echo "$*" >> "{calls}"\n[ -s "{end}" ] || exit 254\ncat "{end}"\n')
+    monkeypatch.setattr(mod, "AWS", str(tmp_path / "aws"))
+    in_26h = dt.datetime.fromtimestamp(clock.time() + 26 * 3600 + 1800, dt.UTC).strftime("%Y-%m-%dT%H:%M:%S+00:00")
+    end.write_text(in_26h + "\n")
+    assert _values(c.collect(1000.0))["CapacityBlockHoursLeft"] == pytest.approx(26, abs=0.05)
+    assert calls.read_text().split("\n")[0] == ("ec2 describe-capacity-reservations --capacity-reservation-ids cr-0123456789abcdef0 "
+                                                "--query CapacityReservations[0].EndDate --output text")  # fmt: skip
+    end.write_text(dt.datetime.fromtimestamp(clock.time() + 74 * 3600 + 1800, dt.UTC).strftime("%Y-%m-%dT%H:%M:%S+00:00") + "\n")
+    assert _values(c.collect(1300.0))["CapacityBlockHoursLeft"] == pytest.approx(26, abs=0.05), "asked again only after 10 minutes"
+    assert _values(c.collect(1700.0))["CapacityBlockHoursLeft"] == pytest.approx(74, abs=0.05), "extended by 48 h"
+    end.write_text("")  # EC2 does not answer: the last end date stands
+    assert _values(c.collect(2400.0))["CapacityBlockHoursLeft"] == pytest.approx(74, abs=0.05)
+    assert calls.read_text().count("describe-capacity-reservations") == 3
