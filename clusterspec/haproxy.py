@@ -8,7 +8,9 @@ connection to the router failed, is sent again through the router before any byt
 answer went out; a retry budget stops retries while the node's requests are failing broadly.
 
 Its run-time state is one map file (API_MAP): `lame 1` makes /readiness answer 503 and every
-answer close its connection (a router about to restart, gptoss-api lame-duck); `fleet <sha>` is
+answer close its connection (a router about to restart, gptoss-api lame-duck); `drain 1` answers
+every new request 503 with `Retry-After: <retry_after>` while what runs ends (a Capacity Block's
+end, gptoss-api drain); `fleet <sha>` is
 the router's fleet document, which /readiness carries in X-Gptoss-Fleet (the next router of a
 roll waits for it). gptoss-api changes both through the admin socket (API_SOCKET), and the file.
 """
@@ -114,13 +116,16 @@ def api_gate_config(
         f"    http-request return status 404 content-type application/json string '{_json(404, 'not served here (only the OpenAI API and the health routes)')}' if !known_path",
         f"    http-request return status 405 content-type application/json string '{_json(405, 'method not served on this path')}' if !{{ var(txn.api_route) -m bool }}",
         f"    http-request return status 413 content-type application/json string '{_json(413, f'request body over {cap} bytes')}' if {{ req.body_len ge {cap} }}",
+        # Draining before a Capacity Block's end: nothing new is taken (readiness included), what runs ends.
+        f"    acl draining str(drain),map({api_map},0) -m str 1",
+        f"    http-request return status 503 content-type application/json string '{_json(503, 'draining: this node leaves before its capacity ends; retry later')}' hdr Retry-After %[str(retry_after),map({api_map},600)] if draining",
         f"    http-request return status 503 content-type application/json string '{_json(503, 'draining: this node restarts its router')}' if readiness lame_duck",
         f"    http-request return status 503 content-type application/json string '{_json(503, f'this node serves {g.max_requests} requests at once; retry')}' hdr Retry-After 1 if {{ be_conn(router) ge {g.max_requests} }}",
         "    http-request del-header Connection",
         "    default_backend router",
         f"    http-after-response set-header {FLEET_HEADER} %[str(fleet),map({api_map},none)] if {{ var(txn.readiness) -m bool }}",
         # Lame-duck: each answer closes its connection, so a client's next request opens a new one, which the load balancer sends elsewhere.
-        "    http-after-response set-header Connection close if lame_duck",
+        "    http-after-response set-header Connection close if lame_duck || draining",
         "",
         "backend router",
         f"    retries {g.retries}",
@@ -153,4 +158,4 @@ def api_gate_unit(proxy: Proxy, *, bin_dir: str, restart_sec: int) -> dict[str, 
 
 def initial_map(fleet: str = "none") -> str:
     """The map file HAProxy starts with: serving, no fleet document yet."""
-    return f"lame 0\nfleet {fleet}\n"
+    return f"lame 0\ndrain 0\nretry_after 600\nfleet {fleet}\n"

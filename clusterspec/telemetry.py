@@ -118,6 +118,7 @@ def node_config(cfg: ClusterConfig, node: Node, servers: list[dict[str, str]], u
     if gate_socket:
         doc["gate_socket"] = gate_socket
     if block:
-        doc["block"] = block
+        # Drained before EC2 reclaims it: the router's request timeout for what runs, and a minute.
+        doc |= {"block": block, "block_drain_s": cfg.serving.proxy.router.request_timeout_s + 60, "block_retry_after_s": 600}
     # Compact: the user data of a router node is near its budget (python3 -m json.tool shows it indented).
     return json.dumps(doc, separators=(",", ":")) + "\n"

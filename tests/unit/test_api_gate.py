@@ -565,3 +565,25 @@ def test_the_node_runs_the_pinned_haproxy_and_installs_it_only_when_the_image_la
     failed = subprocess.run([script, mine], env=env | {"GPTOSS_HAPROXY_FETCH_S": "3"}, capture_output=True, text=True, timeout=60)
     assert failed.returncode == 1 and time.monotonic() - t < 30, failed
     assert f"apt did not install haproxy={mine}.* within 3s" in failed.stderr and "use an image that carries HAProxy" in failed.stderr, failed
+
+
+def test_a_draining_gate_answers_new_requests_503_with_retry_after_while_a_running_stream_ends(gate: Any) -> None:
+    """Before a Capacity Block's end (gptoss-api drain, which the node's collector runs): nothing new is taken,
+    readiness included, each with a clean 503 and Retry-After; a stream that was running goes on to its end."""
+    upstream, port, g = gate
+    body = b'{"model": "m", "messages": [], "stream": true}'
+    s = socket.create_connection(("127.0.0.1", port), timeout=30)
+    s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: e\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+    got = s.recv(4096)
+    upstream.first_chunk_read.set()
+    assert g.api("drain", "120").returncode == 0
+    status, answer, headers = request(port, "POST", "/v1/completions", b'{"id": "after"}')
+    assert status == 503 and headers.get("retry-after") == "120" and json.loads(answer)["error"]["code"] == 503, (status, headers, answer)
+    assert upstream.attempts["after"] == 0, "never reached the router"
+    status, _, headers = request(port, "GET", "/readiness")
+    assert status == 503 and headers.get("connection") == "close"
+    while b"data: 20\n\n" not in got:
+        chunk = s.recv(4096)
+        assert chunk, "the running stream was cut by the drain"
+        got += chunk
+    s.close()

@@ -1304,3 +1304,15 @@ def test_a_capacity_blocks_hours_left_come_from_ec2_and_follow_an_extension(tmp_
     end.write_text("")  # EC2 does not answer: the last end date stands
     assert _values(c.collect(2400.0))["CapacityBlockHoursLeft"] == pytest.approx(74, abs=0.05)
     assert calls.read_text().count("describe-capacity-reservations") == 3
+    assert not (Path(os.environ["GPTOSS_RUN_DIR"]) / "block-draining").exists(), "74 h left: nothing drains"
+    # Within block_drain_s (the request timeout and a minute, rendered) of EC2's reclaim: the node drains, once.
+    api_calls = tmp_path / "api"
+    fake_command(tmp_path, "gptoss-api", f'echo "$*" >> "{api_calls}"\n')
+    monkeypatch.setattr(mod, "API", str(tmp_path / "gptoss-api"))
+    c.cfg |= {"block_drain_s": 1860, "block_retry_after_s": 600, "gate_socket": "/run/gptoss/haproxy.sock"}
+    end.write_text(dt.datetime.fromtimestamp(clock.time() + 1500 + 1800, dt.UTC).strftime("%Y-%m-%dT%H:%M:%S+00:00") + "\n")
+    assert _values(c.collect(3100.0))["CapacityBlockHoursLeft"] == pytest.approx(1500 / 3600, abs=0.01)
+    marker = Path(os.environ["GPTOSS_RUN_DIR"]) / "block-draining"
+    assert marker.exists() and api_calls.read_text() == "drain 600\n", "the gate takes nothing new, answers 503 with Retry-After"
+    c.collect(3800.0)
+    assert api_calls.read_text() == "drain 600\n", "once"

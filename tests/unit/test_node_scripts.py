@@ -670,6 +670,10 @@ def test_the_health_watch_reports_its_own_instance_once_for_a_server_that_stoppe
     Health.code = 503
     assert watch(looping).returncode == 0 and not (tmp_path / "calls.aws").exists(), "its first failing minute is within the bound"
     (run / "watch" / "gptoss-decode.service").write_text(str(int(time.time()) - 601))
+    # While its Capacity Block ends (the collector drained the node), no replacement is asked for: none could launch.
+    (run / "block-draining").write_text(f"{int(time.time()) + 1800}\n")
+    assert watch(looping).returncode == 0 and not (tmp_path / "calls.aws").exists(), "held while the block ends"
+    (run / "block-draining").unlink()
     r = watch(looping)
     assert r.returncode == 0 and (tmp_path / "calls.aws").exists(), r.stdout + r.stderr
     assert (tmp_path / "calls.aws").read_text().splitlines()[0].startswith("autoscaling describe-scaling-activities "), "the budget first"
