@@ -26,6 +26,7 @@ class DeployPlan:
     surge_off: str = ""  # why this deploy replaces without surge although the config would surge
     ready_min: float | None = None  # a node's time to serve at the last deploy
     policy_changed: list[str] = field(default_factory=list)  # the nodes whose group's rollout policy changes
+    moves: list[str] = field(default_factory=list)  # a move onto other capacity: what it means, said before
 
 
 def make(cfg: ClusterConfig, context: list[str], workdir: Path) -> DeployPlan:
@@ -44,15 +45,35 @@ def make(cfg: ClusterConfig, context: list[str], workdir: Path) -> DeployPlan:
     if r.replaced:
         image = policy_update.image_changes(rollout.flatten_templates(deployed), rollout.flatten_templates(synthesized))
         why = policy_update.surge_off_because(cfg, ready_min=ready, image_changed=image)
-    if why:
-        cfg = cfg.model_copy(update={"rollout": cfg.rollout.model_copy(update={"surge": "off"})})
-        context = [*context, "rollout.surge=off"]
+    moves = policy_update.capacity_moves(rollout.flatten_templates(deployed), rollout.flatten_templates(synthesized)) if r.replaced else {}
+    # A move onto another reservation or Capacity Block: the new one holds each replacement while the old
+    # instance serves, so the move surges (rollout.surge=auto keeps a reservation's default, no surge, otherwise).
+    surge_to = "off" if why else ("on" if moves and cfg.rollout.surge == "auto" and not cfg.surge and cfg.wait_for_ready else "")
+    if surge_to:
+        cfg = cfg.model_copy(update={"rollout": cfg.rollout.model_copy(update={"surge": surge_to})})
+        context = [*context, f"rollout.surge={surge_to}"]
         shutil.rmtree(assembly, ignore_errors=True)
         _synth(cfg, context, assembly)
         synthesized = rollout.assembly_templates(assembly, cfg.stack_name)
         r = rollout.compare(rollout.flatten_templates(deployed), rollout.flatten_templates(synthesized))
     changed = sorted(policy_update.policy_nodes(deployed, synthesized), key=rollout.order)
-    return DeployPlan(cfg, context, assembly, r, policy_update.updates(deployed, synthesized), why, ready, changed)
+    return DeployPlan(cfg, context, assembly, r, policy_update.updates(deployed, synthesized), why, ready, changed, _move_lines(cfg, moves))
+
+
+def _move_lines(cfg: ClusterConfig, moves: dict[str, tuple[tuple[str, ...], tuple[str, ...]]]) -> list[str]:
+    """The move's lines, with the reservations' dates from EC2 (without them, the move is said and the dates are not)."""
+    if not moves:
+        return []
+    import datetime as dt
+
+    ids = sorted({i for pair in moves.values() for side in pair for i in side if i.startswith("cr-")})
+    try:
+        found = common.session(cfg).client("ec2").describe_capacity_reservations(CapacityReservationIds=ids)["CapacityReservations"] if ids else []
+    except Exception as e:  # the dates are advice: the deploy itself does not need them
+        from cluster_ops.awserrors import explain
+
+        return [*policy_update.move_lines(moves, {}, dt.datetime.now(dt.UTC)), f"  (EC2 did not give the reservations' dates: {explain(e, region=cfg.region) or type(e).__name__})"]
+    return policy_update.move_lines(moves, {r["CapacityReservationId"]: r for r in found}, dt.datetime.now(dt.UTC))
 
 
 def _synth(cfg: ClusterConfig, context: list[str], assembly: Path) -> None:
@@ -65,7 +86,7 @@ def lines(plan: DeployPlan) -> list[str]:
     """What the deploy does, before it does it."""
     if plan.change is None:
         return [f"{plan.cfg.stack_name} is not deployed: a deploy launches all {len(plan.cfg.layout.nodes)} nodes at once"]
-    out = []
+    out = list(plan.moves)
     if plan.surge_off:
         out.append(f"this deploy replaces nodes without surge: {plan.surge_off} (rollout.surge=off for this deploy; "
                    "set rollout.surge=on to surge anyway)")  # fmt: skip

@@ -163,3 +163,48 @@ def _rekey(url: Any, digest: str) -> Any:
     if isinstance(url, list):
         return [_rekey(v, digest) for v in url]
     return url
+
+
+def capacity_moves(deployed: dict[str, Any], synthesized: dict[str, Any]) -> dict[str, tuple[tuple[str, ...], tuple[str, ...]]]:
+    """The groups (flattened resources, by logical id) whose reservation target changes: {group: (before, after)},
+    each a tuple of reservation ids or resource-group ARNs. A move from one reservation or Capacity Block to another."""
+
+    def target(res: dict[str, Any]) -> tuple[str, ...]:
+        t = (res.get("Properties", {}).get("CapacityReservationSpecification") or {}).get("CapacityReservationTarget") or {}
+        return tuple(sorted([*t.get("CapacityReservationIds", []), *t.get("CapacityReservationResourceGroupArns", [])]))
+
+    out = {}
+    for lid, res in synthesized.items():
+        if res.get("Type") != "AWS::AutoScaling::AutoScalingGroup" or lid not in deployed:
+            continue
+        before, after = target(deployed[lid]), target(res)
+        if before and after and before != after:
+            out[lid] = (before, after)
+    return out
+
+
+def move_lines(moves: dict[str, tuple[tuple[str, ...], tuple[str, ...]]], reservations: dict[str, dict[str, Any]], now: Any) -> list[str]:
+    """What a move onto other capacity means, before it runs: each pair of reservations once, and when the new one
+    starts later, or after the old one's instances are reclaimed (a Capacity Block: 30 min before its end), the gap.
+    RESERVATIONS: describe-capacity-reservations entries by id (those EC2 gave)."""
+    import datetime as dt
+
+    out = []
+    for before, after in sorted(set(moves.values())):
+        n = sum(1 for m in moves.values() if m == (before, after))
+        line = f"moving {n} node(s) from {', '.join(before)} to {', '.join(after)}: with surge, each replacement launched in the new capacity while its old instance serves"
+        old = [reservations[i] for i in before if i in reservations]
+        new = [reservations[i] for i in after if i in reservations]
+        starts = [r["StartDate"] for r in new if r.get("StartDate")]
+        ends = [r["EndDate"] - (dt.timedelta(minutes=30) if r.get("ReservationType") == "capacity-block" else dt.timedelta(0))
+                for r in old if r.get("EndDate")]  # fmt: skip
+        if starts and max(starts) > now:
+            line += f"; the new capacity starts {max(starts):%Y-%m-%d %H:%M} UTC: no replacement can launch before then (each group waits and retries), deploy then"
+        if starts and ends and max(starts) > min(ends):
+            gap = max(starts) - min(ends)
+            line += (f"; THE TWO DO NOT OVERLAP: from {min(ends):%Y-%m-%d %H:%M} UTC (the old capacity reclaimed) to {max(starts):%Y-%m-%d %H:%M} UTC "
+                     f"these nodes have no instance ({gap.total_seconds() / 3600:.1f} h without them)")  # fmt: skip
+        elif not new:
+            line += "; EC2 gave no dates for the new capacity (gptoss preflight checks it)"
+        out.append(line)
+    return out

@@ -389,3 +389,46 @@ def test_the_time_a_deploy_states_is_the_last_deploys_slowest_gate() -> None:
     # CloudFormation does not say (denied, throttled): no time, not a traceback.
     stub.add_client_error("list_stack_resources", "AccessDenied", "not allowed", 403, expected_params={"StackName": STACK})
     assert rollout.measured_ready_min(cfn, STACK) is None
+
+
+BLOCK_A, BLOCK_B = "cr-0aaaaaaaaaaaaaaa1", "cr-0bbbbbbbbbbbbbbb2"
+
+
+def test_a_move_onto_the_next_capacity_block_surges_every_node_and_says_the_gap_before(assembly: Callable[..., Path]) -> None:
+    """Deploying the 3+8 fleet with the next block's id: every group's target moves from block A to block B
+    (policy_update.capacity_moves); `gptoss deploy` then synthesizes it with surge (rollout.surge=on: a block's
+    default is no surge), so each replacement launches in block B while its old instance serves in A: the move's
+    plan keeps every role whole (minimum serving 3/3 and 8/8), printed as the other rollout lines. When B starts
+    after A's instances are reclaimed (A's end less 30 min), the plan says the gap before anything changes."""
+    from cluster_ops import policy_update
+
+    a = PROD | {"capacity.type": "capacity-block", "capacity.reservation_id": BLOCK_A}
+    b = a | {"capacity.reservation_id": BLOCK_B}
+    before = rollout.flatten_templates(rollout.assembly_templates(assembly(**a), STACK))
+    after = rollout.flatten_templates(rollout.assembly_templates(assembly(**b), STACK))
+    moves = policy_update.capacity_moves(before, after)
+    assert len(moves) == 11 and set(moves.values()) == {((BLOCK_A,), (BLOCK_B,))}
+    assert policy_update.capacity_moves(before, before) == {}, "no move, no line"
+    surged = b | {"rollout.surge": "on"}
+    r = _rollout(assembly, a, surged)
+    assert sorted(r.replaced) == sorted([f"decode-{i}" for i in range(8)] + [f"prefill-{i}" for i in range(3)])
+    assert rollout.role_lines(load_config(surged), r, ready_min=50) == [
+        "prefill: 3 batches, at most 0 of 3 out (surge: each replacement serves before its old instance goes), minimum serving prefill 3/3, "
+        "about 150 min (3 x 50 min, a node's time to serve at the last deploy)",
+        "decode: 8 batches, at most 0 of 8 out (surge: each replacement serves before its old instance goes), minimum serving decode 8/8, "
+        "about 400 min (8 x 50 min, a node's time to serve at the last deploy)",
+    ]
+    import datetime as dt
+
+    now = dt.datetime(2026, 12, 10, 0, 0, tzinfo=dt.UTC)
+
+    def cr(rid: str, start: dt.datetime, end: dt.datetime) -> dict[str, Any]:
+        return {"CapacityReservationId": rid, "ReservationType": "capacity-block", "StartDate": start, "EndDate": end}
+
+    overlap = {BLOCK_A: cr(BLOCK_A, now - dt.timedelta(days=2), now + dt.timedelta(days=1)), BLOCK_B: cr(BLOCK_B, now - dt.timedelta(hours=1), now + dt.timedelta(days=3))}
+    assert policy_update.move_lines(moves, overlap, now) == [
+        f"moving 11 node(s) from {BLOCK_A} to {BLOCK_B}: with surge, each replacement launched in the new capacity while its old instance serves"]  # fmt: skip
+    apart = overlap | {BLOCK_B: cr(BLOCK_B, now + dt.timedelta(days=1, hours=2), now + dt.timedelta(days=4))}
+    (line,) = policy_update.move_lines(moves, apart, now)
+    assert "the new capacity starts 2026-12-11 02:00 UTC: no replacement can launch before then" in line
+    assert "THE TWO DO NOT OVERLAP: from 2026-12-10 23:30 UTC (the old capacity reclaimed) to 2026-12-11 02:00 UTC these nodes have no instance (2.5 h without them)" in line

@@ -662,3 +662,39 @@ def test_a_deploy_kept_for_inspection_asks_no_node_to_replace_itself(checkout: P
     assert deploy_call[1] == ["config=examples/production-3p8d.yaml", "healing.report_unhealthy=false"]
     assert deploy_call[2][2:] == ["--no-rollback", "--require-approval", "never"]
     assert "--no-rollback: a node that fails is kept as it failed for inspection; no node asks its group to replace it" in capsys.readouterr().err
+
+
+def test_a_move_onto_another_capacity_block_is_deployed_with_surge_and_said_first(
+    checkout: Path, account: None, monkeypatch: pytest.MonkeyPatch, capsys: Any
+) -> None:
+    """The spec names the next block (every group's target moves): the deploy says the move and its dates
+    before anything changes, then deploys it synthesized with rollout.surge=on (a block's default is none)."""
+    from cluster_ops import policy_update, rollout
+
+    ran: list[tuple[str, list[str], list[str]]] = []
+    monkeypatch.setattr(stack, "cdk", lambda verb, cfg, context, extra: ran.append((verb, context, extra)) or 0)
+    monkeypatch.setattr(stack, "deployed_status", lambda cfg: "UPDATE_COMPLETE")
+    plans = _planned(
+        monkeypatch,
+        lambda cfg: rollout.Rollout(kept=[], replaced=["decode-0"], batch={"decode-0": 1}, surge={"decode-0": cfg.rollout.surge == "on"}),
+        lambda cfg: [("change", {})],
+    )
+    a, b = "cr-0aaaaaaaaaaaaaaa1", "cr-0bbbbbbbbbbbbbbb2"
+    monkeypatch.setattr(policy_update, "capacity_moves", lambda before, after: {"Decode0Group": ((a,), (b,))})
+    ec2 = boto3.client("ec2", region_name=REGION, aws_access_key_id="x", aws_secret_access_key="x")
+    s = Stubber(ec2)
+    now = dt.datetime.now(dt.UTC)
+    s.add_response("describe_capacity_reservations", {"CapacityReservations": [
+        {"CapacityReservationId": a, "ReservationType": "capacity-block", "StartDate": now - dt.timedelta(days=1), "EndDate": now + dt.timedelta(days=1)},
+        {"CapacityReservationId": b, "ReservationType": "capacity-block", "StartDate": now - dt.timedelta(hours=1), "EndDate": now + dt.timedelta(days=3)},
+    ]}, {"CapacityReservationIds": [a, b]})  # fmt: skip
+    s.activate()
+    monkeypatch.setattr(common, "session", lambda cfg: Session(ec2=ec2, cloudformation=gates_took(37, rounds=2)))
+    block = [*PROD, "-c", "capacity.type=capacity-block", "-c", f"capacity.reservation_id={b}"]
+    assert cli.main(["deploy", *block, "--yes"]) == 0
+    out = capsys.readouterr()
+    assert [surge for surge, _ in plans] == ["auto"], "one plan, which re-synthesizes with surge"
+    deploys = [c for v, c, _ in ran if v == "deploy"]
+    assert deploys and all(c[-1] == "rollout.surge=on" for c in deploys), ran
+    assert f"moving 1 node(s) from {a} to {b}: with surge, each replacement launched in the new capacity while its old instance serves" in out.out + out.err
+    s.assert_no_pending_responses()
