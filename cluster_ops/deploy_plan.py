@@ -48,7 +48,7 @@ def make(cfg: ClusterConfig, context: list[str], workdir: Path) -> DeployPlan:
     moves = policy_update.capacity_moves(rollout.flatten_templates(deployed), rollout.flatten_templates(synthesized)) if r.replaced else {}
     # A move onto another reservation or Capacity Block: the new one holds each replacement while the old
     # instance serves, so the move surges (rollout.surge=auto keeps a reservation's default, no surge, otherwise).
-    surge_to = "off" if why else ("on" if moves and cfg.rollout.surge == "auto" and not cfg.surge and cfg.wait_for_ready else "")
+    surge_to = policy_update.surge_for(cfg, why, moves)
     if surge_to:
         cfg = cfg.model_copy(update={"rollout": cfg.rollout.model_copy(update={"surge": surge_to})})
         context = [*context, f"rollout.surge={surge_to}"]

@@ -208,3 +208,14 @@ def move_lines(moves: dict[str, tuple[tuple[str, ...], tuple[str, ...]]], reserv
             line += "; EC2 gave no dates for the new capacity (gptoss preflight checks it)"
         out.append(line)
     return out
+
+
+def surge_for(cfg: ClusterConfig, why_off: str, moves: dict[str, Any]) -> str:
+    """The rollout.surge this deploy is synthesized with, when it differs from the config's ('' when it does not):
+    off when a surge would time out (WHY_OFF), on for a move onto other capacity (the new reservation or block
+    holds each replacement while its old instance serves; a reservation's default is no surge)."""
+    if why_off:
+        return "off"
+    if moves and cfg.rollout.surge == "auto" and not cfg.surge and cfg.wait_for_ready:
+        return "on"
+    return ""

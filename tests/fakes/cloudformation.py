@@ -802,18 +802,21 @@ def replay_deploy(
     """Deploy CONTEXT over DEPLOYED (templates, as cluster_ops.rollout holds them) as `gptoss deploy`
     does: the surge decision for a node time of MINUTES (what the last deploy measured), then each of
     its updates (cluster_ops.policy_update.updates), each replayed; a failed update ends the deploy."""
-    from cluster_ops.policy_update import image_changes, surge_off_because, updates
+    from cluster_ops.policy_update import capacity_moves, image_changes, surge_for, surge_off_because, updates
     from cluster_ops.rollout import compare, flatten_templates
     from clusterspec.loading import load_config
 
     cfg = load_config(context)
     target = synth(dict(context))
     why = ""
+    moves: dict[str, Any] = {}
     if compare(flatten_templates(deployed), flatten_templates(target)).replaced:
         image = image_changes(flatten_templates(deployed), flatten_templates(target))
         why = surge_off_because(cfg, ready_min=max(minutes.values()), image_changed=image)
-    ctx = dict(context) | ({"rollout.surge": "off"} if why else {})
-    if why:
+        moves = capacity_moves(flatten_templates(deployed), flatten_templates(target))
+    surge = surge_for(cfg, why, moves)
+    ctx = dict(context) | ({"rollout.surge": surge} if surge else {})
+    if surge:
         target = synth(ctx)
     times = NodeTimes({role: m * 60 for role, m in minutes.items()}, fails)
     drain = float(load_config(ctx).rollout.drain_s)

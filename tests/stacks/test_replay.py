@@ -118,3 +118,26 @@ def test_a_change_replayed_by_cloudformations_rules_completes_or_rolls_back_clea
         print(f"\nreplay: {fleet} a decode flag node {node_min} min{'' if not fails else f' ({sorted(fails)[0]} fails)'}: "
               f"{o.state} in {o.ended / 3600:.1f} h, {len(o.batches('decode', roles))} batches, min serving decode {serving}/{len(decode)}{back}"
               + (" (surge off)" if d.surge_off else ""))  # fmt: skip
+
+
+def test_a_move_of_the_3p8d_fleet_from_block_a_to_block_b_replayed_keeps_every_role_whole(
+    templates: Callable[[dict[str, str]], dict[str, Any]], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The 3+8 fleet on Capacity Block A deployed with block B's id (nodes of 50 minutes): `gptoss deploy`'s own
+    decision (a move surges), replayed by CloudFormation's rules: the update completes, every node is replaced,
+    and no role ever serves with fewer than all its nodes (each replacement serves before its old instance goes)."""
+    a = FLEETS["3+8"] | {"ami_id": "ami-0123456789abcdef0", "capacity.type": "capacity-block", "capacity.reservation_id": "cr-0aaaaaaaaaaaaaaa1"}
+    b = a | {"capacity.reservation_id": "cr-0bbbbbbbbbbbbbbb2"}
+    d = cf.replay_deploy(templates(a), templates, b, {"prefill": 50, "decode": 50})
+    assert d.context.get("rollout.surge") == "on" and not d.surge_off, d.context
+    o = d.change
+    assert o.state == "UPDATE_COMPLETE" and o.late == [], (o.state, o.reasons, o.late)
+    cfg = load_config(b)
+    roles = {n.name: n.role for n in cfg.layout.nodes}
+    r = rollout.compare(d.before, d.after)
+    assert sorted(r.replaced) == sorted(roles), r.replaced
+    serving = {role: o.min_serving(role, [n for n, x in roles.items() if x == role], 0, o.ended) for role in ("prefill", "decode")}
+    assert serving == {"prefill": 3, "decode": 8}, serving
+    with capsys.disabled():
+        print(f"\nreplay: 3+8 move from block A to block B, node 50 min: {o.state} in {o.ended / 3600:.1f} h, "
+              f"{len(o.batches('decode', roles))} decode batches, min serving prefill {serving['prefill']}/3, decode {serving['decode']}/8 (surge)")  # fmt: skip
