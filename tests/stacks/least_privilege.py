@@ -180,6 +180,9 @@ def expected(cfg: ClusterConfig, node: str, scripts_key: str, router_key: str | 
         out.add(("logs:PutLogEvents", f"arn:aws:logs:{cfg.region}:{ACCOUNT}:log-group:{group}:log-stream:{node}/*", none))
         # The cluster's own namespace: GptOss/<cluster_name>.
         out.add(("cloudwatch:PutMetricData", "*", json.dumps({"StringEquals": {"cloudwatch:namespace": f"GptOss/{cfg.cluster_name}"}})))
+        if cfg.capacity.type == "capacity-block":
+            # Its block's end date (the collector's clock before the reclaim): EC2's Describe calls take no resource.
+            out.add(("ec2:DescribeCapacityReservations", "*", none))
     if cfg.healing.report_unhealthy:
         # Its own group, by name (the group's id is EC2's): no other node's.
         # The replacement budget: Auto Scaling's record of terminations (no resource-level permission exists).
