@@ -13,6 +13,7 @@ from cluster_ops import common
 from cluster_ops.growth import fleet_growth
 from clusterspec.cells import cells
 from clusterspec.config import ClusterConfig
+from clusterspec.haproxy import gate_summary
 from clusterspec.render import NodeRender, plan_json
 
 if TYPE_CHECKING:
@@ -133,6 +134,9 @@ def summary(cfg: ClusterConfig, renders: list[NodeRender]) -> str:
         what = f"vLLM router {s.proxy.router.version}" if cfg.proxy_kind == "vllm-router" else "the examples' toy proxy"
         lines.append(f"  proxy: {what} on {_span(names) if len(names) > 1 else names[0]}")
         lines.append(f"    why: {cfg.proxy_kind_reason} (serving.proxy.kind)")
+        if cfg.proxy_kind == "vllm-router":
+            g = s.proxy.gate
+            lines.append(f"    gate: HAProxy {g.haproxy_version}, {g.retries} retries before the first byte (500/502/504, no reply)")
         lines += control_plane_lines(cfg)
     lines += pin_lines(cfg)
     lines.append(f"  idle cores: {sum(n.idle_cores for n in layout.nodes)}")
@@ -225,7 +229,7 @@ def plan_document(cfg: ClusterConfig, renders: list[NodeRender]) -> dict[str, An
             "prefill_replicas": len(layout.replicas), "proxies": len(layout.proxies), "idle_cores": sum(n.idle_cores for n in layout.nodes),
         },
         "proxy": {"kind": cfg.proxy_kind, "why": cfg.proxy_kind_reason, "nodes": [p.node for p in layout.proxies],
-                  "health_path": cfg.proxy_health_path},
+                  "health_path": cfg.proxy_health_path} | ({"gate": gate_summary(cfg.serving.proxy)} if cfg.proxy_kind == "vllm-router" else {}),
         "control_plane": control_plane(cfg),
         "rollout": rollout_plan(cfg),
         "load_balancer": {"internal_nlb": cfg.load_balanced, "port": cfg.serving.proxy.port if cfg.serving.disaggregated else cfg.serving.server.port},

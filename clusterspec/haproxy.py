@@ -31,6 +31,10 @@ API_SOCKET = "/run/gptoss/haproxy.sock"
 FLEET_HEADER = "X-Gptoss-Fleet"
 HEAD_BYTES = 64 * 1024  # request line and headers, and what HAProxy may add to them
 BODY_MARGIN = 64 * 1024
+# What a retry is for (HAProxy's retry-on): a connection to the router that failed, no answer or a
+# malformed one, and the router's answers for a server it could not use. Never 429/503 (a full
+# queue), never a timeout (the request may still run); never after a byte went out (HAProxy's rule).
+RETRY_ON = ("conn-failure", "empty-response", "junk-response", "500", "502", "504")
 HAPROXY_ERRORS = (
     (400, "a malformed request"), (408, "the request did not arrive in time"), (500, "the gate failed"),
     (502, "the router gave no valid answer"), (503, "the router is not answering"), (504, "the answer was silent too long"),
@@ -129,7 +133,7 @@ def api_gate_config(
         "",
         "backend router",
         f"    retries {g.retries}",
-        *(["    retry-on conn-failure empty-response junk-response 500 502 504"] if g.retries else []),
+        *([f"    retry-on {' '.join(RETRY_ON)}"] if g.retries else []),
         # The budget: retries stop while more than retry_budget_percent of the last 10 s's requests failed (10 at least).
         "    http-request set-var(txn.requests) sc_http_req_rate(0)",
         "    http-request set-var(txn.failed) sc_http_fail_rate(0)",
@@ -159,3 +163,10 @@ def api_gate_unit(proxy: Proxy, *, bin_dir: str, restart_sec: int) -> dict[str, 
 def initial_map(fleet: str = "none") -> str:
     """The map file HAProxy starts with: serving, no fleet document yet."""
     return f"lame 0\ndrain 0\nretry_after 600\nfleet {fleet}\n"
+
+
+def gate_summary(proxy: Proxy) -> dict[str, object]:
+    """What `plan` says of a router node's API gate (and --json holds)."""
+    g = proxy.gate
+    return {"haproxy": g.haproxy_version, "retries": g.retries, "retry_on": list(RETRY_ON) if g.retries else [],
+            "retry_budget_percent": g.retry_budget_percent, "max_requests": g.max_requests, "lame_duck_s": g.lame_duck_s}  # fmt: skip

@@ -58,10 +58,14 @@ def test_plan_says_which_proxy_runs_and_why() -> None:
         return res.stdout
 
     assert "proxy: the examples' toy proxy on prefill-0\n    why: one decode server, as the references test it" in plan()
-    assert "proxy: vLLM router 0.1.17 on decode-0..7\n    why: 8 decode servers: it health-checks them" in plan("-c", "decode_instances=8")
+    assert ("proxy: vLLM router 0.1.17 on decode-0..7\n    why: 8 decode servers: it health-checks them (serving.proxy.kind)\n"
+            "    gate: HAProxy 2.8, 2 retries before the first byte (500/502/504, no reply)\n") in plan("-c", "decode_instances=8")  # fmt: skip
     doc = json.loads(plan("-c", "decode_instances=8", "--json"))
     assert doc["proxy"] == {"kind": "vllm-router", "why": "8 decode servers: it health-checks them",
-                            "nodes": [f"decode-{d}" for d in range(8)], "health_path": "/readiness"}  # fmt: skip
+                            "nodes": [f"decode-{d}" for d in range(8)], "health_path": "/readiness",
+                            "gate": {"haproxy": "2.8", "retries": 2, "retry_on": ["conn-failure", "empty-response", "junk-response", "500", "502", "504"],
+                                     "retry_budget_percent": 10, "max_requests": 1024, "lame_duck_s": 30}}  # fmt: skip
+    assert "gate:" not in plan(), "the toy proxy has no gate"
 
 
 def test_the_rendered_router_command_line_parses_with_the_pinned_routers_own_parser() -> None:
