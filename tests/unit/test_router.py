@@ -846,8 +846,13 @@ def test_a_running_router_admits_a_replaced_prefill_node_at_its_new_address_with
     assert "http://prefill-1.gptoss.internal:28100" in argv, "the router's pool names nodes, not addresses"
     router = subprocess.Popen(with_etc(argv, etc), stdout=(tmp_path / "router.log").open("wb"), stderr=subprocess.STDOUT)
     procs.append(router)
-    gate = start_gate(tmp_path / "gate", cfg.serving.proxy, host=ips["decode-0"], port=cfg.serving.proxy.port, router_host=ips["decode-0"],
-                      router_port=cfg.serving.proxy.router.internal_port)  # fmt: skip
+    try:  # the router and the fakes go with a gate that did not start
+        gate = start_gate(tmp_path / "gate", cfg.serving.proxy, host=ips["decode-0"], port=cfg.serving.proxy.port, router_host=ips["decode-0"],
+                          router_port=cfg.serving.proxy.router.internal_port)  # fmt: skip
+    except BaseException:
+        for p in procs:
+            p.kill()
+        raise
     base = f"http://{ips['decode-0']}:{cfg.serving.proxy.port}"
 
     def readiness() -> dict[str, Any]:
@@ -920,8 +925,13 @@ def test_the_pinned_routers_admin_routes_answer_on_loopback_and_never_at_the_end
     argv[argv.index("--prometheus-host") + 1] = ips["decode-0"]
     router = subprocess.Popen(with_etc(argv, private_etc(tmp_path, ips)), stdout=(tmp_path / "router.log").open("wb"), stderr=subprocess.STDOUT)
     procs.append(router)
-    gate = start_gate(tmp_path / "gate", cfg.serving.proxy, host=ips["decode-0"], port=cfg.serving.proxy.port, router_host=ips["decode-0"],
-                      router_port=internal_port)  # fmt: skip
+    try:  # the router and the fakes go with a gate that did not start
+        gate = start_gate(tmp_path / "gate", cfg.serving.proxy, host=ips["decode-0"], port=cfg.serving.proxy.port, router_host=ips["decode-0"],
+                          router_port=internal_port)  # fmt: skip
+    except BaseException:
+        for p in procs:
+            p.kill()
+        raise
     endpoint, internal = f"http://{ips['decode-0']}:{cfg.serving.proxy.port}", f"http://{ips['decode-0']}:{internal_port}"
 
     def call(base: str, method: str, path: str) -> tuple[int, bytes]:
