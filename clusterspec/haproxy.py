@@ -17,6 +17,7 @@ roll waits for it). gptoss-api changes both through the admin socket (API_SOCKET
 
 from __future__ import annotations
 
+from clusterspec.paths import ETC, RUN_DIR
 from clusterspec.sections.proxy import REQUEST_TIMEOUT_MAX_S, Proxy
 
 # (method, path) a client outside the node may ask for: the OpenAI API the fleet serves and the
@@ -25,9 +26,10 @@ API_ROUTES: tuple[tuple[str, str], ...] = (
     ("POST", "/v1/completions"), ("POST", "/v1/chat/completions"), ("GET", "/v1/models"),
     ("GET", "/health"), ("GET", "/readiness"), ("GET", "/liveness"),
 )  # fmt: skip
-API_CONFIG = "/etc/gptoss/haproxy.cfg"
-API_MAP = "/run/gptoss/api.map"
-API_SOCKET = "/run/gptoss/haproxy.sock"
+API_CONFIG = f"{ETC}/haproxy.cfg"
+# The node scripts' defaults (gptoss-api) are these: tests/unit/test_api_gate.py holds them to it.
+API_MAP = f"{RUN_DIR}/api.map"
+API_SOCKET = f"{RUN_DIR}/haproxy.sock"
 FLEET_HEADER = "X-Gptoss-Fleet"
 HEAD_BYTES = 64 * 1024  # request line and headers, and what HAProxy may add to them
 BODY_MARGIN = 64 * 1024
@@ -150,7 +152,7 @@ def api_gate_unit(proxy: Proxy, *, bin_dir: str, restart_sec: int) -> dict[str, 
     """The values of gptoss-api.service's template (userdata/units)."""
     return {
         "bin": bin_dir, "version": proxy.gate.haproxy_version, "port": proxy.port, "router_port": proxy.router.internal_port,
-        "config": API_CONFIG, "map": API_MAP, "map_dir": API_MAP.rpartition("/")[0], "open_files": open_files(proxy),
+        "config": API_CONFIG, "open_files": open_files(proxy),
         "backoff_s": proxy.restart_backoff_s, "backoff_max_s": proxy.restart_backoff_max_s,
         # A start may install the package (apt, up to 600 s) after its back-off.
         "start_timeout_s": proxy.restart_backoff_max_s + 660,
@@ -158,11 +160,6 @@ def api_gate_unit(proxy: Proxy, *, bin_dir: str, restart_sec: int) -> dict[str, 
         "stop_timeout_s": REQUEST_TIMEOUT_MAX_S + 60,
         "restart_sec": restart_sec,
     }  # fmt: skip
-
-
-def initial_map(fleet: str = "none") -> str:
-    """The map file HAProxy starts with: serving, no fleet document yet."""
-    return f"lame 0\ndrain 0\nretry_after 600\nfleet {fleet}\n"
 
 
 def gate_summary(proxy: Proxy) -> dict[str, object]:

@@ -15,7 +15,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from clusterspec.haproxy import api_gate_config, initial_map
+from clusterspec.haproxy import api_gate_config
 from clusterspec.sections.proxy import Proxy
 from tests.conftest import ROOT
 
@@ -78,7 +78,9 @@ def start_gate(
                           api_map=str(folder / "api.map"), socket=str(socket_dir / "haproxy.sock"))  # fmt: skip
     (folder / "haproxy.cfg").write_text(cfg)
     if not (folder / "api.map").exists():
-        (folder / "api.map").write_text(initial_map())
+        # As the unit's ExecStartPre makes it: the node's own script.
+        env = {**os.environ, "GPTOSS_API_MAP": str(folder / "api.map"), "GPTOSS_API_SOCKET": str(socket_dir / "haproxy.sock")}
+        subprocess.run(["python3", str(API_CTL), "init"], env=env, check=True, timeout=30)
     log = (folder / "haproxy.log").open("ab")
     proc = subprocess.Popen([haproxy(), "-db", "-f", str(folder / "haproxy.cfg")], stdout=log, stderr=subprocess.STDOUT)
     deadline = time.monotonic() + 20
