@@ -27,10 +27,10 @@ from typing import Any
 import pytest
 
 from clusterspec.loading import load_config
-from clusterspec.paths import BIN, UNIT_DIR
-from clusterspec.render import render_node
 from clusterspec.sections.boot import BootConfig
-from clusterspec.userdata import bundle
+from node_render.paths import BIN, UNIT_DIR
+from node_render.render import render_node
+from node_render.userdata import bundle
 from tests.conftest import fake_command
 from tests.unit.test_node_scripts import imds  # noqa: F401 - the IMDS fake, reused
 from tests.unit.test_staging import artifacts_env  # noqa: F401 - the staging node, reused
@@ -336,7 +336,9 @@ def _boot_unit(tmp_path: Path, shipped: Shipped, handle: Any, unit: str, env: di
         states.write_text(json.dumps({unit: f"ActiveState={active}\nSubState={sub}\nNRestarts={restarts}"}))
 
     state("activating", "start", 0)
-    node_files = {"GPTOSS_ETC": str(etc), "GPTOSS_STATE_DIR": str(sysd / "state")}  # the node's /etc/gptoss and /var/lib/gptoss
+    # The instance booted just now (its kernel's btime): the gate's clock starts here, not at the test machine's own boot.
+    (sysd / "stat").write_text(f"cpu 0 0 0 0\nbtime {int(time.time())}\n")
+    node_files = {"GPTOSS_ETC": str(etc), "GPTOSS_STATE_DIR": str(sysd / "state"), "GPTOSS_PROC_STAT": str(sysd / "stat")}  # the node's /etc/gptoss, /var/lib/gptoss, /proc/stat
     signal = subprocess.Popen(
         [sys.executable, str(shipped("gptoss-signal"))],
         env={**os.environ, **node_files, "GPTOSS_SYSTEMCTL": str(sysd / "systemctl"),
