@@ -133,7 +133,7 @@ test-vm: vm-root setup .make/vm-system
 
 lint: setup
 	$(PY) -m ruff check .
-	$(PY) -m mypy clusterspec cluster_constructs cluster_ops stacks app.py scripts
+	$(PY) -m mypy clusterspec node_render cluster_constructs cluster_ops stacks app.py scripts
 
 bench-scale: setup
 	$(PY) scripts/bench_scale.py $(BENCH_ARGS)

@@ -38,9 +38,9 @@ os.environ.setdefault("CDK_VALIDATION", "false")
 import aws_cdk as cdk  # noqa: E402
 from cdk_nag import AwsSolutionsChecks  # noqa: E402
 
-from clusterspec import limits  # noqa: E402
 from clusterspec.errors import SpecError  # noqa: E402
 from clusterspec.loading import load_config  # noqa: E402
+from node_render import limits  # noqa: E402
 from stacks.cluster_stack import GptOssClusterStack  # noqa: E402
 
 

@@ -12,8 +12,8 @@ from cluster_constructs.iam import CacheLocation, NodeIdentityRole, NodePolicy
 from cluster_constructs.node import ClusterNode
 from clusterspec.cells import Cell
 from clusterspec.config import ClusterConfig
-from clusterspec.render import NodeRender
-from clusterspec.userdata import launch_inputs, user_data
+from node_render.node_files import NodeRender
+from node_render.userdata import launch_inputs, user_data
 
 
 @dataclass(frozen=True)

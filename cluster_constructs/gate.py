@@ -5,8 +5,8 @@ from __future__ import annotations
 from aws_cdk import CfnWaitCondition, CfnWaitConditionHandle, Stack
 from constructs import Construct
 
-from clusterspec.render import NodeRender
-from clusterspec.userdata import node_digest
+from node_render.node_files import NodeRender
+from node_render.userdata import node_digest
 
 
 class NodeReadyGate(Construct):

@@ -19,9 +19,9 @@ from aws_cdk import Acknowledgment, ArnFormat, Aws, Stack, Validations
 from aws_cdk import aws_iam as iam
 from constructs import Construct
 
-from clusterspec import telemetry
 from clusterspec.config import ClusterConfig
-from clusterspec.paths import holder_name
+from clusterspec.names import holder_name
+from node_render import telemetry
 
 
 def _bucket_prefix(uri: str) -> tuple[str, str]:

@@ -17,9 +17,9 @@ from constructs import Construct
 
 from cluster_constructs.launch_template import capacity_options, group_capacity, network_interfaces
 from clusterspec.config import ClusterConfig
-from clusterspec.paths import holder_name
-from clusterspec.render import NodeRender
+from clusterspec.names import holder_name
 from clusterspec.sections.rollout import PAUSE_MAX_S
+from node_render.node_files import NodeRender
 
 # Every process of a group a rolling update must not trip over: the update replaces the instance
 # itself, and a health check or a replacement in the middle would fight it.

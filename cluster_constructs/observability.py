@@ -10,10 +10,10 @@ from aws_cdk import aws_events as events
 from aws_cdk import aws_logs as logs
 from constructs import Construct
 
-from clusterspec import telemetry
 from clusterspec.cells import Cell
 from clusterspec.config import ClusterConfig
-from clusterspec.paths import holder_name
+from clusterspec.names import holder_name
+from node_render import telemetry
 
 
 def _search(cfg: ClusterConfig, metric: str, role: str | None, dims: str, stat: str = "Average") -> dict[str, Any]:

@@ -10,8 +10,8 @@ from __future__ import annotations
 from aws_cdk import CfnOutput, Fn
 from constructs import Construct
 
-from clusterspec.commands import endpoint_port
 from clusterspec.config import ClusterConfig
+from node_render.command_lines import endpoint_port
 
 
 def instance_lookup(*, region: str, cluster: str, node: str | None) -> str:

@@ -9,10 +9,10 @@ from aws_cdk import aws_s3_assets as s3_assets
 from aws_cdk import aws_ssm as ssm
 from constructs import Construct
 
-from clusterspec.commands import router_fleet
 from clusterspec.config import ClusterConfig
 from clusterspec.errors import SpecError
-from clusterspec.paths import WHEELS_DIR, router_parameter
+from node_render.command_lines import router_fleet
+from node_render.paths import WHEELS_DIR, router_parameter
 
 # Parameter Store's Standard tier holds 4 KB; past that, Advanced (8 KB, charged per month).
 STANDARD_PARAMETER_BYTES = 4096

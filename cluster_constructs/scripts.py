@@ -12,8 +12,8 @@ from aws_cdk import Fn
 from aws_cdk import aws_s3_assets as s3_assets
 from constructs import Construct
 
-from clusterspec.render import NodeRender
-from clusterspec.userdata import SCRIPTS_ASSET, scripts_asset
+from node_render.node_files import NodeRender
+from node_render.userdata import SCRIPTS_ASSET, scripts_asset
 
 
 class NodeScripts(Construct):

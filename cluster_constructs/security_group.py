@@ -7,9 +7,9 @@ from dataclasses import dataclass
 from aws_cdk import aws_ec2 as ec2
 from constructs import Construct
 
-from clusterspec.commands import endpoint_port
 from clusterspec.config import ClusterConfig
 from clusterspec.layout import Layout
+from node_render.command_lines import endpoint_port
 
 
 @dataclass(frozen=True)

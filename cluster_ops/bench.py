@@ -94,7 +94,7 @@ def sweep_legs(cfg: ClusterConfig, *, image: str, concurrencies: list[int], rate
     """The reference's benchmark (random prompts of the shape, --ignore-eos, p50 and p99 of every
     metric) at each concurrency and each rate, each saved under a name of its layout and image, with
     the layout in its --metadata (so runs of another layout or SDK are never mixed in silently)."""
-    from clusterspec.commands import bench_argv
+    from node_render.command_lines import bench_argv
 
     layout = cfg.layout
     replicas, decode = len(layout.replicas), len(layout.decode_nodes)
@@ -137,7 +137,7 @@ def sweep(
     JSON to `out` (a local directory). Returns the paths written."""
     from pathlib import Path
 
-    from clusterspec.paths import BIN, ETC
+    from node_render.paths import BIN, ETC
 
     proxy_nodes = [p.node for p in cfg.layout.proxies] or [n.name for n in cfg.layout.nodes]
     target = node or proxy_nodes[0]

@@ -22,7 +22,7 @@ from typing import Any
 
 from cluster_ops.remote import find_nodes, run_on_all
 from clusterspec.config import ClusterConfig
-from clusterspec.paths import BIN, cache_fleet_uri, cache_node_uri
+from node_render.paths import BIN, cache_fleet_uri, cache_node_uri
 
 
 class CacheError(RuntimeError):

@@ -114,7 +114,7 @@ def context(items: list[str]) -> dict[str, Any]:
 
 def load(args: argparse.Namespace) -> ClusterConfig:
     """Validate the same parameters `cdk synth` takes, and the limits of one stack."""
-    from clusterspec import limits
+    from node_render import limits
 
     global _REGION
     cfg = load_config(context(context_args(args)))

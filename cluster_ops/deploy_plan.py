@@ -10,6 +10,7 @@ from pathlib import Path
 
 from cluster_ops import common, policy_update, rollout, stack
 from clusterspec.config import ClusterConfig
+from clusterspec.names import node_order
 from clusterspec.sections.rollout import FIRST_DEPLOY_CONTEXT
 
 
@@ -56,7 +57,7 @@ def make(cfg: ClusterConfig, context: list[str], workdir: Path) -> DeployPlan:
         _synth(cfg, context, assembly)
         synthesized = rollout.assembly_templates(assembly, cfg.stack_name)
         r = rollout.compare(rollout.flatten_templates(deployed), rollout.flatten_templates(synthesized))
-    changed = sorted(policy_update.policy_nodes(deployed, synthesized), key=rollout.order)
+    changed = sorted(policy_update.policy_nodes(deployed, synthesized), key=node_order)
     return DeployPlan(cfg, context, assembly, r, policy_update.updates(deployed, synthesized), why, ready, changed, _move_lines(cfg, moves))
 
 

@@ -13,8 +13,10 @@ from cluster_ops import common
 from cluster_ops.growth import fleet_growth
 from clusterspec.cells import cells
 from clusterspec.config import ClusterConfig
-from clusterspec.haproxy import gate_summary
-from clusterspec.render import NodeRender, plan_json
+from clusterspec.names import decode_node
+from node_render.haproxy import gate_summary
+from node_render.node_files import NodeRender
+from node_render.render import plan_json
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -50,7 +52,7 @@ def _feeds(rs: list[NodeRender], routed: bool) -> str:
         return "-"
     if routed:
         return "every decode"
-    return f"decode-{feeds[0]}" if len(feeds) == 1 else f"decode-{feeds[0]}..{feeds[-1]}"
+    return decode_node(feeds[0]) if len(feeds) == 1 else f"{decode_node(feeds[0])}..{feeds[-1]}"
 
 
 def control_plane(cfg: ClusterConfig) -> dict[str, float]:
@@ -208,12 +210,12 @@ def plan_document(cfg: ClusterConfig, renders: list[NodeRender]) -> dict[str, An
     routed = cfg.proxy_kind == "vllm-router"
     feeds: dict[str, list[str]] = {}
     for rep in [] if routed else layout.replicas:
-        feeds.setdefault(f"decode-{rep.decode_server}", []).append(rep.unit.replace("gptoss-prefill@", f"{rep.node}:").removesuffix(".service"))
+        feeds.setdefault(decode_node(rep.decode_server), []).append(rep.unit.replace("gptoss-prefill@", f"{rep.node}:").removesuffix(".service"))
     every_decode = [n.name for n in layout.decode_nodes]
     for node in doc["nodes"]:
         r = next(r for r in renders if r.node.name == node["name"])
         node["cores"] = {"used": r.node.used_cores, "total": r.node.cores}
-        node["feeds"] = (every_decode if r.node.replicas else []) if routed else sorted({f"decode-{rep.decode_server}" for rep in r.node.replicas})
+        node["feeds"] = (every_decode if r.node.replicas else []) if routed else sorted({decode_node(rep.decode_server) for rep in r.node.replicas})
     return {
         "stack": cfg.stack_name,
         "region": cfg.region,

@@ -8,7 +8,7 @@ from typing import Any
 from botocore.exceptions import ClientError
 
 from clusterspec.config import ClusterConfig
-from clusterspec.paths import holder_name
+from clusterspec.names import holder_name
 
 
 @dataclass(frozen=True)

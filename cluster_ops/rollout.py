@@ -27,6 +27,7 @@ from typing import Any
 
 from cluster_ops import common
 from clusterspec.config import ClusterConfig
+from clusterspec.names import node_order
 
 Template = dict[str, Any]
 # What CloudFormation rolls a group for (AutoScalingRollingUpdate), beside its launch template.
@@ -239,16 +240,11 @@ def group_surges(resources: Mapping[str, Any]) -> dict[str, bool]:
     return out
 
 
-def order(name: str) -> tuple[str, int]:
-    role, _, index = name.rpartition("-")
-    return (role, int(index)) if index.isdigit() else (name, 0)
-
-
 def compare(before: Mapping[str, Any], after: Mapping[str, Any]) -> Rollout:
     """What a deploy from BEFORE's resources to AFTER's does to each node."""
     old, new = node_launches(before), node_launches(after)
     r = Rollout(surge=group_surges(after))
-    for node in sorted(set(old) | set(new), key=order):
+    for node in sorted(set(old) | set(new), key=node_order):
         if node not in old:
             r.launched.append(node)
         elif node not in new:
@@ -266,7 +262,7 @@ def span(names: list[str]) -> str:
     """Runs of one role as first..last: prefill-0..2, decode-0..7, decode-9."""
     runs: list[tuple[str, int, int]] = []
     for name in names:
-        role, index = order(name)
+        role, index = node_order(name)
         if runs and runs[-1][0] == role and runs[-1][2] == index - 1:
             runs[-1] = (role, runs[-1][1], index)
         else:
@@ -354,7 +350,7 @@ def surge_found_no_capacity(cfg: ClusterConfig, autoscaling: Any, nodes: list[st
     """'node: EC2's words' for the first replaced node whose group failed to launch a surge replacement
     for lack of capacity since SINCE (its own scaling activities), or ''."""
     from cluster_ops.capacity import CAPACITY_CODES
-    from clusterspec.paths import holder_name
+    from clusterspec.names import holder_name
 
     for node in nodes:
         pages = autoscaling.get_paginator("describe_scaling_activities").paginate(AutoScalingGroupName=holder_name(cfg.cluster_name, node))
@@ -407,7 +403,7 @@ def progress(cfg: ClusterConfig, cfn: Any, autoscaling: Any) -> list[str]:
     """Lines for `gptoss status` while the stack is being updated or rolled back: each node old/new
     (its instances' launch template versions against its group's), the batches left (from the
     template's lanes), and what CloudFormation waits for; [] when no operation is in progress."""
-    from clusterspec.paths import holder_name
+    from clusterspec.names import holder_name
 
     (st,) = cfn.describe_stacks(StackName=cfg.stack_name)["Stacks"]
     status = st["StackStatus"]
@@ -424,11 +420,11 @@ def progress(cfg: ClusterConfig, cfn: Any, autoscaling: Any) -> list[str]:
                              for x in g.get("Instances", []))  # fmt: skip
                 nodes[names[g["AutoScalingGroupName"]]] = NodeProgress(names[g["AutoScalingGroupName"]], version, inst)
     waiting = _in_progress(cfn, cfg.stack_name)
-    pending = [n for n in sorted(nodes, key=order) if nodes[n].phase != "new"]
+    pending = [n for n in sorted(nodes, key=node_order) if nodes[n].phase != "new"]
     lines = [f"rollout in progress ({status}): {len(nodes) - len(pending)} of {len(nodes)} nodes on their group's current version"]
     resources = deployed(cfn, cfg.stack_name)
     left = batches(pending, waits_for(resources))
-    for n in sorted(nodes, key=order):
+    for n in sorted(nodes, key=node_order):
         p = nodes[n]
         runs = ", ".join(f"{iid} v{v or '?'} {state}" for iid, v, state in p.instances) or "no instance"
         batch = f", batch {left[n]} of those left" if n in left else ""

@@ -10,10 +10,10 @@ from typing import Any
 
 from cluster_ops.remote import find_nodes, run_on_all
 from clusterspec.config import ClusterConfig
-from clusterspec.node_health import health_checks
-from clusterspec.paths import BIN
-from clusterspec.render import render_cluster
-from clusterspec.telemetry import REPLACED_CAUSES
+from node_render.node_health import health_checks
+from node_render.paths import BIN
+from node_render.render import render_cluster
+from node_render.telemetry import REPLACED_CAUSES
 
 
 @dataclass(frozen=True)
@@ -100,7 +100,7 @@ def identities(
 ) -> list[Identity]:
     """Each node identity with its current instance, and from its group's activities (kept six weeks)
     how many times it was replaced after a failed health check, and the latest cause."""
-    from clusterspec.paths import holder_name
+    from clusterspec.names import holder_name
 
     out = []
     for n in cfg.layout.nodes:
@@ -126,7 +126,7 @@ def identities(
 
 def _self_report(cfg: ClusterConfig, logs: Any, node: str) -> str:
     """The node's own last word before it asked to be replaced, from its health watch's log stream."""
-    from clusterspec import telemetry
+    from node_render import telemetry
 
     try:
         events = logs.get_log_events(logGroupName=telemetry.log_group(cfg), logStreamName=f"{node}/gptoss-health-watch.service",

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from clusterspec.layout import Layout, Node
 
 # Nodes per cell: a cell of 24 trn3 nodes is about 640 KB of template and 145 resources, well
-# within CloudFormation's 1 MB and 500 (clusterspec.limits checks every cell).
+# within CloudFormation's 1 MB and 500 (node_render.limits checks every cell).
 CELL_NODES = 24
 
 

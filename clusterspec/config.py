@@ -16,7 +16,7 @@ from clusterspec.errors import SpecError, rule_error, show
 from clusterspec.instance_types import KNOWN_INSTANCE_TYPES, InstanceType
 from clusterspec.layout import Layout, compute_layout
 from clusterspec.sections.boot import SIGNAL_MARGIN_S, BootConfig
-from clusterspec.sections.capacity import CR_GROUP_ARN, CapacityConfig
+from clusterspec.sections.capacity import CapacityConfig
 from clusterspec.sections.healing import HealingConfig
 from clusterspec.sections.network import NetworkConfig
 from clusterspec.sections.observability import ObservabilityConfig
@@ -389,7 +389,8 @@ class ClusterConfig(Frozen):
                     f"the nodes ask Secrets Manager in their own region ({self.region}, partition {partition})",
                     f"replicate the secret to {self.region} and give that ARN",
                 )  # fmt: skip
-        _check_capacity(self, partition)
+        self.capacity.check(roles=("prefill", "decode") if self.serving.disaggregated else ("server",), recipe=self.recipe,
+                            region=self.region, partition=partition)  # fmt: skip
         needs = self.gate_needs_s
         limits = (
             f"boot retries {self.boot.budget_s(self.stage_timeout_s) - self.stage_timeout_s} s + staging {self.stage_timeout_s} s + "
@@ -491,7 +492,9 @@ class ClusterConfig(Frozen):
             self.serving.proxy.router.check_policies(prefill=self.decode_instances * self.prefill_per_decode, decode=self.decode_instances)
         self.rollout.check(wait_for_ready=self.wait_for_ready, members_poll_s=self.healing.members_poll_s)
         _check_subnet_size(self)
-        _check_ports(self)
+        s = self.serving
+        per_node = max(1, self.replicas_per_prefill_instance or self.hardware.logical_cores(s.prefill.lnc) // s.prefill.tensor_parallel)
+        s.check_ports(per_node=per_node, routed=self.proxy_kind == "vllm-router")
         return self
 
 
@@ -521,70 +524,6 @@ def _check_subnet_size(cfg: ClusterConfig) -> None:
             + (f", {endpoints} for the interface endpoints" if endpoints else "") + ")",
             f"use a /{min(prefix, 28)} or larger subnet",
         )  # fmt: skip
-
-
-def _check_ports(cfg: ClusterConfig) -> None:
-    """Reject any two listeners of one node whose port ranges overlap."""
-    s = cfg.serving
-    per_node = max(1, cfg.replicas_per_prefill_instance or cfg.hardware.logical_cores(s.prefill.lnc) // s.prefill.tensor_parallel)
-    ranges: list[tuple[str, int, int]] = [
-        ("serving.proxy.port", s.proxy.port, s.proxy.port),
-        ("serving.proxy.group_health_port", s.proxy.group_health_port, s.proxy.group_health_port),
-        ("serving.decode.http_port", s.decode.http_port, s.decode.http_port),
-        ("serving.decode.side_channel_port", *s.decode.side_channel_ports),
-        ("serving.prefill.http_port_base", s.prefill.http_port(0), s.prefill.http_port(per_node - 1)),
-    ]
-    if cfg.proxy_kind == "vllm-router":
-        r = s.proxy.router
-        ranges += [("serving.proxy.router.internal_port", r.internal_port, r.internal_port),
-                   ("serving.proxy.router.metrics_port", r.metrics_port, r.metrics_port)]  # fmt: skip
-    ranges += [
-        (f"serving.prefill.side_channel_port_base (replica {i})", *s.prefill.side_channel_range(i)) for i in range(per_node)
-    ]
-    for i, (name_a, lo_a, hi_a) in enumerate(ranges):
-        if hi_a > 65535:
-            raise rule_error(name_a.split(" ")[0], lo_a, f"its range ends at {hi_a}, past 65535", "lower the base port")
-        for name_b, lo_b, hi_b in ranges[i + 1 :]:
-            if lo_a <= hi_b and lo_b <= hi_a:
-                raise rule_error(
-                    name_b.split(" ")[0],
-                    lo_b,
-                    f"ports {lo_b}-{hi_b} ({name_b}) collide with {lo_a}-{hi_a} ({name_a}) for "
-                    f"{per_node} replicas per instance",
-                    "move one of the two port bases so the ranges are disjoint",
-                )
-
-
-def _check_capacity(self: ClusterConfig, partition: str | None) -> None:  # the config's own check, kept out of the class for length
-    """The reservations name this stack's roles, region and partition, and every role has one when it must."""
-    cap = self.capacity
-    roles: tuple[str, ...] = ("prefill", "decode") if self.serving.disaggregated else ("server",)
-    for role in cap.roles:
-        if role not in roles:
-            raise rule_error(
-                f"capacity.roles.{role}", cap.roles[role].model_dump(exclude_none=True),
-                f"recipe {self.recipe} has no {role} instances (its roles: {', '.join(roles)})",
-                f"use capacity.roles.{' or capacity.roles.'.join(roles)}",
-            )  # fmt: skip
-    groups = {"capacity": cap.reservation_group_arn} | {f"capacity.roles.{r}": c.reservation_group_arn for r, c in cap.roles.items()}
-    for where, group in groups.items():
-        m = re.fullmatch(CR_GROUP_ARN, group or "")
-        if m and (m.group(1), m.group(2)) != (partition, self.region):
-            raise rule_error(
-                f"{where}.reservation_group_arn", group, f"instances in {self.region} launch into reservations of {self.region}",
-                f"give a resource group of {self.region}",
-            )  # fmt: skip
-    if cap.type == "on-demand" or (cap.type == "odcr" and cap.preference == "open"):
-        return
-    for name in roles:
-        if cap.target(name) == (None, None):
-            kind = "a Capacity Block is used only by launches that name it" if cap.type == "capacity-block" else (
-                "a targeted launch names its reservation")
-            raise rule_error(
-                "capacity.reservation_id", None, f"{kind}, and the {name} instances have none",
-                f"set capacity.reservation_id=cr-... (or capacity.roles.{name}.reservation_id)"
-                + (", or capacity.preference=open to use any matching open reservation" if cap.type == "odcr" else ""),
-            )  # fmt: skip
 
 
 def interface_endpoints(cfg: ClusterConfig) -> tuple[str, ...]:

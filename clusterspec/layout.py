@@ -7,6 +7,7 @@ from typing import Literal
 from clusterspec.base import Frozen
 from clusterspec.errors import SpecError
 from clusterspec.instance_types import InstanceType
+from clusterspec.names import decode_node, node_name
 from clusterspec.sections.proxy import ProxyKind
 from clusterspec.sections.serving import Serving
 
@@ -217,7 +218,7 @@ def compute_layout(
         sc_first, sc_last = pre.side_channel_range(local)
         by_node[node_index].append(
             Replica(
-                node=f"prefill-{node_index}",
+                node=node_name("prefill", node_index),
                 index=local,
                 global_index=g,
                 first_core=first,
@@ -230,7 +231,7 @@ def compute_layout(
         )
     nodes = [
         Node(
-            name=f"prefill-{i}",
+            name=node_name("prefill", i),
             logical_id=f"Prefill{i}",
             role="prefill",
             index=i,
@@ -242,7 +243,7 @@ def compute_layout(
     ]
     nodes += [
         Node(
-            name=f"decode-{d}",
+            name=decode_node(d),
             logical_id=f"Decode{d}",
             role="decode",
             index=d,
@@ -262,7 +263,7 @@ def compute_layout(
     every_decode = tuple(range(decode_instances))
     proxies = tuple(
         ProxyPlacement(
-            node="prefill-0" if decode_instances == 1 and proxy_kind == "toy" else f"decode-{d}",
+            node=node_name("prefill", 0) if decode_instances == 1 and proxy_kind == "toy" else decode_node(d),
             decode_server=d,
             replicas=tuple(all_replicas) if proxy_kind == "vllm-router" else tuple(groups[d]),
             decode_servers=every_decode if proxy_kind == "vllm-router" else (d,),
@@ -303,7 +304,7 @@ def _single_layout(*, decode_instances: int, instance_type: InstanceType, servin
         )
     if errors:
         raise SpecError(errors)
-    node = Node(name="server-0", logical_id="Server0", role="server", index=0, cores=cores, used_cores=srv.tensor_parallel)
+    node = Node(name=node_name("server", 0), logical_id="Server0", role="server", index=0, cores=cores, used_cores=srv.tensor_parallel)
     return Layout(
         decode_instances=1, prefill_per_decode=0, replicas_per_prefill_instance=0, prefill_capacity=0, nodes=(node,), proxies=()
     )

@@ -24,6 +24,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from clusterspec.names import decode_node
+
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
@@ -51,7 +53,7 @@ MATRIX_MIN = (20, 50, 90)
 @contextlib.contextmanager
 def script_edited(change: str) -> Iterator[None]:
     """For the node-script change: gptoss-retry with one more line, while the change is synthesized."""
-    from clusterspec.node_scripts import shipped_scripts
+    from node_render.node_scripts import shipped_scripts
 
     if not change.startswith("a node script"):
         yield
@@ -113,7 +115,7 @@ def main() -> int:
         for fleet, base in MATRIX_FLEETS.items():
             deployed = synth(base)
             context = base | CHANGES[change]
-            last = f"decode-{int(base['decode_instances']) - 1}"
+            last = decode_node(int(base['decode_instances']) - 1)
             for minutes in MATRIX_MIN:
                 for fails in (frozenset(), frozenset({"decode-0"}), frozenset({"decode-3"}), frozenset({last})):
                     print(replay_line(fleet, change, deployed, context, minutes, fails), flush=True)

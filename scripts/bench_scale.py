@@ -30,9 +30,9 @@ from rich.table import Table  # noqa: E402
 
 from clusterspec.config import ClusterConfig  # noqa: E402
 from clusterspec.errors import SpecError  # noqa: E402
-from clusterspec.limits import check, estimate  # noqa: E402
-from clusterspec.render import render_node  # noqa: E402
-from clusterspec.userdata import XZ_PRESET, tarball  # noqa: E402
+from node_render.limits import check, estimate  # noqa: E402
+from node_render.render import render_node  # noqa: E402
+from node_render.userdata import XZ_PRESET, tarball  # noqa: E402
 
 
 def synth(decode: int, outdir: Path) -> tuple[float, dict[str, object], int, list[tuple[int, int]]]:

@@ -10,8 +10,8 @@ import hashlib
 import subprocess
 import sys
 
-from clusterspec.paths import WHEELS_DIR
 from clusterspec.sections.proxy import Router
+from node_render.paths import WHEELS_DIR
 
 
 def main() -> int:

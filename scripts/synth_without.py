@@ -35,7 +35,7 @@ def main() -> None:
         import functools
         import lzma
 
-        import clusterspec.userdata as userdata
+        import node_render.userdata as userdata
 
         @functools.lru_cache(maxsize=1024)
         def cheapest(raw: bytes) -> bytes:

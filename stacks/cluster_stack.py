@@ -28,10 +28,10 @@ from cluster_constructs.router import RouterFleet, RouterWheel
 from cluster_constructs.scripts import NodeScripts
 from cluster_constructs.security_group import ClusterSecurityGroup
 from clusterspec.cells import cells
-from clusterspec.commands import model_name
 from clusterspec.config import ClusterConfig, interface_endpoints
-from clusterspec.render import render_cluster
 from clusterspec.sections.rollout import FIRST_DEPLOY_CONTEXT
+from node_render.command_lines import model_name
+from node_render.render import render_cluster
 
 
 class GptOssClusterStack(Stack):

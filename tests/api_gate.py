@@ -15,8 +15,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from clusterspec.haproxy import api_gate_config
 from clusterspec.sections.proxy import Proxy
+from node_render.haproxy import api_gate_config
 from tests.conftest import ROOT
 
 API_CTL = ROOT / "userdata" / "bin" / "gptoss-api"

@@ -33,7 +33,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from clusterspec.paths import WHEELS_DIR
+from node_render.paths import WHEELS_DIR
 from tests.unit.test_router import NET, _cfg, _fleet
 
 

@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 
 from cluster_ops.rollout import substitute
-from clusterspec.paths import member_host
+from node_render.paths import member_host
 
 ROOT = Path(__file__).resolve().parent.parent
 CDK = ROOT / "node_modules" / ".bin" / "cdk"
@@ -217,7 +217,7 @@ CACHE_URI = "s3://gptoss-8k1k-compilecachebucket-0123456789ab"
 def rendered_services(**context: str) -> dict[str, dict[str, Any]]:
     """Every service the plan renders for this context, by unit (and step): node, environment, argv."""
     from clusterspec.loading import load_config
-    from clusterspec.render import render_cluster
+    from node_render.render import render_cluster
 
     out = {}
     for node in render_cluster(load_config(context)):
@@ -245,7 +245,7 @@ def argv_flags(argv: list[str]) -> dict[str, Any]:
 
 def node_user_data(render: Any) -> str:
     """A node's user data with the deploy-time values a test chooses (CloudFormation's at deploy)."""
-    from clusterspec.userdata import user_data
+    from node_render.userdata import user_data
 
     return user_data(render, scripts_uri=SCRIPTS_URI, scripts_sha256=SCRIPTS_SHA, router_uri=ROUTER_URI, compile_cache_uri=CACHE_URI)
 
@@ -253,7 +253,7 @@ def node_user_data(render: Any) -> str:
 @pytest.fixture(scope="module")
 def shipped(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
     """Write a script as a node receives it (comments or docstrings stripped); returns its path."""
-    from clusterspec.node_scripts import node_script
+    from node_render.node_scripts import node_script
 
     folder = tmp_path_factory.mktemp("shipped")
 
@@ -297,8 +297,8 @@ def nag_synth(outdir: Path, stacks: dict[str, dict[str, Any]]) -> dict[str, Any]
     import aws_cdk as cdk
     from cdk_nag import AwsSolutionsChecks
 
-    from clusterspec import limits
     from clusterspec.loading import load_config
+    from node_render import limits
     from stacks.cluster_stack import GptOssClusterStack
 
     # What the CLI asks of an app: path metadata on every resource (cfn-lint reads it).

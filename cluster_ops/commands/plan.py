@@ -9,7 +9,7 @@ from typing import Any
 
 from cluster_ops import common, cost, plan_view
 from clusterspec.errors import SpecError
-from clusterspec.render import render_cluster
+from node_render.render import render_cluster
 
 
 def run(args: argparse.Namespace) -> int:

@@ -11,7 +11,7 @@ from cluster_ops import common
 def run(args: argparse.Namespace) -> int:
     """Upload the compile caches of one prefill and one decode node (or --node), then promote them to the fleet's cache."""
     from cluster_ops import cache
-    from clusterspec.paths import cache_fleet_uri
+    from node_render.paths import cache_fleet_uri
 
     cfg = common.load(args)
     common.announce(cfg)

@@ -38,7 +38,7 @@ def run(args: argparse.Namespace) -> int:
         raise common.CliError(str(e)) from None
     context = [f"recipe={cfg.recipe}", f"instance_type={cfg.instance_type}", *fleet.context()]
     try:  # what plan and deploy will say of it: within one stack's limits
-        from clusterspec import limits
+        from node_render import limits
 
         limits.check(load_config(dict(c.split("=", 1) for c in context)))
     except SpecError as e:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from typing import Literal
 
 from pydantic import Field, model_validator
@@ -114,3 +115,32 @@ class CapacityConfig(Frozen):
                     f"remove {where}.reservation_id or {where}.reservation_group_arn",
                 )  # fmt: skip
         return self
+
+    def check(self, *, roles: tuple[str, ...], recipe: str, region: str, partition: str | None) -> None:
+        """The reservations name this stack's roles, region and partition, and every role has one when it must."""
+        for role in self.roles:
+            if role not in roles:
+                raise rule_error(
+                    f"capacity.roles.{role}", self.roles[role].model_dump(exclude_none=True),
+                    f"recipe {recipe} has no {role} instances (its roles: {', '.join(roles)})",
+                    f"use capacity.roles.{' or capacity.roles.'.join(roles)}",
+                )  # fmt: skip
+        groups = {"capacity": self.reservation_group_arn} | {f"capacity.roles.{r}": c.reservation_group_arn for r, c in self.roles.items()}
+        for where, group in groups.items():
+            m = re.fullmatch(CR_GROUP_ARN, group or "")
+            if m and (m.group(1), m.group(2)) != (partition, region):
+                raise rule_error(
+                    f"{where}.reservation_group_arn", group, f"instances in {region} launch into reservations of {region}",
+                    f"give a resource group of {region}",
+                )  # fmt: skip
+        if self.type == "on-demand" or (self.type == "odcr" and self.preference == "open"):
+            return
+        for name in roles:
+            if self.target(name) == (None, None):
+                kind = "a Capacity Block is used only by launches that name it" if self.type == "capacity-block" else (
+                    "a targeted launch names its reservation")
+                raise rule_error(
+                    "capacity.reservation_id", None, f"{kind}, and the {name} instances have none",
+                    f"set capacity.reservation_id=cr-... (or capacity.roles.{name}.reservation_id)"
+                    + (", or capacity.preference=open to use any matching open reservation" if self.type == "odcr" else ""),
+                )  # fmt: skip

@@ -147,3 +147,33 @@ class Serving(Frozen):
                 f"set embedding_dp_size to {self.decode.data_parallel}",
             )  # fmt: skip
         return self
+
+    def check_ports(self, *, per_node: int, routed: bool) -> None:
+        """Reject any two listeners of one node whose port ranges overlap (`per_node` prefill replicas; `routed`: vLLM's router)."""
+        s = self
+        ranges: list[tuple[str, int, int]] = [
+            ("serving.proxy.port", s.proxy.port, s.proxy.port),
+            ("serving.proxy.group_health_port", s.proxy.group_health_port, s.proxy.group_health_port),
+            ("serving.decode.http_port", s.decode.http_port, s.decode.http_port),
+            ("serving.decode.side_channel_port", *s.decode.side_channel_ports),
+            ("serving.prefill.http_port_base", s.prefill.http_port(0), s.prefill.http_port(per_node - 1)),
+        ]
+        if routed:
+            r = s.proxy.router
+            ranges += [("serving.proxy.router.internal_port", r.internal_port, r.internal_port),
+                       ("serving.proxy.router.metrics_port", r.metrics_port, r.metrics_port)]  # fmt: skip
+        ranges += [
+            (f"serving.prefill.side_channel_port_base (replica {i})", *s.prefill.side_channel_range(i)) for i in range(per_node)
+        ]
+        for i, (name_a, lo_a, hi_a) in enumerate(ranges):
+            if hi_a > 65535:
+                raise rule_error(name_a.split(" ")[0], lo_a, f"its range ends at {hi_a}, past 65535", "lower the base port")
+            for name_b, lo_b, hi_b in ranges[i + 1 :]:
+                if lo_a <= hi_b and lo_b <= hi_a:
+                    raise rule_error(
+                        name_b.split(" ")[0],
+                        lo_b,
+                        f"ports {lo_b}-{hi_b} ({name_b}) collide with {lo_a}-{hi_a} ({name_a}) for "
+                        f"{per_node} replicas per instance",
+                        "move one of the two port bases so the ranges are disjoint",
+                    )

@@ -35,8 +35,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from clusterspec.quoting import parse_env_file
-from clusterspec.userdata import parse_user_data
+from node_render.quoting import parse_env_file
+from node_render.userdata import parse_user_data
 
 ROOT = Path(__file__).resolve().parent.parent.parent
 SIGNAL_SCRIPT = ROOT / "userdata" / "bin" / "gptoss-signal"

@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from clusterspec.userdata import parse_user_data
+from node_render.userdata import parse_user_data
 from tests.conftest import STACK
 from tests.lifecycle.local_aws import ACCOUNT, CLUSTER, REGION, LocalAws, inventory
 

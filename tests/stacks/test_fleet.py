@@ -7,10 +7,10 @@ import re
 from pathlib import Path
 from typing import Any
 
-from clusterspec.limits import estimate
 from clusterspec.loading import load_config
-from clusterspec.render import render_cluster
-from clusterspec.userdata import parse_user_data, user_data
+from node_render.limits import estimate
+from node_render.render import render_cluster
+from node_render.userdata import parse_user_data, user_data
 from tests.conftest import Synth
 from tests.stacks.test_template import ingress_rules, normalized, of_type, one
 

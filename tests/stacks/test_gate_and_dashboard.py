@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from clusterspec import telemetry
+from node_render import telemetry
 from tests.conftest import Synth
 from tests.stacks.test_template import of_type
 

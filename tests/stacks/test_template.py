@@ -604,7 +604,7 @@ def normalized(template: dict[str, Any]) -> dict[str, Any]:
             r["Properties"]["TemplateURL"] = "<the cell's template>"
         if r["Type"] == "AWS::EC2::LaunchTemplate":
             # Decode the bundle so a change to one script reads as a diff of that script.
-            from clusterspec.userdata import parse_user_data
+            from node_render.userdata import parse_user_data
 
             data = r["Properties"]["LaunchTemplateData"]
             joined = data["UserData"]["Fn::Base64"]

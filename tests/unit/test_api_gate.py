@@ -1,5 +1,5 @@
 """The API gate in front of vLLM's router: the real HAProxy with the configuration the spec renders
-(clusterspec/haproxy.py), in front of a stdlib HTTP server on loopback that stands in for the
+(node_render/haproxy.py), in front of a stdlib HTTP server on loopback that stands in for the
 router and records every request it gets: what the gate refuses must never reach it.
 
 Only the OpenAI API and the health routes pass; heads, bodies and answers are bounded; a request
@@ -28,8 +28,8 @@ from typing import Any
 
 import pytest
 
-from clusterspec.haproxy import API_ROUTES, body_cap
 from clusterspec.sections.proxy import Proxy
+from node_render.haproxy import API_ROUTES, body_cap
 from tests.api_gate import Gate, start_gate
 from tests.conftest import ROOT
 
@@ -509,7 +509,7 @@ def test_a_production_router_nodes_gate_is_valid_haproxy_with_limits_sized_for_i
     and a router socket per request), the router's stop goes lame-duck first, and the gate ships with the scripts."""
 
     from clusterspec.loading import load_config
-    from clusterspec.render import render_cluster
+    from node_render.render import render_cluster
     from tests.api_gate import haproxy
 
     (r,) = [r for r in render_cluster(load_config({"config": "examples/production-3p8d.yaml"})) if r.node.name == "decode-0"]
@@ -589,9 +589,9 @@ def test_a_draining_gate_answers_new_requests_503_with_retry_after_while_a_runni
 def test_the_node_scripts_defaults_are_the_paths_and_bounds_the_spec_renders() -> None:
     """gptoss-api and gptoss-members run with defaults where their units set nothing: the gate's map and
     admin socket, the router's fleet document, and the roll's wait for a document without its line."""
-    from clusterspec.haproxy import API_MAP, API_SOCKET
-    from clusterspec.paths import ROUTER_FLEET
     from clusterspec.sections.proxy import Proxy
+    from node_render.haproxy import API_MAP, API_SOCKET
+    from node_render.paths import ROUTER_FLEET
 
     api = (ROOT / "userdata" / "bin" / "gptoss-api").read_text()
     assert f'"GPTOSS_API_SOCKET", "{API_SOCKET}"' in api and f'"GPTOSS_API_MAP", "{API_MAP}"' in api

@@ -14,14 +14,15 @@ from pathlib import Path
 import pytest
 import yaml
 
-from clusterspec.commands import host_var
 from clusterspec.config import ClusterConfig
 from clusterspec.loading import load_config
-from clusterspec.node_scripts import NODE_SCRIPTS, node_script
-from clusterspec.paths import BIN, DEPLOY_ENV, MANIFEST, MEMBERS_ENV, NIXL_ENV, UNITS_FILE
-from clusterspec.quoting import parse_env_file, systemd_expand
-from clusterspec.render import NodeRender, render_cluster, render_node, served
-from clusterspec.userdata import USER_DATA_LIMIT, parse_user_data, scripts_asset, unbundle
+from clusterspec.names import host_var
+from node_render.node_files import NodeRender, served
+from node_render.node_scripts import NODE_SCRIPTS, node_script
+from node_render.paths import BIN, DEPLOY_ENV, MANIFEST, MEMBERS_ENV, NIXL_ENV, UNITS_FILE
+from node_render.quoting import parse_env_file, systemd_expand
+from node_render.render import render_cluster, render_node
+from node_render.userdata import USER_DATA_LIMIT, parse_user_data, scripts_asset, unbundle
 from tests.conftest import CACHE_URI, SCRIPTS_SHA, SCRIPTS_URI, node_user_data
 
 LONGEST_IP = "10.255.255.254"
@@ -265,7 +266,7 @@ def test_plan_and_user_data_agree(layout: str, tmp_path: Path, shipped: Callable
             if f"{BIN}/gptoss-router-pool" in unit_argv:
                 # The router's settings and servers come from the fleet's document (the stack's SSM parameter,
                 # which gptoss-members copies to the node): the shipped step adds them.
-                from clusterspec.commands import router_fleet
+                from node_render.command_lines import router_fleet
 
                 pool = tmp_path / f"{r.node.name}-fleet"
                 cfg = load_config(LAYOUTS[layout])
@@ -279,7 +280,7 @@ def test_plan_and_user_data_agree(layout: str, tmp_path: Path, shipped: Callable
 
 def test_stack_embeds_exactly_the_rendered_user_data(default_synth: object) -> None:
     """Each node's launch template carries the rendering, with CloudFormation filling the deploy-time values."""
-    from clusterspec.userdata import user_data
+    from node_render.userdata import user_data
 
     t = default_synth.template  # type: ignore[attr-defined]
     by_node = {r.node.logical_id: r for r in renders("6p1d")}
@@ -339,7 +340,7 @@ def test_the_signal_url_lands_in_a_root_only_file_that_no_other_unit_reads(tmp_p
     """Run the user data's bootcmd as cloud-init does (one /bin/sh script), rooted in a temporary folder:
     the deploy gate's URL is written by a shell builtin to a 0600 file, and no unit's environment
     (EnvironmentFile= or Environment=) nor any other file of the node holds it."""
-    from clusterspec.userdata import user_data
+    from node_render.userdata import user_data
 
     url = "https://cloudformation-waitcondition-us-east-2.s3.amazonaws.com/arn%3Aaws%3A?X-Amz-Expires=86399&X-Amz-Signature=0a1b"
     r = next(r for r in renders("6p1d") if r.node.name == "prefill-0")
@@ -385,7 +386,7 @@ def test_health_list_names_every_unit_a_ready_node_runs() -> None:
 
 
 def test_user_data_text_is_the_same_with_libyamls_emitter_and_pythons() -> None:
-    import clusterspec.userdata as ud
+    import node_render.userdata as ud
 
     assert ud._DUMPER is yaml.CSafeDumper, "this PyYAML has libyaml: the comparison below means something"
     for layout in LAYOUTS:
@@ -406,7 +407,7 @@ def test_an_environment_file_a_unit_writes_for_itself_is_optional_when_systemd_f
     before the script that would write it runs. Files under /run written by another unit the
     service requires (gptoss-identity's nixl.env) exist by then and stay required."""
     from clusterspec.loading import load_config
-    from clusterspec.render import render_cluster
+    from node_render.render import render_cluster
 
     writes = {MEMBERS_ENV: "gptoss-members write", NIXL_ENV: "gptoss-identity"}
     seen = set()

@@ -25,7 +25,7 @@ import pytest
 
 from cluster_ops import cache
 from clusterspec.loading import load_config
-from clusterspec.render import cluster_env
+from node_render.render import cluster_env
 from tests.conftest import real_aws_cli
 from tests.fakes import hub
 

@@ -12,9 +12,9 @@ from typing import Any
 
 import pytest
 
-from clusterspec import limits
 from clusterspec.errors import SpecError
 from clusterspec.loading import load_config
+from node_render import limits
 from tests.conftest import CDK, ODD_VALUES, ROOT, cli_env
 
 
@@ -431,9 +431,10 @@ def test_odd_but_legal_values_reach_the_server_exactly(tmp_path: Path) -> None:
     """Env values and extra flag values with spaces, unicode, $, %, ; and quotes: verified by
     systemd-analyze, read back by bash from the env file, and expanded from the Exec line the
     way systemd does; each comes out as written."""
-    from clusterspec.quoting import systemd_expand
-    from clusterspec.render import render_cluster, served
-    from clusterspec.userdata import parse_user_data
+    from node_render.node_files import served
+    from node_render.quoting import systemd_expand
+    from node_render.render import render_cluster
+    from node_render.userdata import parse_user_data
     from tests.conftest import node_user_data
 
     env = {f"ODD_{i}": {"value": v, "reason": "odd but legal"} for i, v in enumerate(ODD_VALUES)}

@@ -96,9 +96,9 @@ def test_layout_properties(decode: int, ratio: int, per_node: int | None) -> Non
 def test_rendering_a_fleet_computes_its_layout_once(monkeypatch: pytest.MonkeyPatch) -> None:
     """The work's shape, not the clock: every node's rendering asks for the layout; it is computed once."""
     import clusterspec.config as config_module
-    from clusterspec.limits import check
     from clusterspec.loading import load_config
-    from clusterspec.render import render_cluster
+    from node_render.limits import check
+    from node_render.render import render_cluster
 
     calls = []
     real = config_module.compute_layout

@@ -14,9 +14,9 @@ from typing import Any
 
 import pytest
 
-from clusterspec import limits, render, userdata
 from clusterspec.errors import SpecError
 from clusterspec.loading import load_config
+from node_render import limits, render, userdata
 
 ROOT = Path(__file__).resolve().parents[2]
 CONTEXTS: list[dict[str, Any]] = [
@@ -111,7 +111,7 @@ def test_the_user_data_limit_counts_the_gates_presigned_url_as_the_instance_gets
     """In the template the gate's URL is a Ref; on the instance it is CloudFormation's presigned URL
     (SigV4: the handle's ARN with a nested stack's name, the query), which EC2's 16 KB counts. The
     estimate holds the largest node's user data with a URL of that form and its gate's logical id."""
-    from clusterspec.userdata import user_data
+    from node_render.userdata import user_data
     from tests.fakes.cloudformation import handle_url
 
     cfg = load_config({"decode_instances": "8"})

@@ -30,10 +30,10 @@ import botocore.session
 import pytest
 from botocore.validate import validate_parameters
 
-from clusterspec import telemetry
 from clusterspec.loading import load_config
-from clusterspec.paths import USERDATA_DIR
-from clusterspec.render import cluster_env
+from node_render import telemetry
+from node_render.paths import USERDATA_DIR
+from node_render.render import cluster_env
 from tests.conftest import fake_command, private_etc, real_aws_cli, with_etc
 
 Shipped = Callable[[str], Path]

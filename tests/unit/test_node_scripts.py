@@ -20,9 +20,9 @@ from typing import Any, ClassVar
 
 import pytest
 
-from clusterspec.node_scripts import node_script, strip_comments, strip_python
-from clusterspec.paths import USERDATA_DIR
-from clusterspec.userdata import bundle
+from node_render.node_scripts import node_script, strip_comments, strip_python
+from node_render.paths import USERDATA_DIR
+from node_render.userdata import bundle
 from tests.conftest import fake_command, real_aws_cli
 
 SCRIPTS = sorted(p for p in (USERDATA_DIR / "bin").iterdir() if p.is_file())
@@ -702,7 +702,7 @@ def test_the_health_watch_replaces_for_hardware_causes_only_and_for_neuron_error
     (tmp_path / "cluster.env").write_text("GPTOSS_NODE=prefill-0\nGPTOSS_CLUSTER=gptoss-8k1k\nAWS_REGION=us-east-2\nGPTOSS_UNHEALTHY_BACKOFF_S=7200\nGPTOSS_UNHEALTHY_NEURON_ERRORS=20\n")
     (tmp_path / "health").write_text("gptoss-stage.service - -\n")
     from clusterspec.loading import load_config
-    from clusterspec.render import render_cluster
+    from node_render.render import render_cluster
 
     cfg_unit = next(text for r in render_cluster(load_config({})) for path, (text, _) in r.files.items() if path.endswith("gptoss-health-watch.service"))
     assert "ExecStart=/opt/gptoss/bin/gptoss-health-watch 120 3 2 3 21600\n" in cfg_unit, "the spec's grace, intervals and budgets, rendered"
@@ -858,7 +858,7 @@ def test_servers_and_staging_send_no_usage_statistics_or_telemetry() -> None:
     """vLLM reports usage to stats.vllm.ai and huggingface_hub sends telemetry unless told not to:
     every server, prefill replica and the staging unit of every recipe run with both off."""
     from clusterspec.loading import load_config
-    from clusterspec.render import render_cluster
+    from node_render.render import render_cluster
 
     servers_off = "Environment=VLLM_NO_USAGE_STATS=1 VLLM_DO_NOT_TRACK=1 DO_NOT_TRACK=1 HF_HUB_DISABLE_TELEMETRY=1"
     for ctx in ({}, {"recipe": "gptoss-20b-single"}):

@@ -23,9 +23,9 @@ from cluster_ops import bench, preflight
 from cluster_ops.status import collect, wait_ready
 from clusterspec.config import ClusterConfig
 from clusterspec.loading import load_config
-from clusterspec.node_health import health_file
-from clusterspec.paths import USERDATA_DIR
-from clusterspec.render import render_cluster
+from node_render.node_health import health_file
+from node_render.paths import USERDATA_DIR
+from node_render.render import render_cluster
 
 REGION = "us-east-2"
 TRN2 = {"instance_type": "trn2.48xlarge", "serving": {"shape": {"quantization": "bf16"}}, "ami_ssm_parameter": "/test/dlami"}

@@ -12,10 +12,10 @@ from typing import Any
 
 import pytest
 
-from clusterspec import limits
 from clusterspec.errors import SpecError
 from clusterspec.loading import load_config
 from clusterspec.recipes import RECIPES
+from node_render import limits
 from tests.conftest import argv_flags, rendered_services
 
 HF_OVERRIDES = {"quantization_config": {}}

@@ -34,12 +34,12 @@ from typing import Any
 import boto3
 import pytest
 
-from clusterspec import telemetry
-from clusterspec.commands import router_fleet
 from clusterspec.loading import load_config
-from clusterspec.paths import WHEELS_DIR, router_parameter
-from clusterspec.quoting import env_file as render_env_file
-from clusterspec.render import cluster_env, render_cluster
+from node_render import telemetry
+from node_render.command_lines import router_fleet
+from node_render.paths import WHEELS_DIR, router_parameter
+from node_render.quoting import env_file as render_env_file
+from node_render.render import cluster_env, render_cluster
 from tests.api_gate import Gate, start_gate
 from tests.conftest import ROOT, fake_command, private_etc, real_aws_cli, serve_health, with_etc
 from tests.fakes.vllm_pd import engine_id
@@ -255,7 +255,7 @@ def _fleet(kind: str, tmp: Path, router_venv: Path | None, prefill_ms: float = P
 
 
 def router_venv_path(cfg: Any) -> str:
-    from clusterspec.paths import router_venv
+    from node_render.paths import router_venv
 
     return router_venv(cfg.serving.proxy.router.version, cfg.serving.proxy.router.sha256)
 

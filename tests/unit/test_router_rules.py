@@ -3,7 +3,7 @@
 The wheel (installed from .wheels/ into a directory of this test, offline) judges each command
 line as a node would start it (tests/router_verdicts.py: its parser, its Python checks, its Rust
 core's validation); plan judges the same command line with the same parser and
-clusterspec.router_rules. The command lines are generated from the wheel's own parser: every
+node_render.router_rules. The command lines are generated from the wheel's own parser: every
 numeric flag at -1, 0, 1, the edges of 8, 16, 32 and 64 bits, and for fractions -0.5, 0, 0.5,
 1, 1.5, NaN, +/-infinity. A new wheel with a new rule fails here until the table knows it.
 """
@@ -21,13 +21,13 @@ from typing import Any
 import pytest
 from annotated_types import Ge, Le
 
-from clusterspec.commands import ROUTER_ARGS_AT, router_argv
 from clusterspec.errors import SpecError
-from clusterspec.limits import check
 from clusterspec.loading import load_config
-from clusterspec.paths import WHEELS_DIR
-from clusterspec.router_cli import router_parser, start_refusal
 from clusterspec.sections.proxy import Router
+from node_render.command_lines import router_node_args, router_settings
+from node_render.limits import check
+from node_render.paths import WHEELS_DIR
+from node_render.router_cli import router_parser, start_refusal
 from tests.conftest import ROOT
 
 # The router and its metrics listen on an address of this run's own (as tests/unit/test_router.py);
@@ -64,7 +64,7 @@ def wheel_verdicts(tmp_path_factory: pytest.TempPathFactory) -> Verdicts:
 
 def base_argv(cfg: Any) -> list[str]:
     """The router's command line as plan renders it (settings, then a pool of 2 + 2 servers), on this run's addresses."""
-    argv = router_argv(cfg, bin_dir="-")[ROUTER_ARGS_AT:]
+    argv = [*router_node_args(cfg), *router_settings(cfg)]
     for flag, value in (("--host", f"{NET}.5.1"), ("--prometheus-host", f"{NET}.5.1")):
         argv[argv.index(flag) + 1] = value
     return argv + [a for i in (1, 2) for a in ("--prefill", f"http://{NET}.6.{i}:8100", "--decode", f"http://{NET}.7.{i}:8200")]

@@ -9,12 +9,12 @@ from typing import Any
 import pytest
 
 from clusterspec.errors import SpecError
-from clusterspec.limits import check
 from clusterspec.loading import load_config
-from clusterspec.paths import WHEELS_DIR
 from clusterspec.recipes import RECIPES
-from clusterspec.render import render_cluster
-from clusterspec.router_cli import router_parser
+from node_render.limits import check
+from node_render.paths import WHEELS_DIR
+from node_render.render import render_cluster
+from node_render.router_cli import router_parser
 from tests.conftest import ROOT
 
 
@@ -139,7 +139,7 @@ def test_either_kind_deploys_anywhere_the_router_on_the_references_layout_too(sy
 def test_the_fleets_router_document_is_a_few_lines_for_any_fleet_and_expands_to_every_server(tmp_path: Any, shipped: Any) -> None:
     """The routers' settings and pool are the fleet's (one SSM parameter, read at run time), not a node's:
     one `pool` line per run of nodes of one role and port range, so 8 decode nodes or 800 are one line."""
-    from clusterspec.commands import router_fleet
+    from node_render.command_lines import router_fleet
 
     cfg = load_config({"decode_instances": 9})
     doc = router_fleet(cfg, cfg.layout.proxies[0])

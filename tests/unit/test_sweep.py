@@ -23,8 +23,8 @@ from hypothesis import strategies as st
 
 from clusterspec.errors import SpecError
 from clusterspec.loading import load_config
-from clusterspec.render import render_cluster
-from clusterspec.userdata import parse_user_data
+from node_render.render import render_cluster
+from node_render.userdata import parse_user_data
 from tests.conftest import node_user_data
 
 SWEEP = settings(derandomize=True, database=None, deadline=None, max_examples=150, suppress_health_check=[HealthCheck.too_slow])

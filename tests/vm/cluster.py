@@ -23,13 +23,14 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from clusterspec import telemetry
-from clusterspec.commands import router_fleet
 from clusterspec.config import ClusterConfig
 from clusterspec.loading import load_config
-from clusterspec.paths import WHEELS_DIR, router_parameter
-from clusterspec.render import NodeRender, render_cluster
-from clusterspec.userdata import launch_inputs, node_digest, scripts_asset, user_data
+from node_render import telemetry
+from node_render.command_lines import router_fleet
+from node_render.node_files import NodeRender
+from node_render.paths import WHEELS_DIR, router_parameter
+from node_render.render import render_cluster
+from node_render.userdata import launch_inputs, node_digest, scripts_asset, user_data
 from tests.vm import profile
 from tests.vm.aws import ASSET_BUCKET, CACHE_BUCKET, HostAws
 from tests.vm.image import Image

@@ -25,8 +25,8 @@ import time
 from collections import Counter
 from typing import Any
 
-from clusterspec.paths import MANIFEST
-from clusterspec.render import Service
+from node_render.node_files import Service
+from node_render.paths import MANIFEST
 from tests.conftest import ODD_VALUES
 from tests.vm.aws import CACHE_BUCKET, STACK, group_logical_id
 from tests.vm.cluster import DEVICES, HF_TOKEN, NODES, VmCluster

@@ -14,7 +14,9 @@ UNIT_DIR = "/etc/systemd/system"
 
 EXAMPLES_DIR = "/opt/gptoss/vllm-neuron"
 
-BUNDLE = "/var/lib/gptoss/bundle.tar.xz"
+# What a node keeps across boots on its root volume: the user data's bundle, the fetched scripts.
+STATE_DIR = "/var/lib/gptoss"
+BUNDLE = f"{STATE_DIR}/bundle.tar.xz"
 
 # Values the stack knows only at deploy time (peers' IPs, where the scripts are), written by
 # the user data's bootcmd; gptoss-identity adds this node's own IP.
@@ -27,6 +29,12 @@ CLUSTER_ENV = f"{ETC}/cluster.env"
 MANIFEST = f"{ETC}/manifest"
 
 UNITS_FILE = f"{ETC}/units"
+
+# The units a node must run and how each proves it serves (gptoss-signal, gptoss-health-watch, gptoss-status read it).
+HEALTH_FILE = f"{ETC}/health"
+
+# What the node's collector (gptoss-telemetry) publishes, and where from.
+TELEMETRY_CONFIG = f"{ETC}/telemetry.json"
 
 NODE_TARGET = "gptoss-node.target"
 
@@ -80,6 +88,3 @@ def router_parameter(cluster_name: str) -> str:
     return f"/gptoss/{cluster_name}/router"
 
 
-def holder_name(cluster_name: str, node: str) -> str:
-    """The Auto Scaling group that holds a node identity's one instance (the node marks only its own)."""
-    return f"{cluster_name}-{node}"

@@ -20,8 +20,8 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from clusterspec.errors import SpecError, rule_error
-from clusterspec.paths import WHEELS_DIR
-from clusterspec.router_rules import refusal
+from node_render.paths import WHEELS_DIR
+from node_render.router_rules import refusal
 
 FIELD = "serving.proxy.router.extra_flags"
 

@@ -7,21 +7,16 @@ references' tables.
 from __future__ import annotations
 
 import functools
-import re
 from typing import Any
 
 from clusterspec.config import ClusterConfig
 from clusterspec.layout import ProxyPlacement, Replica
-from clusterspec.paths import EXAMPLES_DIR, MEMBERS_DOMAIN, member_host, router_venv
-from clusterspec.quoting import Expand
+from clusterspec.names import decode_node, host_var, node_order
 from clusterspec.sections.flags import json_arg
 from clusterspec.sections.servers import Decode, Prefill, Server
 from clusterspec.sections.serving import Serving
-
-
-def host_var(node: str) -> str:
-    """Environment variable that holds a node's private IP (its own in deploy.env, a toy proxy's group in members.env)."""
-    return "GPTOSS_HOST_" + re.sub(r"[^A-Z0-9]", "_", node.upper())
+from node_render.paths import EXAMPLES_DIR, MEMBERS_DOMAIN, member_host, router_venv
+from node_render.quoting import Expand
 
 
 def _neuron_config(s: Serving, role: str) -> dict[str, object]:
@@ -114,24 +109,29 @@ def proxy_argv(cfg: ClusterConfig, proxy: ProxyPlacement) -> list[str]:
         "--port", str(p.port),
         "--prefiller-hosts", *[Expand(f"${{{host_var(r.node)}}}") for r in proxy.replicas],
         "--prefiller-ports", *[str(r.http_port) for r in proxy.replicas],
-        "--decoder-hosts", Expand(f"${{{host_var(f'decode-{proxy.decode_server}')}}}"),
+        "--decoder-hosts", Expand(f"${{{host_var(decode_node(proxy.decode_server))}}}"),
         "--decoder-ports", str(s.decode.http_port),
     ]  # fmt: skip
 
 
-# Where the router's own arguments start in router_argv: after the interpreter and gptoss-router.
-ROUTER_ARGS_AT = 2
+def router_program(cfg: ClusterConfig, *, bin_dir: str) -> list[str]:
+    """The router's interpreter (its venv, from the pinned wheel) and gptoss-router."""
+    r = cfg.serving.proxy.router
+    return [f"{router_venv(r.version, r.sha256)}/bin/python", f"{bin_dir}/gptoss-router"]
 
 
-def router_argv(cfg: ClusterConfig, *, bin_dir: str) -> list[str]:
-    """vLLM's router in NIXL P/D mode, from the spec: everything but its servers (router_pool_args)."""
+def router_node_args(cfg: ClusterConfig) -> list[str]:
+    """The router's arguments that are each router node's own: where it listens."""
+    # Clients reach the API gate (HAProxy, node_render/haproxy.py); the router (and its admin routes) answers on loopback alone.
+    return ["--host", "127.0.0.1", "--port", str(cfg.serving.proxy.router.internal_port)]
+
+
+def router_settings(cfg: ClusterConfig, *, extra_flags: bool = True) -> list[str]:
+    """The router's settings in NIXL P/D mode, the fleet's (read at run time: router_fleet), from the spec;
+    the operator's extra flags last unless `extra_flags` is False. Its servers are router_pool_args."""
     p, s = cfg.serving.proxy, cfg.serving
     r = p.router
     argv = [
-        f"{router_venv(r.version, r.sha256)}/bin/python", f"{bin_dir}/gptoss-router",
-        # Clients reach the API gate (HAProxy, clusterspec/haproxy.py); the router (and its admin routes) answers on loopback alone.
-        "--host", "127.0.0.1",
-        "--port", str(r.internal_port),
         "--vllm-pd-disaggregation",
         "--kv-connector", "nixl",
         "--prefill-policy", cfg.router_policy("prefill"),
@@ -148,14 +148,9 @@ def router_argv(cfg: ClusterConfig, *, bin_dir: str) -> list[str]:
         "--prometheus-host", "127.0.0.1",
         "--prometheus-port", str(r.metrics_port),
     ]  # fmt: skip
-    for flag in r.extra_flags:
+    for flag in r.extra_flags if extra_flags else ():
         argv += [flag.name] + ([flag.value] if flag.value is not None else [])
     return argv
-
-
-# The router's command line up to here is each router node's own (python, gptoss-router, --host H,
-# --port P); the rest, its settings, is the fleet's, read at run time (router_fleet).
-ROUTER_NODE_ARGS = 6
 
 
 def router_fleet(cfg: ClusterConfig, proxy: ProxyPlacement) -> str:
@@ -168,10 +163,10 @@ def router_fleet(cfg: ClusterConfig, proxy: ProxyPlacement) -> str:
     p = cfg.serving.proxy
     # How long the next router waits for one that restarts: its lame-duck, its drain (the request timeout) and its start.
     lines = [f"domain {MEMBERS_DOMAIN}", f"restart_gap {p.gate.lame_duck_s + p.router.request_timeout_s + p.router.restart_gap_s}"]
-    lines += [f"arg {t}" for t in router_argv(cfg, bin_dir="-")[ROUTER_NODE_ARGS:]]
+    lines += [f"arg {t}" for t in router_settings(cfg)]
     runs: list[list[Any]] = []
     for role, node, first, last in router_pool(cfg, proxy):
-        i = int(node.rpartition("-")[2])
+        i = node_order(node)[1]
         if runs and runs[-1][0] == role and runs[-1][2] == i - 1 and runs[-1][3:] == [first, last]:
             runs[-1][2] = i
         else:
@@ -193,7 +188,7 @@ def router_pool(cfg: ClusterConfig, proxy: ProxyPlacement) -> list[tuple[str, st
         assert ps == list(range(ps[0], ps[0] + len(ps))), f"{node}: replica ports not consecutive: {ps}"
         pool.append(("prefill", node, ps[0], ps[-1]))
     port = cfg.serving.decode.http_port
-    pool += [("decode", f"decode-{d}", port, port) for d in proxy.decode_servers]
+    pool += [("decode", decode_node(d), port, port) for d in proxy.decode_servers]
     return pool
 
 

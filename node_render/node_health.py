@@ -5,8 +5,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Protocol
 
-from clusterspec.commands import health_url
 from clusterspec.config import ClusterConfig
+from node_render.command_lines import health_url
 
 
 class _Service(Protocol):
@@ -17,7 +17,7 @@ class _Service(Protocol):
 
 
 class NodeRender(Protocol):
-    """What these checks read of a node's rendering (clusterspec.render.NodeRender)."""
+    """What these checks read of a node's rendering (node_render.render.NodeRender)."""
 
     @property
     def services(self) -> Sequence[_Service]: ...

@@ -17,8 +17,8 @@ roll waits for it). gptoss-api changes both through the admin socket (API_SOCKET
 
 from __future__ import annotations
 
-from clusterspec.paths import ETC, RUN_DIR
 from clusterspec.sections.proxy import REQUEST_TIMEOUT_MAX_S, Proxy
+from node_render.paths import ETC, RUN_DIR
 
 # (method, path) a client outside the node may ask for: the OpenAI API the fleet serves and the
 # routes the load balancer and operators check. The path is compared exactly, query removed.

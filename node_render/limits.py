@@ -14,8 +14,8 @@ from clusterspec.cells import Cell, cells
 from clusterspec.config import ClusterConfig
 from clusterspec.errors import SpecError
 from clusterspec.layout import Layout, Node
-from clusterspec.render import render_node
-from clusterspec.userdata import USER_DATA_LIMIT, Compress, bundle, bundle_bound, user_data
+from node_render.render import render_node
+from node_render.userdata import USER_DATA_LIMIT, Compress, bundle, bundle_bound, user_data
 
 MAX_TEMPLATE_BYTES = 1_000_000  # CloudFormation: 1 MB for a template uploaded to S3
 MAX_RESOURCES = 500
@@ -134,7 +134,7 @@ def _user_data_bytes(cfg: ClusterConfig, layout: Layout, node: Node, *, compress
 
 def _router_fleet_bytes(cfg: ClusterConfig) -> int:
     """The routers' settings and pool in the parent (one SSM parameter), or 0 without vLLM's router."""
-    from clusterspec.commands import router_fleet
+    from node_render.command_lines import router_fleet
 
     proxy = next((p for p in cfg.layout.proxies if p.kind == "vllm-router"), None)
     return ROUTER_FLEET_BYTES + len(router_fleet(cfg, proxy).encode()) if proxy else 0

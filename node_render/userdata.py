@@ -16,13 +16,13 @@ from typing import TYPE_CHECKING, Any
 
 import yaml
 
-from clusterspec.node_scripts import NODE_SCRIPTS, shipped_scripts
-from clusterspec.paths import BIN, BUNDLE, DEPLOY_ENV, ETC, SIGNAL_ENV
-from clusterspec.quoting import parse_env_file
+from node_render.node_scripts import NODE_SCRIPTS, shipped_scripts
+from node_render.paths import BIN, BUNDLE, DEPLOY_ENV, ETC, SIGNAL_ENV
+from node_render.quoting import parse_env_file
 
 if TYPE_CHECKING:
     from clusterspec.config import ClusterConfig
-    from clusterspec.render import NodeRender
+    from node_render.node_files import NodeRender
 
 USER_DATA_LIMIT = 16 * 1024
 

@@ -9,7 +9,7 @@ import ast
 import functools
 import re
 
-from clusterspec.paths import USERDATA_DIR
+from node_render.paths import USERDATA_DIR
 
 # Scripts every node carries in its user data: the boot itself, fetching the others, the status
 # report and the deploy gate's failure answer (both must work when the fetch does not). The other
