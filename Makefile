@@ -133,39 +133,39 @@ test-vm: vm-root setup .make/vm-system
 
 lint: setup
 	$(PY) -m ruff check .
-	$(PY) -m mypy clusterspec node_render cluster_constructs cluster_ops stacks app.py scripts
+	$(PY) -m mypy clusterspec node_render cluster_constructs cluster_ops stacks app.py scripts tests/bench
 
 bench-scale: setup
-	$(PY) scripts/bench_scale.py $(BENCH_ARGS)
+	$(PY) tests/bench/bench_scale.py $(BENCH_ARGS)
 
 bench-synth: setup
-	$(PY) scripts/bench_synth.py $(BENCH_ARGS)
+	$(PY) tests/bench/bench_synth.py $(BENCH_ARGS)
 
 # What each kind of change replaces, per role, on the default and the 3+8 fleet (the deploy's own comparison; offline).
 bench-rollout: setup
-	$(PY) scripts/bench_rollout.py
+	$(PY) tests/bench/bench_rollout.py
 
 vm-root:
 	@[ "$$(id -u)" = 0 ] || { echo "make test-vm: the VM scenarios need root (the guest image is built with mmdebstrap --mode=root); run it as root"; exit 2; }
 
 # vLLM's router vs the toy proxy over the same fake servers on loopback: req/s and added latency at 1, 32, 128 clients.
 bench-proxy: setup
-	$(PY) -m tests.bench_proxy $(BENCH_ARGS)
+	$(PY) -m tests.bench.bench_proxy $(BENCH_ARGS)
 
 # Each router policy over fake servers that serve only vLLM's routes, bounded engines, uneven work: queue waits and spread.
 bench-policy: setup
-	$(PY) -m tests.bench_policy $(BENCH_ARGS)
+	$(PY) -m tests.bench.bench_policy $(BENCH_ARGS)
 
 # The routers' health checks with servers whose /health waits for their tokenizing event loop: saturated, dead, hung; old and new settings.
 bench-health: setup
-	$(PY) -m tests.bench_health $(BENCH_ARGS)
+	$(PY) -m tests.bench.bench_health $(BENCH_ARGS)
 
 # Time to ready: the default layout's nodes booted in VMs with fake servers of known compile and load times.
 bench-ready: setup .make/vm-system
-	$(PY) -m tests.vm.bench_ready $(BENCH_ARGS)
+	$(PY) -m tests.bench.bench_ready $(BENCH_ARGS)
 
 # Every recipe's layout and the production 3 + 8, as PNG (Graphviz's dot; the same bytes every time:
-# tests/unit/test_diagrams.py redraws them and compares).
+# tests/clusterspec/test_diagrams.py redraws them and compares).
 RECIPES := gptoss-120b-8k1k gptoss-120b-single gptoss-20b-single gptoss-120b-di gptoss-20b-di
 diagrams: setup
 	@mkdir -p docs/diagrams

@@ -3,7 +3,7 @@
 EC2's own calls (DescribeCapacityBlockOfferings, PurchaseCapacityBlock,
 DescribeCapacityBlockExtensionOfferings, PurchaseCapacityBlockExtension), one per role (the
 roles' instances may come from different blocks: capacity.roles) or one for the whole fleet.
-moto has none of these APIs: tests/unit/test_blocks.py drives them with botocore's Stubber, which
+moto has none of these APIs: tests/cluster_ops/test_blocks.py drives them with botocore's Stubber, which
 checks every call and answer against EC2's service model.
 """
 

@@ -3,7 +3,7 @@
 The spec's layout names every node from its role and index here; the renderer, the constructs, the
 operator's commands and the benchmarks take names from here (never `f"decode-{d}"` or a
 `rpartition("-")` of their own). The node scripts apply the same rules to the names the stack
-renders for them; tests/unit/test_names.py holds them to these.
+renders for them; tests/clusterspec/test_names.py holds them to these.
 """
 
 from __future__ import annotations

@@ -27,7 +27,7 @@ API_ROUTES: tuple[tuple[str, str], ...] = (
     ("GET", "/health"), ("GET", "/readiness"), ("GET", "/liveness"),
 )  # fmt: skip
 API_CONFIG = f"{ETC}/haproxy.cfg"
-# The node scripts' defaults (gptoss-api) are these: tests/unit/test_api_gate.py holds them to it.
+# The node scripts' defaults (gptoss-api) are these: tests/userdata/test_api_gate.py holds them to it.
 API_MAP = f"{RUN_DIR}/api.map"
 API_SOCKET = f"{RUN_DIR}/haproxy.sock"
 FLEET_HEADER = "X-Gptoss-Fleet"

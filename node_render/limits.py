@@ -20,7 +20,7 @@ from node_render.userdata import USER_DATA_LIMIT, Compress, bundle, bundle_bound
 MAX_TEMPLATE_BYTES = 1_000_000  # CloudFormation: 1 MB for a template uploaded to S3
 MAX_RESOURCES = 500
 MAX_OUTPUTS = 200
-# Measured on templates the CLI writes (scripts/bench_scale.py prints estimate and actual), rounded
+# Measured on templates the CLI writes (tests/bench/bench_scale.py prints estimate and actual), rounded
 # up: an estimate must not be smaller than its template.
 # The parent: what the nodes share (network, security group, scripts, bucket, outputs), and one
 # nested stack resource per cell (its template's URL and the parameters CDK passes it).
@@ -49,7 +49,7 @@ PER_NODE_RESOURCES = 4
 PER_ROLLOUT_BYTES = 750  # a node's drain hook, its group's surge policy, a router node's two more reads
 PER_DEPENDENCY_BYTES = 80  # one id in a DependsOn: an earlier group (a group's) or gate (a handle's) of its lane (the rollout's chain)
 # Nodes of one shape differ only in digits; xz packs different digits into a few bytes more or
-# less. Measured over the examples and recipes (tests/unit/test_limits.py compares with every
+# less. Measured over the examples and recipes (tests/node_render/test_limits.py compares with every
 # node rendered): under 16 bytes of user data. Twice that, per node.
 SHAPE_SLACK = 32
 BASE_OUTPUTS = 2

@@ -92,7 +92,7 @@ def check_router_argv(modeled: list[str], extra: list[tuple[str, str | None]], w
     refused = start_refusal(parser, parsed)
     if refused is not None:
         flag, why = refused
-        # A modeled flag's value is inside the wheel's rules by its spec bounds (tests/unit/test_router_rules.py).
+        # A modeled flag's value is inside the wheel's rules by its spec bounds (tests/node_render/test_router_rules.py).
         given = dict(extra)
         shown: object = [n for n, _ in extra] if flag is None else f"{flag} {given.get(flag, getattr(parsed, by_option[flag].dest))}"
         raise _refused(FIELD, shown, f"vllm-router (the pinned wheel) refuses it at start: {why if flag is None else f'{flag} {why}'}",

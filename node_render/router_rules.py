@@ -7,7 +7,7 @@ between 0.0 and 1.0"), or a number that does not fit the Rust field's integer ty
 large to fit in target type"). A router that refuses its values exits, and systemd starts it
 again, on every router node: the fleet has no endpoint. So plan refuses them first.
 
-The table is typed out from the wheel's messages; tests/unit/test_router_rules.py runs the
+The table is typed out from the wheel's messages; tests/node_render/test_router_rules.py runs the
 pinned wheel over every numeric flag of its parser (each at -1, 0, 1, at the edges of 8, 16, 32
 and 64 bits, and for fractions at -0.5, 0.5, 1, 1.5, NaN and infinity) and holds this table to
 what it refuses. Values the spec models have their own bounds, inside these (the same test

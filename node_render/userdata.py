@@ -82,7 +82,7 @@ def _xz(raw: bytes) -> bytes:
 # The estimate's compression: the same tarball, the same 1 MiB dictionary, preset 6. Measured on
 # one node per shape of every example, recipe and the 56-decode fleet (62 tarballs): 56 to 96 bytes
 # (0.7 to 1.3 %) larger than XZ_PRESET's output, never smaller, in a third of the time (13 ms vs
-# 39 ms a node). tests/unit/test_limits.py holds the "never smaller" for every shape it sizes.
+# 39 ms a node). tests/node_render/test_limits.py holds the "never smaller" for every shape it sizes.
 ESTIMATE_PRESET = 6
 Compress = Callable[[Mapping[str, tuple[str, int]]], bytes]
 

@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 
 from tests.conftest import cfn_lint, nag_synth
-from tests.stacks.test_template import groups, launch_templates, of_type
+from tests.stacks.template import groups, launch_templates, of_type
 
 CR, CR2 = "cr-0123456789abcdef0", "cr-0fedcba9876543210"
 GROUP = "arn:aws:resource-groups:us-east-2:123456789012:group/trn3-reservations"

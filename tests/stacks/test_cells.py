@@ -10,7 +10,7 @@ import pytest
 from clusterspec.cells import cell_name, cells
 from clusterspec.loading import load_config
 from tests.conftest import cfn_lint, nag_synth
-from tests.stacks.test_template import of_type
+from tests.stacks.template import of_type
 
 
 @pytest.fixture(scope="module")

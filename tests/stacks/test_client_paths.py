@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from tests.stacks.test_template import of_type
+from tests.stacks.template import of_type
 
 OPERATOR = "10.200.0.0/16"
 

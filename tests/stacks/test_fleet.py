@@ -12,7 +12,7 @@ from node_render.limits import estimate
 from node_render.render import render_cluster
 from node_render.userdata import parse_user_data, user_data
 from tests.conftest import Synth
-from tests.stacks.test_template import ingress_rules, normalized, of_type, one
+from tests.stacks.template import ingress_rules, normalized, of_type, one
 
 
 def _user_data(res: dict[str, Any]) -> str:

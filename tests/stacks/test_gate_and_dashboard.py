@@ -12,7 +12,7 @@ import pytest
 
 from node_render import telemetry
 from tests.conftest import Synth
-from tests.stacks.test_template import of_type
+from tests.stacks.template import of_type
 
 
 def _user_data(resource: dict[str, Any]) -> str:

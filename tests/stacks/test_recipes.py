@@ -9,11 +9,11 @@ from typing import Any
 import pytest
 
 from tests.conftest import CDK, OTHER_RECIPES, ROOT, cfn_lint, cli_env
-from tests.stacks.test_template import launch_templates, normalized, of_type
+from tests.stacks.template import launch_templates, normalized, of_type
 
 
 def _ingress(t: dict[str, Any]) -> set[tuple[Any, ...]]:
-    from tests.stacks.test_template import ingress_rules
+    from tests.stacks.template import ingress_rules
 
     return ingress_rules(t)
 

@@ -2,7 +2,7 @@
 
 Each node identity (prefill-0, decode-0, and decode-1 of the two-decode router layout) is held by
 one VM at a time, as an Auto Scaling group of one holds one instance (two during a surge). `deploy()` is what `cdk deploy` does: it renders each node's user data
-with the same function the stack uses (tests/unit prove the stack embeds exactly that
+with the same function the stack uses (tests/userdata prove the stack embeds exactly that
 rendering), fills in what CloudFormation fills in (where the scripts asset and the compile
 cache are, each node's deploy gate), puts the stack's assets in the cluster's AWS (one moto on
 the host, tests/vm/aws.py), and says which nodes changed: a changed node's group replaces its

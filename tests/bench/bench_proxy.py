@@ -1,0 +1,176 @@
+"""`make bench-proxy`: vLLM's router and the toy proxy over the same fake servers, on loopback.
+
+Both run the command lines `plan` renders for a fleet of 2 decode servers and 6 prefill
+replicas (each node on its own 127.N.x.y address, as tests/userdata/test_router.py does); the
+fake servers answer at once (no model), so what is measured is the proxy's own cost. For each
+number of concurrent clients (1, 32, 128; keep-alive connections, 6 s each):
+
+- requests per second through the proxy (both endpoints, as the NLB spreads them);
+- p50 and p99 latency end to end through the proxy: with servers that take no time, what the
+  proxy adds plus the client's own cost, which is the same on both sides;
+- the router without its API gate (HAProxy; the router bound to the endpoint itself), to show what the gate costs;
+- for reference, the p50 of a client that makes the two calls itself (prefill, then decode with
+  the returned parameters) against the same servers: no proxy at all.
+
+Run it on an idle machine; it prints its conditions with the numbers.
+
+    python -m tests.bench.bench_proxy [--seconds S] [--clients 1,32,128]
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from node_render.paths import WHEELS_DIR
+from tests.userdata.router_fleet import NET, _cfg, _fleet
+
+
+def _router_venv(tmp: Path) -> Path:
+    """The router's venv, made with the node's own two commands (gptoss-install-router), from the pinned wheel."""
+    r = _cfg("vllm-router").serving.proxy.router
+    wheel = WHEELS_DIR / r.wheel
+    if not wheel.is_file():
+        sys.exit(f"bench-proxy: {wheel} is missing: run `make setup`")
+    venv = tmp / "router-venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+    subprocess.run([sys.executable, "-m", "pip", "--python", str(venv / "bin/python"), "install", "--quiet", "--no-index", "--no-deps",
+                    "--disable-pip-version-check", str(wheel)], check=True)  # fmt: skip
+    return venv
+
+
+def _percentile(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else float("nan")
+
+
+def _drive(clients: int, seconds: float, one: Any) -> tuple[float, list[float]]:
+    """`clients` threads calling `one(conn_state)` for `seconds`: (requests per second, latencies in ms)."""
+    lat: list[float] = []
+    lock = threading.Lock()
+    stop = time.monotonic() + seconds
+    errors = [0]
+
+    def loop(i: int) -> None:
+        state: dict[str, Any] = {"i": i, "n": 0}
+        mine = []
+        while time.monotonic() < stop:
+            state["n"] += 1
+            t = time.perf_counter()
+            if one(state):
+                mine.append((time.perf_counter() - t) * 1000)
+            else:
+                errors[0] += 1
+        with lock:
+            lat.extend(mine)
+
+    threads = [threading.Thread(target=loop, args=(i,)) for i in range(clients)]
+    t0 = time.monotonic()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors[0]:
+        print(f"  ({errors[0]} failed requests)", file=sys.stderr)
+    return len(lat) / (time.monotonic() - t0), lat
+
+
+def _post(state: dict[str, Any], key: str, host: str, port: int, body: dict[str, Any]) -> dict[str, Any] | None:
+    conn = state.get(key)
+    if conn is None:
+        conn = state[key] = http.client.HTTPConnection(host, port, timeout=30)
+    try:
+        conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        data = resp.read()
+        return json.loads(data) if resp.status == 200 else None
+    except (OSError, http.client.HTTPException, ValueError):
+        conn.close()
+        state.pop(key, None)
+        return None
+
+
+def _through(endpoints: list[tuple[str, int]]) -> Any:
+    def one(state: dict[str, Any]) -> bool:
+        host, port = endpoints[state["i"] % len(endpoints)]
+        body = {"model": "gpt-oss", "prompt": f"c{state['i']} r{state['n']}", "max_tokens": 8}
+        return _post(state, "proxy", host, port, body) is not None
+
+    return one
+
+
+def _direct(prefill: list[tuple[str, int]], decode: list[tuple[str, int]]) -> Any:
+    """A client doing the handoff itself: the baseline both proxies add to."""
+
+    def one(state: dict[str, Any]) -> bool:
+        n = state["i"] + state["n"]
+        p, d = prefill[n % len(prefill)], decode[n % len(decode)]
+        prompt = f"c{state['i']} r{state['n']}"
+        remote = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None, "remote_block_ids": None,
+                  "remote_host": None, "remote_port": None}  # fmt: skip
+        first = _post(state, f"p{p}", p[0], p[1], {"model": "gpt-oss", "prompt": prompt, "max_tokens": 1, "kv_transfer_params": remote})
+        if first is None:
+            return False
+        params = dict(first["kv_transfer_params"])
+        params["remote_host"] = p[0]
+        return _post(state, f"d{d}", d[0], d[1], {"model": "gpt-oss", "prompt": prompt, "max_tokens": 8, "kv_transfer_params": params}) is not None
+
+    return one
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    ap.add_argument("--seconds", type=float, default=6.0)
+    ap.add_argument("--clients", default="1,32,128")
+    args = ap.parse_args()
+    levels = [int(c) for c in args.clients.split(",")]
+    with tempfile.TemporaryDirectory(prefix="bench-proxy-") as d:
+        tmp = Path(d)
+        venv = _router_venv(tmp)
+        rows: dict[str, dict[int, tuple[float, float, float]]] = {}
+        direct: dict[int, tuple[float, list[float]]] = {}
+        for kind in ("vllm-router", "toy", "ungated"):
+            run = tmp / kind
+            run.mkdir()
+            proxy = "toy" if kind == "toy" else "vllm-router"
+            fleet = _fleet(proxy, run, None if kind == "toy" else venv, prefill_ms=0, decode_ms=0, gate=kind != "ungated")
+            try:
+                prefill = sorted((h, int(p)) for h, p in (n.split(":") for n in fleet.commands) if h.startswith(f"{NET}.1."))
+                decode = sorted((h, int(p)) for h, p in (n.split(":") for n in fleet.commands) if h.startswith(f"{NET}.2."))
+                rows[kind] = {}
+                for c in levels:
+                    if c not in direct:
+                        direct[c] = _drive(c, args.seconds, _direct(prefill, decode))
+                    rps, lat = _drive(c, args.seconds, _through(fleet.endpoints))
+                    rows[kind][c] = (rps, _percentile(lat, 0.5), _percentile(lat, 0.99))
+            finally:
+                fleet.stop()
+    print(f"bench-proxy: {os.cpu_count()} CPUs ({platform.machine()}), loopback, fake servers that answer at once, 2 endpoints, "
+          f"6 prefill + 2 decode servers, {args.seconds:g} s per point. Latency is end to end through the proxy: with servers that "
+          "take no time it is what the proxy adds, plus the client's own cost (the same on both sides).")  # fmt: skip
+    print(f"{'clients':>7} | {'req/s router':>12} {'toy':>6} {'ratio':>6} | {'p50 ms router':>13} {'toy':>7} | {'p99 ms router':>13} {'toy':>7} | {'direct p50':>10}")
+    for c in levels:
+        r, t = rows["vllm-router"][c], rows["toy"][c]
+        print(f"{c:>7} | {r[0]:>12.0f} {t[0]:>6.0f} {r[0] / t[0]:>5.1f}x | {r[1]:>13.2f} {t[1]:>7.2f} | {r[2]:>13.2f} {t[2]:>7.2f} | {statistics.median(direct[c][1]):>10.2f}")
+    print("direct: a client that makes the two calls itself (prefill, then decode), no proxy, same servers and concurrency.")
+    print("The API gate's cost (the router as shipped, behind its gate, vs the same router bound to the endpoint itself):")
+    print(f"{'clients':>7} | {'req/s gated':>11} {'ungated':>8} | {'p50 ms gated':>12} {'ungated':>8} | {'p99 ms gated':>12} {'ungated':>8}")
+    for c in levels:
+        g, u = rows["vllm-router"][c], rows["ungated"][c]
+        print(f"{c:>7} | {g[0]:>11.0f} {u[0]:>8.0f} | {g[1]:>12.2f} {u[1]:>8.2f} | {g[2]:>12.2f} {u[2]:>8.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
