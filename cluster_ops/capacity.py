@@ -170,9 +170,16 @@ def _fix(problems: list[str]) -> str:
 
 
 def block_clock(cfg: ClusterConfig, ec2: Any, reservation_ids: list[str], *, now: dt.datetime | None = None) -> list[str]:
-    """For `status`: how long each Capacity Block the nodes run in has left, one line each."""
+    """For `status`: how long each Capacity Block the nodes run in (or the spec names) has left, one line each;
+    for a block that has ended, which nodes went with it and how they come back."""
     now = now or dt.datetime.now(dt.UTC)
-    ids = sorted(set(reservation_ids))
+    roles = [n.role for n in cfg.layout.nodes]
+    by_block: dict[str, list[str]] = {}
+    for role in dict.fromkeys(roles):
+        rid, _ = cfg.capacity.target(role)
+        if rid:
+            by_block.setdefault(rid, []).append(role)
+    ids = sorted(set(reservation_ids) | set(by_block))
     if not ids:
         return []
     lines = []
@@ -181,7 +188,16 @@ def block_clock(cfg: ClusterConfig, ec2: Any, reservation_ids: list[str], *, now
         if cr.get("ReservationType") != "capacity-block" or until is None:
             continue
         left = until - now
-        line = f"Capacity Block {cr['CapacityReservationId']}: {_hours(left)} left before EC2 reclaims its instances ({until:%Y-%m-%d %H:%M} UTC)"
+        rid = cr["CapacityReservationId"]
+        if left <= dt.timedelta(0) or cr.get("State") in ("expired", "cancelled", "failed"):
+            held = by_block.get(rid, [])
+            nodes = ", ".join(f"{roles.count(r)} {r}" for r in held) or "its"
+            lines.append(f"Capacity Block {rid} ended {cr['EndDate']:%Y-%m-%d %H:%M} UTC (EC2 reclaimed its instances from "
+                         f"{until:%H:%M} UTC): the {nodes} nodes it held went with it (not a failure; their groups' launches fail "
+                         "until there is capacity again): `gptoss blocks` finds a block that fits, then deploy with "
+                         "capacity.reservation_id")  # fmt: skip
+            continue
+        line = f"Capacity Block {rid}: {_hours(left)} left before EC2 reclaims its instances ({until:%Y-%m-%d %H:%M} UTC)"
         if left < dt.timedelta(hours=2) and cfg.compile_cache_s3_uri:
             line += "; save the compile cache now: gptoss save-cache"
         lines.append(line)

@@ -95,10 +95,16 @@ def log_group(cfg: ClusterConfig) -> str:
     return f"/gptoss/{cfg.cluster_name}"
 
 
+def block_stop_s(cfg: ClusterConfig) -> int:
+    """How long before EC2 reclaims a Capacity Block's instances their servers stop: the collector looks once an
+    interval, so two intervals and a minute ahead (the routers elsewhere then have the minute to take them out)."""
+    return 2 * cfg.observability.interval_s + 60
+
+
 def node_config(cfg: ClusterConfig, node: Node, servers: list[dict[str, str]], units: list[str], router_metrics_url: str | None = None,
                 gate_socket: str | None = None) -> str:  # fmt: skip
-    block = cfg.capacity.target(node.role)[0] if cfg.capacity.type == "capacity-block" else None
     """The collector's telemetry.json for one node (`router_metrics_url` and the API gate's `gate_socket` on a router's node)."""
+    block = cfg.capacity.target(node.role)[0] if cfg.capacity.type == "capacity-block" else None
     doc = {
         "namespace": namespace(cfg),
         "region": cfg.region,
@@ -119,6 +125,8 @@ def node_config(cfg: ClusterConfig, node: Node, servers: list[dict[str, str]], u
         doc["gate_socket"] = gate_socket
     if block:
         # Drained before EC2 reclaims it: the router's request timeout for what runs, and a minute.
-        doc |= {"block": block, "block_drain_s": cfg.serving.proxy.router.request_timeout_s + 60, "block_retry_after_s": 600}
+        doc |= {"block": block, "block_drain_s": cfg.serving.proxy.router.request_timeout_s + 60, "block_retry_after_s": 600,
+                # Its servers stop before the reclaim, two of the collector's intervals and a minute ahead (it looks once an interval).
+                "block_stop_s": block_stop_s(cfg)}
     # Compact: the user data of a router node is near its budget (python3 -m json.tool shows it indented).
     return json.dumps(doc, separators=(",", ":")) + "\n"

@@ -177,6 +177,27 @@ def test_status_shows_the_time_a_block_has_left() -> None:
     ]
 
 
+def test_status_says_which_nodes_went_with_a_block_that_ended_and_how_they_come_back() -> None:
+    """No node runs in the block any more (EC2 reclaimed them): the spec's block is asked about, and its end explains the gap."""
+    cfg = load_config(BLOCK)
+    ended = block(hours_left=-3, State="expired")
+    ec2, _ = stubbed(([CR], [ended]))
+    assert capacity.block_clock(cfg, ec2, [], now=NOW) == [
+        f"Capacity Block {CR} ended 2026-11-30 09:00 UTC (EC2 reclaimed its instances from 08:30 UTC): the 1 prefill, 1 decode "
+        "nodes it held went with it (not a failure; their groups' launches fail until there is capacity again): `gptoss blocks` "
+        "finds a block that fits, then deploy with capacity.reservation_id"
+    ]
+    # Mixed capacity: only the role on the block is named.
+    mixed = load_config({"capacity": {"type": "capacity-block", "roles": {"decode": {"reservation_id": CR}, "prefill": {"reservation_id": CR2}}}})
+    ec2, _ = stubbed(([CR, CR2], [ended, block(CR2, hours_left=30)]))
+    assert capacity.block_clock(mixed, ec2, [], now=NOW) == [
+        f"Capacity Block {CR} ended 2026-11-30 09:00 UTC (EC2 reclaimed its instances from 08:30 UTC): the 1 decode nodes it held "
+        "went with it (not a failure; their groups' launches fail until there is capacity again): `gptoss blocks` finds a block "
+        "that fits, then deploy with capacity.reservation_id",
+        f"Capacity Block {CR2}: 29 h 30 min left before EC2 reclaims its instances (2026-12-01 17:30 UTC)",
+    ]
+
+
 def test_a_capacity_failure_is_one_line_naming_the_role_and_the_fix() -> None:
     cfg = load_config({"decode_instances": "8"})
     events = [

@@ -360,3 +360,41 @@ def test_a_capacity_blocks_hours_left_come_from_ec2_and_follow_an_extension(tmp_
     assert marker.exists() and api_calls.read_text() == "drain 600\n", "the gate takes nothing new, answers 503 with Retry-After"
     c.collect(3800.0)
     assert api_calls.read_text() == "drain 600\n", "once"
+    assert not (Path(os.environ["GPTOSS_RUN_DIR"]) / "block-stopped").exists(), "the servers serve while the routers' streams end"
+
+
+def test_a_blocks_servers_stop_before_the_reclaim_so_that_the_routers_see_them_refuse(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """block_stop_s before EC2 starts reclaiming (two intervals and a minute: the rendered 180 s for a 60 s interval), the
+    node's servers stop, once, and never before; a node whose servers stopped is draining too (no replacement asked for)."""
+    import datetime as dt
+    import time as clock
+
+    from clusterspec.loading import load_config
+
+    cfg = load_config({"capacity": {"type": "capacity-block", "reservation_id": "cr-0123456789abcdef0"}})
+    assert telemetry.block_stop_s(cfg) == 180
+    servers = [{"name": f"prefill-0 replica {i}", "unit": f"gptoss-prefill@{i}.service", "health_url": "http://127.0.0.1:9/health"} for i in range(2)]
+    mod, c, _ = _states_collector(tmp_path, monkeypatch, {}, servers)
+    stops = tmp_path / "stops"
+    show = tmp_path / "systemctl"
+    fake_command(tmp_path, "systemctl-recording", f'if [ "$1" = stop ]; then echo "$*" >> "{stops}"; exit 0; fi\nexec "{show}" "$@"\n')
+    monkeypatch.setattr(mod, "SYSTEMCTL", str(tmp_path / "systemctl-recording"))
+    end = tmp_path / "end"
+    fake_command(tmp_path, "aws", f'cat "{end}"\n')
+    monkeypatch.setattr(mod, "AWS", str(tmp_path / "aws"))
+    c.cfg |= {"block": "cr-0123456789abcdef0", "block_drain_s": 1860, "block_stop_s": 180}
+    run_dir = Path(os.environ["GPTOSS_RUN_DIR"])
+
+    def reclaimed_in(seconds: float) -> None:
+        end.write_text(dt.datetime.fromtimestamp(clock.time() + seconds + 1800, dt.UTC).strftime("%Y-%m-%dT%H:%M:%S+00:00") + "\n")
+        c.previous.pop("block", None)  # asked of EC2 again now, not after 10 minutes
+
+    reclaimed_in(600)
+    c.collect(1000.0)
+    assert (run_dir / "block-draining").exists() and not stops.exists(), "draining, the servers still serve"
+    reclaimed_in(150)
+    c.collect(1060.0)
+    assert stops.read_text() == "stop --no-block gptoss-prefill@0.service gptoss-prefill@1.service\n"
+    reclaimed_in(90)
+    c.collect(1120.0)
+    assert stops.read_text().count("stop") == 1, "once"
