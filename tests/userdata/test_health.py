@@ -7,7 +7,6 @@ from __future__ import annotations
 import http.server
 import json
 import os
-import socket
 import subprocess
 import sys
 import threading
@@ -18,24 +17,17 @@ from typing import Any, ClassVar
 
 from node_render.paths import USERDATA_DIR
 from tests.conftest import fake_command, real_aws_cli
+from tests.local_moto import free_port
 
-SCRIPTS = sorted(p for p in (USERDATA_DIR / "bin").iterdir() if p.is_file())
-BASH = [p for p in SCRIPTS if p.read_text().startswith("#!/usr/bin/env bash")]
-PYTHON = [p for p in SCRIPTS if p.read_text().startswith("#!/usr/bin/env python3")]
 Shipped = Callable[[str], Path]
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 # ---- gptoss-status and gptoss-group-health ---------------------------------------------------------
 
 
 def test_status_reports_state_restarts_phase_and_the_last_log_line_of_what_is_not_ready(tmp_path: Path, health_server: str) -> None:
-    dead = f"http://127.0.0.1:{_free_port()}/health"
+    dead = f"http://127.0.0.1:{free_port()}/health"
     (tmp_path / "health").write_text(
         f"gptoss-stage.service - -\ngptoss-prefill@0.service {health_server}/health prefill_0\ngptoss-prefill@1.service {dead} prefill_1\n"
     )
@@ -67,8 +59,8 @@ def test_status_reports_state_restarts_phase_and_the_last_log_line_of_what_is_no
 
 
 def test_group_health_is_ready_only_when_every_server_of_the_group_answers(health_server: str) -> None:
-    port = _free_port()
-    dead_port = _free_port()
+    port = free_port()
+    dead_port = free_port()
     proc = subprocess.Popen(
         [sys.executable, str(USERDATA_DIR / "bin/gptoss-group-health"), str(port), f"{health_server}/health",
          f"http://127.0.0.1:{dead_port}/health"],

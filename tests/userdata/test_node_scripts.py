@@ -7,7 +7,6 @@ import http.server
 import json
 import os
 import shutil
-import socket
 import subprocess
 import threading
 import time
@@ -17,20 +16,12 @@ from typing import Any
 
 import pytest
 
-from node_render.paths import USERDATA_DIR
 from node_render.userdata import bundle
 from tests.conftest import fake_command
+from tests.local_moto import free_port
 
-SCRIPTS = sorted(p for p in (USERDATA_DIR / "bin").iterdir() if p.is_file())
-BASH = [p for p in SCRIPTS if p.read_text().startswith("#!/usr/bin/env bash")]
-PYTHON = [p for p in SCRIPTS if p.read_text().startswith("#!/usr/bin/env python3")]
 Shipped = Callable[[str], Path]
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 # ---- gptoss-bootstrap: every boot ------------------------------------------------------------
@@ -353,7 +344,7 @@ def test_wait_healthy_runs_its_command_once_every_url_answers(health_server: str
 
 
 def test_wait_healthy_times_out_naming_the_silent_url(health_server: str, shipped: Shipped) -> None:
-    dead = f"http://127.0.0.1:{_free_port()}/health"
+    dead = f"http://127.0.0.1:{free_port()}/health"
     res = subprocess.run(
         [str(shipped("gptoss-wait-healthy")), "2", f"{health_server}/health", dead, "--", "echo", "never"],
         capture_output=True, text=True, env={**os.environ, "GPTOSS_POLL_S": "0.2"}, timeout=30,
@@ -380,7 +371,7 @@ def prefill_gate(tmp_path: Path, shipped: Shipped) -> Callable[..., subprocess.C
 
 
 def test_gate_starts_replica_zero_at_once_and_the_others_when_a_replica_answers(prefill_gate: Any, health_server: str) -> None:
-    dead = f"http://127.0.0.1:{_free_port()}/health"
+    dead = f"http://127.0.0.1:{free_port()}/health"
     r0 = prefill_gate("0", "1", dead)
     assert r0.returncode == 0 and r0.stdout.splitlines()[-1] == "replica 0 runs"
     r3 = prefill_gate("3", "30", dead, f"{health_server}/health")
@@ -389,7 +380,7 @@ def test_gate_starts_replica_zero_at_once_and_the_others_when_a_replica_answers(
 
 
 def test_gate_releases_the_replicas_when_the_first_one_crash_loops(prefill_gate: Any) -> None:
-    dead = f"http://127.0.0.1:{_free_port()}/health"
+    dead = f"http://127.0.0.1:{free_port()}/health"
     prefill_gate.state.write_text("ActiveState=activating\nNRestarts=2\n")
     # Its timeout is 4 hours: it returns at all (the helper gives it a minute) because it released the replicas.
     r = prefill_gate("3", "14400", dead)
@@ -398,7 +389,7 @@ def test_gate_releases_the_replicas_when_the_first_one_crash_loops(prefill_gate:
 
 
 def test_gate_waits_at_most_its_bound(prefill_gate: Any) -> None:
-    dead = f"http://127.0.0.1:{_free_port()}/health"
+    dead = f"http://127.0.0.1:{free_port()}/health"
     r = prefill_gate("2", "1", dead)
     assert r.returncode == 0 and "no replica answered within 1s: starting without waiting longer" in r.stdout
 
