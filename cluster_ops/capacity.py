@@ -173,7 +173,7 @@ def block_clock(cfg: ClusterConfig, ec2: Any, reservation_ids: list[str], *, now
     """For `status`: how long each Capacity Block the nodes run in (or the spec names) has left, one line each;
     for a block that has ended, which nodes went with it and how they come back."""
     now = now or dt.datetime.now(dt.UTC)
-    roles = [n.role for n in cfg.layout.nodes]
+    roles: list[str] = [n.role for n in cfg.layout.nodes]
     by_block: dict[str, list[str]] = {}
     for role in dict.fromkeys(roles):
         rid, _ = cfg.capacity.target(role)

@@ -8,7 +8,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from cluster_ops import common, policy_update, rollout, stack
+from cluster_ops import common, policy_update, replacements, rollout, stack
 from clusterspec.config import ClusterConfig
 from clusterspec.names import node_order
 from clusterspec.sections.rollout import FIRST_DEPLOY_CONTEXT
@@ -28,6 +28,7 @@ class DeployPlan:
     ready_min: float | None = None  # a node's time to serve at the last deploy
     policy_changed: list[str] = field(default_factory=list)  # the nodes whose group's rollout policy changes
     moves: list[str] = field(default_factory=list)  # a move onto other capacity: what it means, said before
+    why: dict[str, tuple[str, list[str]]] = field(default_factory=dict)  # replaced node -> (machine|software, what changed)
 
 
 def make(cfg: ClusterConfig, context: list[str], workdir: Path) -> DeployPlan:
@@ -58,7 +59,9 @@ def make(cfg: ClusterConfig, context: list[str], workdir: Path) -> DeployPlan:
         synthesized = rollout.assembly_templates(assembly, cfg.stack_name)
         r = rollout.compare(rollout.flatten_templates(deployed), rollout.flatten_templates(synthesized))
     changed = sorted(policy_update.policy_nodes(deployed, synthesized), key=node_order)
-    return DeployPlan(cfg, context, assembly, r, policy_update.updates(deployed, synthesized), why, ready, changed, _move_lines(cfg, moves))
+    kinds = replacements.reasons(rollout.flatten_templates(deployed), rollout.flatten_templates(synthesized))
+    return DeployPlan(cfg, context, assembly, r, policy_update.updates(deployed, synthesized), why, ready, changed, _move_lines(cfg, moves),
+                      {n: kinds[n] for n in r.replaced if n in kinds})  # fmt: skip
 
 
 def _move_lines(cfg: ClusterConfig, moves: dict[str, tuple[tuple[str, ...], tuple[str, ...]]]) -> list[str]:
@@ -92,6 +95,7 @@ def lines(plan: DeployPlan) -> list[str]:
         out.append(f"this deploy replaces nodes without surge: {plan.surge_off} (rollout.surge=off for this deploy; "
                    "set rollout.surge=on to surge anyway)")  # fmt: skip
     out += rollout.describe(plan.cfg, plan.change, plan.ready_min)
+    out += replacements.lines(plan.why)
     if [name for name, _ in plan.updates] == ["policy", "change"]:
         changed = plan.policy_changed
         out.append(f"  two CloudFormation updates: first the rollout policy of {len(changed)} node groups alone ({rollout.span(changed)}: "

@@ -310,6 +310,9 @@ def test_single_instance_recipe_with_the_stacks_own_cache_bucket_deploys_and_is_
         assert ("this deploy replaces the instances of 1 of the 1 running nodes, in batches (each replacement launched and "
                 "serving before its old instance is terminated (surge)): batch 1: server-0") in changed, changed[-3000:]  # fmt: skip
         assert "server: 1 batch, at most 0 of 1 out (surge: each replacement serves before its old instance goes), minimum serving server 1/1" in changed, changed[-3000:]
+        # Why, read from the template CloudFormation holds: the device wait is in the node's environment and its check's unit.
+        assert ("  why server-0: its files /etc/gptoss/cluster.env, /etc/systemd/system/gptoss-node-check.service (a software change, "
+                "which today also takes a new instance: it boots, stages the model and loads again)") in changed, changed[-3000:]  # fmt: skip
 
     seen = deploy_check_destroy(
         local_aws, "recipe=gptoss-20b-single", "compile_cache_s3_uri=null", stack="GptOss20bSingleStack", cluster="gptoss-20b-single",
