@@ -389,12 +389,13 @@ def test_a_blocks_servers_stop_before_the_reclaim_so_that_the_routers_see_them_r
         end.write_text(dt.datetime.fromtimestamp(clock.time() + seconds + 1800, dt.UTC).strftime("%Y-%m-%dT%H:%M:%S+00:00") + "\n")
         c.previous.pop("block", None)  # asked of EC2 again now, not after 10 minutes
 
+    c.ever_up = {s["name"] for s in servers}  # both answered earlier; their health URLs answer nothing now
     reclaimed_in(600)
-    c.collect(1000.0)
+    assert _values(c.collect(1000.0))["ServersDown"] == 2, "down while the block runs: the ServersDown alarm's to say"
     assert (run_dir / "block-draining").exists() and not stops.exists(), "draining, the servers still serve"
     reclaimed_in(150)
     c.collect(1060.0)
     assert stops.read_text() == "stop --no-block gptoss-prefill@0.service gptoss-prefill@1.service\n"
     reclaimed_in(90)
-    c.collect(1120.0)
+    assert _values(c.collect(1120.0))["ServersDown"] == 0, "stopped on purpose before the reclaim: nothing pages"
     assert stops.read_text().count("stop") == 1, "once"
