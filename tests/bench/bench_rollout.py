@@ -70,7 +70,7 @@ def script_edited(change: str) -> Iterator[None]:
 def main() -> int:
     import aws_cdk as cdk
 
-    from cluster_ops import rollout
+    from cluster_ops import replacements, rollout
     from clusterspec.loading import load_config
     from stacks.cluster_stack import GptOssClusterStack
     from tests.fakes import cloudformation as cf
@@ -103,13 +103,19 @@ def main() -> int:
                 for k, v in delta.items():
                     context[k] = str(int(base.get(k, "1")) + 1) if v == "+1" else v
                 with script_edited(change):
-                    r = rollout.compare(before, rollout.flatten_templates(synth(context)))
+                    after = rollout.flatten_templates(synth(context))
+                    r = rollout.compare(before, after)
                     replayed = replay_line(fleet, change, deployed, context, NODE_MIN)
                 cfg = load_config(context)
-                lines = rollout.role_lines(cfg, r) or ["no instance replaced"]
+                # Which kind of change each role's replacements are (gptoss diff's "why" lines): none is applied in place yet.
+                why = replacements.reasons(before, after)
+                roles = {n.name: n.role for n in cfg.layout.nodes}
+                lines = rollout.role_lines(cfg, r) or ["no instance replaced (run-time data: in place)"]
                 extra = f" (launched: {', '.join(r.launched)})" if r.launched else ""
                 for line in lines:
-                    print(f"rollout: {fleet}: {change}: {line}{extra}")
+                    kinds = sorted({why[n][0] for n in r.replaced if n in why and roles.get(n) == line.split(":")[0]})
+                    kind = f"; {' and '.join(kinds)}, in place: no" if kinds else ""
+                    print(f"rollout: {fleet}: {change}: {line}{kind}{extra}")
                 print(replayed, flush=True)
         change = "a decode server flag (max_num_seqs)"
         for fleet, base in MATRIX_FLEETS.items():
