@@ -22,6 +22,7 @@ from tests.userdata.api_gate_peers import (
     _gate,
     _port,
     completion,
+    completion_doc,
     request,
 )
 
@@ -158,7 +159,7 @@ def test_the_node_runs_the_pinned_haproxy_and_installs_it_only_when_the_image_la
     assert f"apt did not install haproxy={mine}.* within 3s" in failed.stderr and "use an image that carries HAProxy" in failed.stderr, failed
 
 
-def test_a_draining_gate_answers_new_requests_503_with_retry_after_while_a_running_stream_ends(gate: Any) -> None:
+def test_a_draining_gate_answers_new_requests_503_with_retry_after_while_a_running_stream_ends_and_undrains(gate: Any) -> None:
     """Before a Capacity Block's end (gptoss-api drain, which the node's collector runs): nothing new is taken,
     readiness included, each with a clean 503 and Retry-After; a stream that was running goes on to its end."""
     upstream, port, g = gate
@@ -178,6 +179,10 @@ def test_a_draining_gate_answers_new_requests_503_with_retry_after_while_a_runni
         assert chunk, "the running stream was cut by the drain"
         got += chunk
     s.close()
+    # The block was extended after all (the collector sees its end move): the node serves again.
+    assert g.api("undrain").returncode == 0
+    assert completion(port, id="extended") == (200, completion_doc(upstream, "extended"))
+    assert request(port, "GET", "/readiness")[0] == 200
 
 
 def test_the_node_scripts_defaults_are_the_paths_and_bounds_the_spec_renders() -> None:

@@ -365,7 +365,8 @@ def test_a_capacity_blocks_hours_left_come_from_ec2_and_follow_an_extension(tmp_
 
 def test_a_blocks_servers_stop_before_the_reclaim_so_that_the_routers_see_them_refuse(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """block_stop_s before EC2 starts reclaiming (two intervals and a minute: the rendered 180 s for a 60 s interval), the
-    node's servers stop, once, and never before; a node whose servers stopped is draining too (no replacement asked for)."""
+    node's servers stop, once, and never before; a node whose servers stopped is draining too (no replacement asked for).
+    An extension that moves the end out of the drain undoes both."""
     import datetime as dt
     import time as clock
 
@@ -377,12 +378,15 @@ def test_a_blocks_servers_stop_before_the_reclaim_so_that_the_routers_see_them_r
     mod, c, _ = _states_collector(tmp_path, monkeypatch, {}, servers)
     stops = tmp_path / "stops"
     show = tmp_path / "systemctl"
-    fake_command(tmp_path, "systemctl-recording", f'if [ "$1" = stop ]; then echo "$*" >> "{stops}"; exit 0; fi\nexec "{show}" "$@"\n')
+    fake_command(tmp_path, "systemctl-recording", f'case $1 in stop|start) echo "$*" >> "{stops}"; exit 0 ;; esac\nexec "{show}" "$@"\n')
+    api_calls = tmp_path / "api"
+    fake_command(tmp_path, "gptoss-api", f'echo "$*" >> "{api_calls}"\n')
+    monkeypatch.setattr(mod, "API", str(tmp_path / "gptoss-api"))
     monkeypatch.setattr(mod, "SYSTEMCTL", str(tmp_path / "systemctl-recording"))
     end = tmp_path / "end"
     fake_command(tmp_path, "aws", f'cat "{end}"\n')
     monkeypatch.setattr(mod, "AWS", str(tmp_path / "aws"))
-    c.cfg |= {"block": "cr-0123456789abcdef0", "block_drain_s": 1860, "block_stop_s": 180}
+    c.cfg |= {"block": "cr-0123456789abcdef0", "block_drain_s": 1860, "block_stop_s": 180, "gate_socket": "/run/gptoss/haproxy.sock"}
     run_dir = Path(os.environ["GPTOSS_RUN_DIR"])
 
     def reclaimed_in(seconds: float) -> None:
@@ -399,3 +403,12 @@ def test_a_blocks_servers_stop_before_the_reclaim_so_that_the_routers_see_them_r
     reclaimed_in(90)
     assert _values(c.collect(1120.0))["ServersDown"] == 0, "stopped on purpose before the reclaim: nothing pages"
     assert stops.read_text().count("stop") == 1, "once"
+    # An extension bought in the block's last minutes: EC2's end moves out; the node serves again, once.
+    reclaimed_in(3 * 3600)
+    c.collect(1180.0)
+    assert stops.read_text().splitlines()[-1] == "start --no-block gptoss-prefill@0.service gptoss-prefill@1.service"
+    assert api_calls.read_text() == "drain 600\nundrain\n"
+    assert not (run_dir / "block-draining").exists() and not (run_dir / "block-stopped").exists(), "healing and ServersDown as before"
+    reclaimed_in(3 * 3600)
+    c.collect(1240.0)
+    assert stops.read_text().count("start") == 1 and api_calls.read_text().count("undrain") == 1, "once"
