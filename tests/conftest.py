@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import http.server
 import json
 import os
@@ -31,7 +32,10 @@ os.environ.setdefault("CDK_VALIDATION", "false")
 # Hypothesis keeps what it learns (its example database, a cache of the code's constants) in
 # .hypothesis/ of the working directory: a directory of this run's own instead, so nothing is
 # written to the checkout and two runs on one machine share nothing.
-os.environ.setdefault("HYPOTHESIS_STORAGE_DIRECTORY", tempfile.mkdtemp(prefix="gptoss-hypothesis-"))
+# It is removed when the process that made it exits (it was left behind: hundreds after a day of runs).
+if "HYPOTHESIS_STORAGE_DIRECTORY" not in os.environ:
+    os.environ["HYPOTHESIS_STORAGE_DIRECTORY"] = tempfile.mkdtemp(prefix="gptoss-hypothesis-")
+    atexit.register(shutil.rmtree, os.environ["HYPOTHESIS_STORAGE_DIRECTORY"], ignore_errors=True)
 
 
 def cli_env(**extra: str) -> dict[str, str]:
