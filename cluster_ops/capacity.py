@@ -191,9 +191,9 @@ def block_clock(cfg: ClusterConfig, ec2: Any, reservation_ids: list[str], *, now
         rid = cr["CapacityReservationId"]
         if left <= dt.timedelta(0) or cr.get("State") in ("expired", "cancelled", "failed"):
             held = by_block.get(rid, [])
-            nodes = ", ".join(f"{roles.count(r)} {r}" for r in held) or "its"
+            nodes = f"the {', '.join(f'{roles.count(r)} {r}' for r in held)} nodes" if held else "the nodes"
             lines.append(f"Capacity Block {rid} ended {cr['EndDate']:%Y-%m-%d %H:%M} UTC (EC2 reclaimed its instances from "
-                         f"{until:%H:%M} UTC): the {nodes} nodes it held went with it (not a failure; their groups' launches fail "
+                         f"{until:%H:%M} UTC): {nodes} it held went with it (not a failure; their groups' launches fail "
                          "until there is capacity again): `gptoss blocks` finds a block that fits, then deploy with "
                          "capacity.reservation_id")  # fmt: skip
             continue

@@ -17,7 +17,7 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
-from cluster_ops.rollout import GROUP_LAUNCH_PROPERTIES, span
+from cluster_ops.rollout import launch_settings, span
 from clusterspec.names import node_order
 from node_render.userdata import parse_user_data
 
@@ -39,25 +39,6 @@ SOFTWARE_VALUES = {"GPTOSS_SCRIPTS_SHA256": "the node scripts", "GPTOSS_SCRIPTS_
                    "GPTOSS_COMPILE_CACHE_URI": "the compile cache location"}
 # What changes with the deploy gate itself (a consequence of a replacement, never its cause).
 GATE_VALUES = {"GPTOSS_SIGNAL_URL", "GPTOSS_GATE"}
-
-
-def _launches(resources: Mapping[str, Any]) -> dict[str, tuple[dict[str, Any], dict[str, Any]]]:
-    """Each node -> (its launch template's data, its group's launch properties)."""
-    out = {}
-    for lid, res in resources.items():
-        if res.get("Type") != "AWS::AutoScaling::AutoScalingGroup":
-            continue
-        props = res.get("Properties", {})
-        tags = {t.get("Key"): t.get("Value") for t in props.get("Tags", []) if isinstance(t, dict)}
-        node = tags.get("gptoss:node")
-        if not isinstance(node, str):
-            continue
-        scope = lid.rsplit("/", 1)[0] + "/" if "/" in lid else ""
-        ref = (props.get("LaunchTemplate") or {}).get("LaunchTemplateId") or {}
-        template = resources.get(f"{scope}{ref.get('Ref')}", {}) if isinstance(ref, dict) else {}
-        data = template.get("Properties", {}).get("LaunchTemplateData") or {}
-        out[node] = (data, {k: props.get(k) for k in GROUP_LAUNCH_PROPERTIES})
-    return out
 
 
 def _token(value: Any) -> str:
@@ -106,7 +87,7 @@ def _software(before: Any, after: Any) -> list[str]:
 
 def reasons(before: Mapping[str, Any], after: Mapping[str, Any]) -> dict[str, tuple[str, list[str]]]:
     """Each node whose launch changes -> (kind: 'machine' or 'software', what changed), from two flattened templates."""
-    old, new = _launches(before), _launches(after)
+    old, new = launch_settings(before), launch_settings(after)
     out = {}
     for node in sorted(set(old) & set(new), key=node_order):
         (old_data, old_group), (new_data, new_group) = old[node], new[node]

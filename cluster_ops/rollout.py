@@ -60,8 +60,8 @@ def flatten(parent: Template, nested: Callable[[str], Template | None]) -> dict[
     return out
 
 
-def node_launches(resources: Mapping[str, Any]) -> dict[str, str]:
-    """Each node (its group's gptoss:node tag) -> a digest of what its group launches."""
+def launch_settings(resources: Mapping[str, Any]) -> dict[str, tuple[dict[str, Any], dict[str, Any]]]:
+    """Each node (its group's gptoss:node tag) -> (its launch template's data, its group's launch properties)."""
     out = {}
     for lid, res in resources.items():
         if res.get("Type") != "AWS::AutoScaling::AutoScalingGroup":
@@ -75,9 +75,16 @@ def node_launches(resources: Mapping[str, Any]) -> dict[str, str]:
         template_ref = (props.get("LaunchTemplate") or {}).get("LaunchTemplateId") or {}
         template_lid = template_ref.get("Ref") if isinstance(template_ref, dict) else None
         data = resources.get(f"{scope}{template_lid}", {}).get("Properties", {}).get("LaunchTemplateData") if template_lid else None
-        launch = {"LaunchTemplateData": data, **{k: props.get(k) for k in GROUP_LAUNCH_PROPERTIES}}
-        out[node] = hashlib.sha256(json.dumps(launch, sort_keys=True).encode()).hexdigest()
+        out[node] = (data or {}, {k: props.get(k) for k in GROUP_LAUNCH_PROPERTIES})
     return out
+
+
+def node_launches(resources: Mapping[str, Any]) -> dict[str, str]:
+    """Each node -> a digest of what its group launches."""
+    return {
+        node: hashlib.sha256(json.dumps({"LaunchTemplateData": data or None, **group}, sort_keys=True).encode()).hexdigest()
+        for node, (data, group) in launch_settings(resources).items()
+    }
 
 
 Templates = dict[str, Template]  # '' -> the stack's template, a cell's nested stack logical id -> its template

@@ -78,6 +78,7 @@ def test_the_node_scripts_apply_the_same_naming_rules(context: dict[str, str]) -
 
 # Every node path a script names must be one of the Python definitions (a directory the renderer
 # writes into, or one of its files): a script that says /etc/gptoss/healthz fails here.
+NODE_PATH = re.compile(r"/(?:etc|run|var/lib|opt)/gptoss[A-Za-z0-9_./@-]*")
 DEFINED = {
     paths.ETC, paths.RUN_DIR, paths.STATE_DIR, paths.BIN, paths.ROUTER_VENV_ROOT, paths.EXAMPLES_DIR,
     paths.CLUSTER_ENV, paths.DEPLOY_ENV, paths.SIGNAL_ENV, paths.MANIFEST, paths.UNITS_FILE, paths.HEALTH_FILE,
@@ -89,7 +90,7 @@ DEFINED = {
 def test_every_node_path_a_script_names_is_the_one_python_defines() -> None:
     found: dict[str, set[str]] = {}
     for script in sorted(BIN.iterdir()):
-        for path in re.findall(r"/(?:etc|run|var/lib|opt)/gptoss[A-Za-z0-9_./@-]*", script.read_text()):
+        for path in NODE_PATH.findall(script.read_text()):
             found.setdefault(path.rstrip("/."), set()).add(script.name)
     assert len(found) >= 10, "the scan found the scripts' paths"
     assert {p: sorted(s) for p, s in found.items() if p not in DEFINED} == {}
@@ -109,4 +110,4 @@ def test_every_node_path_a_script_names_is_the_one_python_defines() -> None:
 def test_the_parity_scan_fails_on_a_path_python_does_not_define() -> None:
     """The scan itself can fail: a path no definition holds is reported with its script."""
     text = 'health=${GPTOSS_HEALTH_FILE:-/etc/gptoss/healthz}\n'
-    assert [p for p in re.findall(r"/(?:etc|run|var/lib|opt)/gptoss[A-Za-z0-9_./@-]*", text) if p not in DEFINED] == ["/etc/gptoss/healthz"]
+    assert [p for p in NODE_PATH.findall(text) if p not in DEFINED] == ["/etc/gptoss/healthz"]

@@ -10,6 +10,7 @@ import re
 from typing import Any
 
 from cluster_ops import replacements
+from clusterspec.names import node_order
 
 PROD = {"decode_instances": "8"}
 
@@ -42,7 +43,7 @@ def test_a_decode_flag_is_a_software_change_of_the_decode_nodes_files(synth_vari
 def test_a_new_image_is_a_machine_change_of_every_node_and_nothing_else(synth_variant: Any) -> None:
     base = PROD | {"ami_id": "ami-0aaaaaaaaaaaaaaa1"}
     why = _why(synth_variant, base, base | {"ami_id": "ami-0bbbbbbbbbbbbbbb2"})
-    assert sorted(why, key=lambda n: (n.split("-")[0], int(n.split("-")[1]))) == [
+    assert sorted(why, key=node_order) == [
         *(f"decode-{d}" for d in range(8)), *(f"prefill-{p}" for p in range(3))]  # fmt: skip
     assert {(kind, tuple(what)) for kind, what in why.values()} == {("machine", ("the image",))}
     assert replacements.lines(why) == ["  why decode-0..7, prefill-0..2: the image (a new machine)"]
@@ -64,6 +65,6 @@ def test_a_new_node_script_is_a_software_change_named_as_such(synth_variant: Any
     (sha,) = shas
     before = json.loads(text.replace(sha, "0" * 64))
     why = replacements.reasons(before, after)
-    assert sorted(why, key=lambda n: (n.split("-")[0], int(n.split("-")[1]))) == [
+    assert sorted(why, key=node_order) == [
         *(f"decode-{d}" for d in range(8)), *(f"prefill-{p}" for p in range(3))]  # fmt: skip
     assert {(kind, tuple(what)) for kind, what in why.values()} == {("software", ("the node scripts",))}
