@@ -27,6 +27,10 @@ class Shared:
     scripts_uri: str
     scripts_sha256: str
     scripts_arn: str
+    # rollout.software=in-place: the parameter naming the current version, the document that applies one.
+    software_parameter: str | None
+    software_parameter_arn: str | None
+    software_document_arn: str | None
     router_uri: str | None
     router_arn: str | None
     router_fleet_arn: str | None
@@ -59,7 +63,12 @@ class NodeCell(NestedStack):
         )
         image_id = CfnParameter(self, "ImageId", type="AWS::EC2::Image::Id", description="The Neuron DLAMI every node boots").value_as_string
         # Its id names the cell: every logical id of a node or a cell is unique across the stack's templates.
-        policy = NodePolicy(self, f"{construct_id}Policy", config=config, cache=shared.cache, scripts_arn=shared.scripts_arn)
+        policy = NodePolicy(
+            self, f"{construct_id}Policy", config=config, cache=shared.cache, scripts_arn=shared.scripts_arn,
+            software_parameter_arn=shared.software_parameter_arn, software_document_arn=shared.software_document_arn,
+        )  # fmt: skip
+        # In place, a new software version changes no node's launch template or gate: State Manager applies it.
+        pinned = shared.software_parameter is None
         self.nodes: dict[str, ClusterNode] = {}
         gates: dict[str, NodeReadyGate] = {}
         for node in cell.nodes:
@@ -69,7 +78,7 @@ class NodeCell(NestedStack):
                     self,
                     f"{node.logical_id}Ready",
                     render=render,
-                    scripts_sha256=shared.scripts_sha256,
+                    software_sha256=shared.scripts_sha256 if pinned else "",
                     launch=launch_inputs(config, node.role),
                     timeout_s=config.gate_timeout_s,
                 )
@@ -99,8 +108,9 @@ class NodeCell(NestedStack):
                 placement_group=shared.placement_group,
                 user_data=user_data(
                     render,
-                    scripts_uri=shared.scripts_uri,
-                    scripts_sha256=shared.scripts_sha256,
+                    scripts_uri=shared.scripts_uri if pinned else None,
+                    scripts_sha256=shared.scripts_sha256 if pinned else None,
+                    software_parameter=shared.software_parameter,
                     signal_url=gate.url if gate else None,
                     gate_id=gate.condition_id if gate else None,
                     router_uri=shared.router_uri,

@@ -13,16 +13,16 @@ class NodeReadyGate(Construct):
     """A wait condition for one node, signalled by the node's gptoss-signal with a reason.
 
     The node PUTs to the handle's presigned URL (no IAM permission; through the S3 gateway
-    endpoint when there is no egress). The logical ids carry a digest of what the node runs and
-    is launched from: an update that changes the node (which restarts or replaces it) makes a
-    new gate the update waits for; an update that leaves the node alone leaves its gate, and
-    the node, alone.
+    endpoint when there is no egress). The logical ids carry a digest of what the node is launched
+    from (node_digest): an update that replaces the node's instance makes a new gate the update
+    waits for; one that leaves the instance alone (a software change applied in place) leaves
+    its gate alone.
     """
 
     def __init__(
-        self, scope: Construct, construct_id: str, *, render: NodeRender, scripts_sha256: str, launch: str, timeout_s: int
+        self, scope: Construct, construct_id: str, *, render: NodeRender, software_sha256: str, launch: str, timeout_s: int
     ) -> None:
-        super().__init__(scope, f"{construct_id}{node_digest(render, scripts_sha256, launch)}")
+        super().__init__(scope, f"{construct_id}{node_digest(render, software_sha256, launch)}")
         self.handle = CfnWaitConditionHandle(self, "Handle")
         self.condition = CfnWaitCondition(self, "Condition", handle=self.handle.ref, timeout=str(timeout_s), count=1)
 

@@ -33,7 +33,7 @@ def _bucket_prefix(uri: str) -> tuple[str, str]:
 # The SSM agent's own calls for Session Manager and Run Command (`gptoss status`, `wait-ready`,
 # `bench`, `save-cache`, the port forward): registering the instance, and its message channels.
 # None reads data; none supports a narrower resource than "*" (ssmmessages, ec2messages) or the
-# instance itself. State Manager associations, inventory and patching are not used.
+# instance itself. Inventory and patching are not used.
 SSM_AGENT_ACTIONS = (  # sorted, as the CDK CLI's policy minimization writes them
     "ec2messages:AcknowledgeMessage",
     "ec2messages:DeleteMessage",
@@ -46,6 +46,17 @@ SSM_AGENT_ACTIONS = (  # sorted, as the CDK CLI's policy minimization writes the
     "ssmmessages:CreateDataChannel",
     "ssmmessages:OpenControlChannel",
     "ssmmessages:OpenDataChannel",
+)
+
+
+# The SSM agent's calls for State Manager associations (rollout.software=in-place): the associations
+# of its own instance, their status and compliance. AmazonSSMManagedInstanceCore grants these with
+# every parameter of the account; these alone are granted here.
+STATE_MANAGER_AGENT_ACTIONS = (
+    "ssm:DescribeAssociation",
+    "ssm:ListInstanceAssociations",
+    "ssm:PutComplianceItems",
+    "ssm:UpdateInstanceAssociationStatus",
 )
 
 
@@ -95,7 +106,15 @@ class NodePolicy(Construct):
     """What every node does, in one policy attached to every node's role. No `*` action."""
 
     def __init__(
-        self, scope: Construct, construct_id: str, *, config: ClusterConfig, cache: CacheLocation | None, scripts_arn: str
+        self,
+        scope: Construct,
+        construct_id: str,
+        *,
+        config: ClusterConfig,
+        cache: CacheLocation | None,
+        scripts_arn: str,
+        software_parameter_arn: str | None = None,
+        software_document_arn: str | None = None,
     ) -> None:
         super().__init__(scope, construct_id)
         self.config = config
@@ -105,8 +124,16 @@ class NodePolicy(Construct):
         partition = stack.partition
         # The SSM agent: no resource-level permissions to narrow (see SSM_AGENT_ACTIONS).
         self.add(iam.PolicyStatement(actions=list(SSM_AGENT_ACTIONS), resources=["*"]))
-        # Every node's scripts: the stack's asset, its one key.
+        # Every node's software: the stack's asset, its one key (the current version's).
         self.add(in_account(iam.PolicyStatement(actions=["s3:GetObject"], resources=[scripts_arn])))
+        if software_parameter_arn and software_document_arn:
+            # rollout.software=in-place: which version is current (gptoss-fetch-scripts, at boot), this one
+            # String parameter; State Manager's association of the node's role (the agent lists and reports
+            # the associations of its own instance, which has no resource to narrow them to) and the one
+            # document it runs (gptoss-apply).
+            self.add(iam.PolicyStatement(actions=["ssm:GetParameter"], resources=[software_parameter_arn]))
+            self.add(iam.PolicyStatement(actions=list(STATE_MANAGER_AGENT_ACTIONS), resources=["*"]))
+            self.add(iam.PolicyStatement(actions=["ssm:DescribeDocument", "ssm:GetDocument"], resources=[software_document_arn]))
         if config.observability.enabled:
             # The collector: streams in the cluster's one log group (each node writes only its own: its
             # role), metrics of the cluster's own namespace only.

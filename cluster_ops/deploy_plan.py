@@ -8,7 +8,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from cluster_ops import common, policy_update, replacements, rollout, stack
+from cluster_ops import common, in_place, policy_update, replacements, rollout, stack
 from clusterspec.config import ClusterConfig
 from clusterspec.names import node_order
 from clusterspec.sections.rollout import FIRST_DEPLOY_CONTEXT
@@ -29,6 +29,7 @@ class DeployPlan:
     policy_changed: list[str] = field(default_factory=list)  # the nodes whose group's rollout policy changes
     moves: list[str] = field(default_factory=list)  # a move onto other capacity: what it means, said before
     why: dict[str, tuple[str, list[str]]] = field(default_factory=dict)  # replaced node -> (machine|software, what changed)
+    software: in_place.InPlace | None = None  # a new software version applied in place (rollout.software=in-place)
 
 
 def make(cfg: ClusterConfig, context: list[str], workdir: Path) -> DeployPlan:
@@ -61,7 +62,19 @@ def make(cfg: ClusterConfig, context: list[str], workdir: Path) -> DeployPlan:
     changed = sorted(policy_update.policy_nodes(deployed, synthesized), key=node_order)
     kinds = replacements.reasons(rollout.flatten_templates(deployed), rollout.flatten_templates(synthesized))
     return DeployPlan(cfg, context, assembly, r, policy_update.updates(deployed, synthesized), why, ready, changed, _move_lines(cfg, moves),
-                      {n: kinds[n] for n in r.replaced if n in kinds})  # fmt: skip
+                      {n: kinds[n] for n in r.replaced if n in kinds}, _software(cfg, deployed, synthesized, assembly, r))  # fmt: skip
+
+
+def _software(cfg: ClusterConfig, deployed: rollout.Templates, synthesized: rollout.Templates, assembly: Path, r: rollout.Rollout) -> in_place.InPlace | None:
+    """A new software version for the nodes that keep their instance, and what each of them restarts."""
+    old = in_place.version_of(rollout.flatten_templates(deployed))
+    new = in_place.version_of(rollout.flatten_templates(synthesized))
+    if old is None or new is None or old == new or not r.kept:
+        return None
+    from node_render.paths import software_parameter
+
+    data, unknown = in_place.deployed_software(common.session(cfg), software_parameter(cfg.cluster_name), old)
+    return in_place.compare(old, new, data, in_place.assembly_software(assembly, new), r.kept, unknown=unknown)
 
 
 def _move_lines(cfg: ClusterConfig, moves: dict[str, tuple[tuple[str, ...], tuple[str, ...]]]) -> list[str]:
@@ -96,6 +109,8 @@ def lines(plan: DeployPlan) -> list[str]:
                    "set rollout.surge=on to surge anyway)")  # fmt: skip
     out += rollout.describe(plan.cfg, plan.change, plan.ready_min)
     out += replacements.lines(plan.why)
+    if plan.software is not None:
+        out += in_place.lines(plan.cfg, plan.software)
     if [name for name, _ in plan.updates] == ["policy", "change"]:
         changed = plan.policy_changed
         out.append(f"  two CloudFormation updates: first the rollout policy of {len(changed)} node groups alone ({rollout.span(changed)}: "

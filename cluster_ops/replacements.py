@@ -3,10 +3,11 @@ template, and which kind of change that is.
 
 A node's instance is replaced when its group's launch changes. Two kinds: the *machine* (image,
 instance type, network interfaces and EFA, root volume, the capacity it launches into, its group's
-subnet) and the *software* (the node's own files in its user data, the stack's node scripts, the
-router wheel). Both replace the instance today: a software change costs a boot, a stage and a load
-like a new image. Said per node before the deploy, so that a one-line change is seen for what it
-costs.
+subnet, the boot files its user data carries) and the *software* when it is pinned in the user data
+(rollout.software=replace: the fleet's software version; the router wheel). With the default,
+rollout.software=in-place, the software is not in the launch template: a change of it replaces no
+instance (cluster_ops.in_place says which units it restarts). Said per node before the deploy, so
+that a one-line change is seen for what it costs.
 """
 
 from __future__ import annotations
@@ -34,9 +35,9 @@ MACHINE = {
     "MetadataOptions": "the instance metadata settings",
     "IamInstanceProfile": "the instance profile",
 }
-# deploy.env values that are software: where the node's scripts and the router come from.
-SOFTWARE_VALUES = {"GPTOSS_SCRIPTS_SHA256": "the node scripts", "GPTOSS_SCRIPTS_URI": "the node scripts", "GPTOSS_ROUTER_URI": "the router wheel",
-                   "GPTOSS_COMPILE_CACHE_URI": "the compile cache location"}
+# deploy.env values that are software: the version pinned in the user data (rollout.software=replace), the router.
+SOFTWARE_VALUES = {"GPTOSS_SCRIPTS_SHA256": "the software version", "GPTOSS_SCRIPTS_URI": "the software version", "GPTOSS_ROUTER_URI": "the router wheel",
+                   "GPTOSS_COMPILE_CACHE_URI": "the compile cache location", "GPTOSS_SOFTWARE_PARAMETER": "how it finds its software (rollout.software)"}
 # What changes with the deploy gate itself (a consequence of a replacement, never its cause).
 GATE_VALUES = {"GPTOSS_SIGNAL_URL", "GPTOSS_GATE"}
 
@@ -64,25 +65,25 @@ def user_data_text(value: Any) -> str | None:
     return None
 
 
-def _software(before: Any, after: Any) -> list[str]:
-    """What of the node's software its user data says changed: its files by path, the scripts, the router."""
+def _user_data_changes(before: Any, after: Any) -> tuple[list[str], list[str]]:
+    """What a node's user data says changed: (machine: its boot files by path; software: the pinned version, the router)."""
     old, new = user_data_text(before), user_data_text(after)
     if old is None or new is None:
-        return ["its user data"]
+        return ["its user data"], []
     try:
         old_files, old_values, _ = parse_user_data(old)
         new_files, new_values, _ = parse_user_data(new)
     except (AssertionError, ValueError, KeyError, TypeError):
-        return ["its user data"]
-    out = []
+        return ["its user data"], []
+    machine, software = [], []
     files = sorted(p for p in set(old_files) | set(new_files) if old_files.get(p) != new_files.get(p))
     if files:
-        out.append(f"its files {', '.join(files)}")
+        machine.append(f"its boot files {', '.join(files)}")
     for key in sorted(set(old_values) | set(new_values)):
         if key in GATE_VALUES or old_values.get(key) == new_values.get(key):
             continue
-        out.append(SOFTWARE_VALUES.get(key, f"its deploy value {key}"))
-    return list(dict.fromkeys(out))
+        (software if key in SOFTWARE_VALUES else machine).append(SOFTWARE_VALUES.get(key, f"its deploy value {key}"))
+    return list(dict.fromkeys(machine)), list(dict.fromkeys(software))
 
 
 def reasons(before: Mapping[str, Any], after: Mapping[str, Any]) -> dict[str, tuple[str, list[str]]]:
@@ -97,7 +98,10 @@ def reasons(before: Mapping[str, Any], after: Mapping[str, Any]) -> dict[str, tu
         known = set(MACHINE) | {"UserData"}
         if any(old_data.get(k) != new_data.get(k) for k in set(old_data) | set(new_data) if k not in known):
             machine.append("its launch template")
-        software = _software(old_data.get("UserData"), new_data.get("UserData")) if old_data.get("UserData") != new_data.get("UserData") else []
+        software: list[str] = []
+        if old_data.get("UserData") != new_data.get("UserData"):
+            booted, software = _user_data_changes(old_data.get("UserData"), new_data.get("UserData"))
+            machine += booted
         if machine or software:
             out[node] = ("machine" if machine else "software", machine + software)
     return out
@@ -111,6 +115,7 @@ def lines(why: Mapping[str, tuple[str, list[str]]]) -> list[str]:
     out = []
     for (kind, said), nodes in sorted(groups.items(), key=lambda g: node_order(g[1][0])):
         cost = ("a new machine" if kind == "machine" else
-                "a software change, which today also takes a new instance: it boots, stages the model and loads again")  # fmt: skip
+                "a software change pinned in the launch template (rollout.software=replace): a new instance, which boots, stages "
+                "the model and loads again; rollout.software=in-place restarts the changed units instead")  # fmt: skip
         out.append(f"  why {span(nodes)}: {'; '.join(said)} ({cost})")
     return out

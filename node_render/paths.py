@@ -17,6 +17,12 @@ EXAMPLES_DIR = "/opt/gptoss/vllm-neuron"
 # What a node keeps across boots on its root volume: the user data's bundle, the fetched scripts.
 STATE_DIR = "/var/lib/gptoss"
 BUNDLE = f"{STATE_DIR}/bundle.tar.xz"
+# The software version a node runs ("<s3 uri> <sha256>" of the stack's software asset), written when
+# its files are installed (at boot, or in place by gptoss-apply); the previous one beside it.
+SOFTWARE_VERSION = f"{STATE_DIR}/software"
+# One folder per version the node keeps (the current and the previous one): its own files as that
+# version shipped them, which a failed in-place change is rolled back to.
+SOFTWARE_DIR = f"{STATE_DIR}/versions"
 
 # Values the stack knows only at deploy time (peers' IPs, where the scripts are), written by
 # the user data's bootcmd; gptoss-identity adds this node's own IP.
@@ -29,6 +35,10 @@ CLUSTER_ENV = f"{ETC}/cluster.env"
 MANIFEST = f"{ETC}/manifest"
 
 UNITS_FILE = f"{ETC}/units"
+
+# For each long-running or one-shot unit of the node: the files it runs with (its unit, environment,
+# scripts and what they read). gptoss-apply restarts a unit when one of them changes.
+RESTARTS_FILE = f"{ETC}/restarts"
 
 # The units a node must run and how each proves it serves (gptoss-signal, gptoss-health-watch, gptoss-status read it).
 HEALTH_FILE = f"{ETC}/health"
@@ -81,6 +91,12 @@ def router_venv(version: str, sha256: str) -> str:
 def member_host(node: str) -> str:
     """The name a router reaches a node by (in /etc/hosts, kept by gptoss-members)."""
     return f"{node}.{MEMBERS_DOMAIN}"
+
+
+def software_parameter(cluster_name: str) -> str:
+    """The SSM parameter that names the fleet's current software version (the stack writes it): every
+    node reads it at boot (rollout.software=in-place), so a node that boots later runs the current one."""
+    return f"/gptoss/{cluster_name}/software"
 
 
 def router_parameter(cluster_name: str) -> str:

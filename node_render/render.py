@@ -45,6 +45,7 @@ from node_render.paths import (
     MEMBERS_DOMAIN,
     NIXL_ENV,
     NODE_TARGET,
+    RESTARTS_FILE,
     TELEMETRY_CONFIG,
     UNIT_DIR,
     UNITS_FILE,
@@ -63,7 +64,6 @@ def cluster_env(cfg: ClusterConfig, node: Node) -> dict[str, str]:
         "GPTOSS_CLUSTER": cfg.cluster_name,
         "GPTOSS_NODE": node.name,
         "GPTOSS_SELF_HOST_VAR": host_var(node.name),
-        "GPTOSS_UNITS_FILE": UNITS_FILE,
         "GPTOSS_NVME_MOUNT": cfg.nvme_mount,
         "GPTOSS_MODEL_DIR": model_dir(cfg),
         "GPTOSS_MODEL_SOURCE": cfg.model.source,
@@ -322,11 +322,12 @@ def render_node(cfg: ClusterConfig, layout: Layout, node: Node, *, bin_dir: str 
         _render_telemetry(cfg, node, out, bin_dir)
     out.files[f"{UNIT_DIR}/{NODE_TARGET}"] = unit_file(NODE_TARGET, node=node.name, wants=out.wants)
     out.files[HEALTH_FILE] = (health_file(cfg, out), 0o644)
-    out.scripts = _needed_scripts(out.files, save_cache=cfg.compile_cache_enabled)
+    out.scripts = _needed_scripts(out.files, save_cache=cfg.compile_cache_enabled, in_place=cfg.rollout.software == "in-place")
     scripts = shipped_scripts()
     for name in sorted(out.scripts & NODE_SCRIPTS):
         out.files[f"{bin_dir}/{name}"] = (scripts[name], 0o755)
     out.files[UNITS_FILE] = ("\n".join(out.units) + "\n", 0o644)
+    out.files[RESTARTS_FILE] = (restarts_file(out, bin_dir), 0o644)
     shipped = {*out.files, *out.shared, MANIFEST, *(f"{bin_dir}/{n}" for n in out.scripts)}
     out.files[MANIFEST] = ("\n".join(sorted(shipped)) + "\n", 0o644)
     return out
@@ -339,9 +340,41 @@ def _script_references() -> dict[str, frozenset[str]]:
     return {n: frozenset(m for m in scripts if m in text) for n, text in scripts.items()}
 
 
-def _needed_scripts(files: dict[str, tuple[str, int]], *, save_cache: bool) -> set[str]:
-    """The scripts this node's units (and those scripts) name, plus its boot, fetch and status."""
-    wanted = set(NODE_SCRIPTS) | ({"gptoss-save-cache"} if save_cache else set())
+# The unit that installs the software: never restarted by a change of it (its files are the boot's).
+NOT_RESTARTED = frozenset({"gptoss-scripts.service"})
+
+
+def restarts_file(out: NodeRender, bin_dir: str = BIN) -> str:
+    """RESTARTS_FILE: one line per unit the node starts (a target, a timer's service aside), the unit
+    then every file of the node it runs with: its unit file, the scripts its lines name and the scripts
+    those name, and every file of the node that any of these texts names (its environment files, the
+    cluster's settings, the health list). A change of one of them restarts the unit in place."""
+    scripts = shipped_scripts()
+    refs = _script_references()
+    paths = [p for p in out.files if not p.startswith(f"{bin_dir}/")]
+    lines = []
+    for unit in out.units:
+        if unit in NOT_RESTARTED or not unit.endswith(".service"):
+            continue
+        template, _, instance = unit.partition("@")
+        unit_path = f"{UNIT_DIR}/{template}@.service" if instance else f"{UNIT_DIR}/{unit}"
+        text = out.files[unit_path][0].replace("%i", instance.removesuffix(".service"))
+        named = {n for n in scripts if n in text}
+        while True:
+            more = named.union(*(refs[n] for n in named))
+            if more == named:
+                break
+            named = more
+        texts = [text, *(scripts[n] for n in named)]
+        files = {unit_path, *(f"{bin_dir}/{n}" for n in named)} | {p for p in paths if any(p in t for t in texts)}
+        lines.append(" ".join([unit, *sorted(files)]))
+    return "\n".join(lines) + "\n"
+
+
+def _needed_scripts(files: dict[str, tuple[str, int]], *, save_cache: bool, in_place: bool = False) -> set[str]:
+    """The scripts this node's units (and those scripts) name, plus its boot, fetch and status (and the
+    in-place change's own, gptoss-apply, which State Manager runs)."""
+    wanted = set(NODE_SCRIPTS) | ({"gptoss-save-cache"} if save_cache else set()) | ({"gptoss-apply"} if in_place else set())
     # One search per script name over all of the node's files (a NUL cannot be part of a name).
     text = "\0".join(t for t, _ in files.values())
     found = {name for name in shipped_scripts() if name in text} | wanted

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 import yaml
 
 from node_render.node_scripts import NODE_SCRIPTS, shipped_scripts
-from node_render.paths import BIN, BUNDLE, DEPLOY_ENV, ETC, SIGNAL_ENV
+from node_render.paths import BIN, BUNDLE, CLUSTER_ENV, DEPLOY_ENV, ETC, SIGNAL_ENV, UNIT_DIR
 from node_render.quoting import parse_env_file
 
 if TYPE_CHECKING:
@@ -27,18 +27,47 @@ if TYPE_CHECKING:
 USER_DATA_LIMIT = 16 * 1024
 
 
-SCRIPTS_ASSET = "gptoss-scripts.tar.xz"
+SOFTWARE_ASSET = "gptoss-software.tar.xz"
+
+# The unit that fetches and installs the node's software: with the boot's own scripts, all a node's
+# user data carries. Everything else a node runs is its software (the stack's software asset).
+BOOT_UNITS = frozenset({"gptoss-scripts.service"})
+# Where a node's own files sit in the software asset: nodes/<node>/<path>.
+NODES_PREFIX = "nodes"
 
 
-def scripts_asset(renders: list[NodeRender], *, bin_dir: str = BIN) -> bytes:
-    """The scripts every node fetches: one reproducible tarball for the whole stack."""
+def boot_files(render: NodeRender) -> dict[str, tuple[str, int]]:
+    """What a node's user data carries: the boot, the software fetch and its unit, the status report and
+    the gate's failure answer (these work when the fetch does not). A change here is a change of the
+    machine: it replaces the instance."""
+    paths = {f"{UNIT_DIR}/{u}" for u in BOOT_UNITS} | {f"{BIN}/{n}" for n in NODE_SCRIPTS}
+    return {p: v for p, v in render.files.items() if p in paths or (p.startswith("/") and PurePosixPath(p).name in NODE_SCRIPTS)}
+
+
+def node_software(render: NodeRender) -> dict[str, tuple[str, int]]:
+    """A node's own files in the software asset: everything it renders but its boot files."""
+    boot = boot_files(render)
+    return {p: v for p, v in render.files.items() if p not in boot}
+
+
+def software_asset(renders: list[NodeRender], *, bin_dir: str = BIN) -> bytes:
+    """The fleet's software, one reproducible tarball for the whole stack (its sha256 is the version):
+    the scripts every node shares at their paths, each node's own files under nodes/<node>/."""
     scripts = shipped_scripts()
     names = set().union(*(r.scripts for r in renders)) - NODE_SCRIPTS
     files = {f"{bin_dir}/{n}": (scripts[n], 0o755) for n in sorted(names)}
     for r in renders:
         for path, content in r.shared.items():
             assert files.setdefault(path, content) == content, f"{path} differs between nodes: it cannot be shared"
+        for path, content in node_software(r).items():
+            files[f"/{NODES_PREFIX}/{r.node.name}{path}"] = content
     return bundle(files)
+
+
+def node_files_in(asset: bytes, node: str) -> dict[str, tuple[str, int]]:
+    """A node's own files as the software asset holds them (tests, the deploy's diff)."""
+    prefix = f"/{NODES_PREFIX}/{node}/"
+    return {"/" + p.removeprefix(prefix): v for p, v in unbundle(asset).items() if p.startswith(prefix)}
 
 
 XZ_PRESET = 9 | lzma.PRESET_EXTREME
@@ -116,11 +145,11 @@ def launch_inputs(cfg: ClusterConfig, role: str) -> str:
     return json.dumps(doc, sort_keys=True)
 
 
-def node_digest(render: NodeRender, scripts_sha256: str, launch: str = "") -> str:
-    """8 hex digits that change exactly when what the node runs or is launched from changes (its
-    files, scripts, launch inputs): the deploy gate's id, so an update waits for exactly the
-    nodes it replaces."""
-    data = bundle(render.files) + scripts_sha256.encode() + launch.encode()
+def node_digest(render: NodeRender, software_sha256: str, launch: str = "") -> str:
+    """8 hex digits that change exactly when the node's instance is replaced: its boot files, its launch
+    inputs and, with rollout.software=replace, the software version (in place, software_sha256 is
+    ""): the deploy gate's id, so an update waits for exactly the nodes it replaces."""
+    data = bundle(boot_files(render)) + software_sha256.encode() + launch.encode()
     return hashlib.sha256(data).hexdigest()[:8]
 
 
@@ -135,7 +164,7 @@ def unbundle(blob: bytes) -> dict[str, tuple[str, int]]:
     return out
 
 
-_EXTRACT = f"mkdir -p {PurePosixPath(BUNDLE).parent} {ETC} && echo \"$0\" | base64 -d > {BUNDLE} && tar -xJf {BUNDLE} -C /"
+_EXTRACT = f'mkdir -p {PurePosixPath(BUNDLE).parent} {ETC} && echo "$0" | base64 -d > {BUNDLE} && tar -xJf {BUNDLE} -C /'
 
 
 _DEPLOY = f"printf '%s\\n' \"$@\" > {DEPLOY_ENV}"
@@ -174,15 +203,20 @@ _DUMPER = getattr(yaml, "CSafeDumper", yaml.SafeDumper)
 def user_data(
     render: NodeRender,
     *,
-    scripts_uri: str,
-    scripts_sha256: str,
+    scripts_uri: str | None = None,
+    scripts_sha256: str | None = None,
+    software_parameter: str | None = None,
     signal_url: str | None = None,
     gate_id: str | None = None,
     router_uri: str | None = None,
     compile_cache_uri: str | None = None,
     compress: Compress = bundle,
 ) -> str:
-    """cloud-init user data: the node's bundle and what the stack knows only at deploy time.
+    """cloud-init user data: the node's boot files and what the stack knows only at deploy time.
+
+    The node's software (every other file it runs) is fetched at boot: the version the SSM parameter
+    `software_parameter` names (rollout.software=in-place: a new version leaves this text alone), or
+    the one `scripts_uri`/`scripts_sha256` pin (replace: a new version is a new launch template).
 
     `scripts_uri`, `router_uri`, `compile_cache_uri` (the stack's bucket, or the configured
     location) and `signal_url` (the deploy gate's wait condition handle) are CDK tokens at synth;
@@ -197,7 +231,16 @@ def user_data(
     then starts the node's target at every boot (there is no first-boot special case). Data goes
     to `sh -c` as arguments, never inside the script text.
     """
-    values = [f"GPTOSS_SCRIPTS_URI={scripts_uri}", f"GPTOSS_SCRIPTS_SHA256={scripts_sha256}"]
+    if (software_parameter is None) == (scripts_uri is None or scripts_sha256 is None):
+        raise ValueError(
+            f"{render.node.name}: the software is named by a parameter or pinned by its URI and sha256, one of the two"
+        )
+    region = parse_env_file(render.files[CLUSTER_ENV][0])["AWS_REGION"]
+    values = [f"AWS_REGION={region}", f"GPTOSS_NODE={render.node.name}"]
+    if software_parameter is not None:
+        values.append(f"GPTOSS_SOFTWARE_PARAMETER={software_parameter}")
+    else:
+        values += [f"GPTOSS_SCRIPTS_URI={scripts_uri}", f"GPTOSS_SCRIPTS_SHA256={scripts_sha256}"]
     if "gptoss-install-router" in render.scripts:
         if router_uri is None:
             raise ValueError(f"{render.node.name}: runs vLLM's router but no router asset URI was given")
@@ -208,7 +251,7 @@ def user_data(
         values.append(f"GPTOSS_COMPILE_CACHE_URI={compile_cache_uri}")
     doc = {
         "bootcmd": [
-            ["sh", "-c", _EXTRACT, base64.b64encode(compress(render.files)).decode()],
+            ["sh", "-c", _EXTRACT, base64.b64encode(compress(boot_files(render))).decode()],
             ["sh", "-c", _DEPLOY, "sh", *values],
             _signal_line(signal_url, gate_id),
             IMDS_ROOT_ONLY,
@@ -219,7 +262,7 @@ def user_data(
 
 
 def parse_user_data(text: str) -> tuple[dict[str, tuple[str, int]], dict[str, str], dict[str, Any]]:
-    """Parse user data back into (bundle files, deploy.env plus the signal URL, the cloud-config document)."""
+    """Parse user data back into (boot files, deploy.env plus the signal URL, the cloud-config document)."""
     doc = yaml.safe_load(text)
     extract, hosts, signal, *_ = doc["bootcmd"]
     assert extract[:3] == ["sh", "-c", _EXTRACT] and hosts[:4] == ["sh", "-c", _DEPLOY, "sh"], doc["bootcmd"]

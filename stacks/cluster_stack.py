@@ -25,8 +25,8 @@ from cluster_constructs.network import ClusterNetwork
 from cluster_constructs.observability import FleetObservability, NodeAlarms
 from cluster_constructs.outputs import ClusterOutputs
 from cluster_constructs.router import RouterFleet, RouterWheel
-from cluster_constructs.scripts import NodeScripts
 from cluster_constructs.security_group import ClusterSecurityGroup
+from cluster_constructs.software import NodeSoftware, role_association
 from clusterspec.cells import cells
 from clusterspec.config import ClusterConfig, interface_endpoints
 from clusterspec.sections.rollout import FIRST_DEPLOY_CONTEXT
@@ -105,13 +105,13 @@ class GptOssClusterStack(Stack):
         for resource in network.path:
             network_ready.node.add_dependency(resource)
         renders = render_cluster(config)
-        scripts = NodeScripts(self, "NodeScripts", renders=renders)
+        software = NodeSoftware(self, "NodeSoftware", config=config, renders=renders)
         router = RouterWheel(self, "RouterWheel", config=config) if config.proxy_kind == "vllm-router" else None
         # The routers' settings and pool, read at run time: a new one replaces no instance.
         router_fleet = RouterFleet(self, "RouterFleet", config=config) if router else None
         cache = _compile_cache(self, config)
         if config.network.egress == "none":
-            buckets = [scripts.asset.s3_bucket_name] + ([router.asset.s3_bucket_name] if router else [])
+            buckets = [software.asset.s3_bucket_name] + ([router.asset.s3_bucket_name] if router else [])
             locations = [cache.uri if cache else None, config.model.s3_uri, config.examples.s3_uri, config.results_s3_uri]
             buckets += sorted({u.removeprefix("s3://").partition("/")[0] for u in locations if u})
             network.restrict_endpoints(buckets=buckets)
@@ -135,9 +135,12 @@ class GptOssClusterStack(Stack):
             subnet_id=network.subnet_id,
             security_group_id=security.group.security_group_id,
             placement_group=placement,
-            scripts_uri=scripts.uri,
-            scripts_sha256=scripts.sha256,
-            scripts_arn=scripts.object_arn,
+            scripts_uri=software.uri,
+            scripts_sha256=software.sha256,
+            scripts_arn=software.object_arn,
+            software_parameter=software.parameter_name,
+            software_parameter_arn=software.parameter_arn,
+            software_document_arn=software.document_arn if software.in_place else None,
             router_uri=router.uri if router else None,
             router_arn=router.object_arn if router else None,
             router_fleet_arn=router_fleet.arn if router_fleet else None,
@@ -165,6 +168,21 @@ class GptOssClusterStack(Stack):
                 # A role's next cell rolls after its previous one: its lanes continue there.
                 nested.node.add_dependency(last_of_role[cell.role])
             last_of_role[cell.role] = nested
+        if software.in_place:
+            # A new software version reaches each role's running nodes in place, one role after the
+            # other, each after the role's nodes have served (docs/design.md 'Changes').
+            previous_role: Construct | None = None
+            for role in dict.fromkeys(n.role for n in layout.nodes):
+                apply = role_association(
+                    self, f"Software{role.title()}", config=config, software=software, role=role,
+                    nodes=sum(1 for n in layout.nodes if n.role == role),
+                )  # fmt: skip
+                for cell in cells(layout, config.cell_nodes):
+                    if cell.role == role:
+                        apply.node.add_dependency(self.cells[cell.name])
+                if previous_role is not None:
+                    apply.node.add_dependency(previous_role)
+                previous_role = apply
         ClusterOutputs(
             self, "Outputs", config=config, proxy_nodes=proxy_names, endpoint_dns=balancer.dns_name if balancer else None,
             own_alarm_topic=own_topic.arn if own_topic else None,

@@ -97,6 +97,13 @@ class Synth:
         """Resources of one CloudFormation type, by logical id."""
         return {k: v for k, v in self.template["Resources"].items() if v["Type"] == rtype}
 
+    def software(self) -> bytes:
+        """The software asset the stack ships (every node's files and the shared scripts), as the CLI staged it."""
+        text = "".join(p.read_text() for p in self.template_paths)
+        found = [p for p in self.outdir.glob("asset.*.xz") if f"{p.name.split('.')[1]}.xz" in text]
+        assert len(found) == 1, f"one software asset is named by the templates, found {found}"
+        return found[0].read_bytes()
+
 
 def run_cli_synth(outdir: Path, *context: str) -> Synth:
     """Run the pinned CLI, failing the test with its output if synth fails."""

@@ -58,6 +58,21 @@ class RolloutConfig(Frozen):
         "finish and the routers move its name to its replacement before it goes.",
     )  # fmt: skip
 
+    software: Literal["in-place", "replace"] = Field(
+        "in-place",
+        description="How a change of a node's software (its scripts, units, server flags and environment, the telemetry "
+        "and health settings) reaches a running fleet. in-place: each node fetches the new version and restarts only the "
+        "units whose files changed, at most max_unavailable nodes of a role at a time (a State Manager association the "
+        "deploy waits for); its instance, NVMe, checkpoint and compile cache stay. replace: the software is part of the "
+        "launch template, and a change replaces every node's instance (the rollout above).",
+    )
+    apply_timeout_s: int = Field(
+        1800, ge=120, le=43200,
+        description="in-place: how long one node has to serve again after its units restart (the servers reload the "
+        "checkpoint from its NVMe and the compiled graphs from its cache). A node that does not is rolled back on the node "
+        "to the version it ran, and the change stops there.",
+    )  # fmt: skip
+
     @field_validator("max_unavailable", "max_surge", mode="before")
     @classmethod
     def _count_or_percent(cls, v: object, info: ValidationInfo) -> int | str:

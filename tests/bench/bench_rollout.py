@@ -82,7 +82,9 @@ def main() -> int:
             out = Path(tempfile.mkdtemp(dir=tmp))
             app = cdk.App(context=cdk_context, outdir=str(out))
             GptOssClusterStack(app, STACK, config=load_config(context))
-            return rollout.assembly_templates(Path(app.synth().directory), STACK)
+            directory = Path(app.synth().directory)
+            cf.register_assembly(directory)
+            return rollout.assembly_templates(directory, STACK)
 
         def replay_line(fleet: str, change: str, deployed: dict[str, Any], context: dict[str, str], minutes: int, fails: frozenset[str] = frozenset()) -> str:
             d = cf.replay_deploy(deployed, synth, context, {"prefill": minutes, "decode": minutes}, fails)

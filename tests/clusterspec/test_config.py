@@ -93,16 +93,13 @@ def test_odd_but_legal_values_reach_the_server_exactly(tmp_path: Path) -> None:
     from node_render.node_files import served
     from node_render.quoting import systemd_expand
     from node_render.render import render_cluster
-    from node_render.userdata import parse_user_data
-    from tests.conftest import node_user_data
-
     env = {f"ODD_{i}": {"value": v, "reason": "odd but legal"} for i, v in enumerate(ODD_VALUES)}
     env["ODD_BACKSLASH"] = {"value": "C:\\models\\x", "reason": "env files are single-quoted: a backslash is fine"}
     flags = [{"name": f"--odd-{i}", "value": v, "reason": "odd but legal"} for i, v in enumerate(ODD_VALUES)]
     cfg = load_config({"serving": {"decode": {"env": env, "extra_flags": flags}}})
     limits.check(cfg)
     decode = next(r for r in render_cluster(cfg) if r.node.name == "decode-0")
-    files, _, _ = parse_user_data(node_user_data(decode))
+    files = decode.files
     unit = files["/etc/systemd/system/gptoss-decode.service"][0]
     # systemd's own parser accepts the unit (the scripts it names exist as stubs).
     d = tmp_path / "units"

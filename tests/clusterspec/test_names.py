@@ -82,7 +82,8 @@ NODE_PATH = re.compile(r"/(?:etc|run|var/lib|opt)/gptoss[A-Za-z0-9_./@-]*")
 DEFINED = {
     paths.ETC, paths.RUN_DIR, paths.STATE_DIR, paths.BIN, paths.ROUTER_VENV_ROOT, paths.EXAMPLES_DIR,
     paths.CLUSTER_ENV, paths.DEPLOY_ENV, paths.SIGNAL_ENV, paths.MANIFEST, paths.UNITS_FILE, paths.HEALTH_FILE,
-    paths.TELEMETRY_CONFIG, paths.ROUTER_FLEET, paths.MEMBERS_ENV, paths.NIXL_ENV, paths.BUNDLE,
+    paths.TELEMETRY_CONFIG, paths.ROUTER_FLEET, paths.MEMBERS_ENV, paths.NIXL_ENV, paths.BUNDLE, paths.RESTARTS_FILE,
+    paths.SOFTWARE_DIR, paths.SOFTWARE_VERSION,
     haproxy.API_CONFIG, haproxy.API_MAP, haproxy.API_SOCKET,
 }  # fmt: skip
 
@@ -96,7 +97,8 @@ def test_every_node_path_a_script_names_is_the_one_python_defines() -> None:
     assert {p: sorted(s) for p, s in found.items() if p not in DEFINED} == {}
     # A default a script falls back to (${GPTOSS_X:-/path}) is the path the renderer writes.
     defaults = {
-        ("gptoss-fetch-scripts", "GPTOSS_CLUSTER_ENV"): paths.CLUSTER_ENV,
+        ("gptoss-fetch-scripts", "GPTOSS_DEPLOY_ENV"): paths.DEPLOY_ENV,
+        ("gptoss-apply", "GPTOSS_CLUSTER_ENV"): paths.CLUSTER_ENV,
         ("gptoss-health-watch", "GPTOSS_HEALTH_FILE"): paths.HEALTH_FILE,
         ("gptoss-telemetry", "GPTOSS_TELEMETRY_CONFIG"): paths.TELEMETRY_CONFIG,
         ("gptoss-status", "GPTOSS_HEALTH_FILE"): paths.HEALTH_FILE,

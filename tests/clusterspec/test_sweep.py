@@ -115,9 +115,9 @@ def assert_carried_intact(cfg: Any, field: str, value: str, into_env: bool) -> N
     for r in render_cluster(cfg):
         text = node_user_data(r)
         assert not any(ch < " " and ch not in "\n" for ch in text), f"{r.node.name}: control characters in the user data"
-        files, _, _ = parse_user_data(text)
+        parse_user_data(text)
         if into_env:
-            seen = bash_reads(files["/etc/gptoss/cluster.env"][0])
+            seen = bash_reads(r.files["/etc/gptoss/cluster.env"][0])
             assert value in seen.values(), f"{r.node.name}: {field}={value!r} is not a value of cluster.env as bash reads it"
 
 

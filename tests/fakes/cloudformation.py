@@ -36,7 +36,20 @@ from pathlib import Path
 from typing import Any
 
 from node_render.quoting import parse_env_file
-from node_render.userdata import parse_user_data
+from node_render.userdata import node_files_in, parse_user_data
+
+# The software assets of the assemblies replayed here, by sha256 (what S3 holds at the key a version
+# names): a node's instance reads its version's files there, as gptoss-fetch-scripts does.
+SOFTWARE: dict[str, bytes] = {}
+
+
+def register_assembly(assembly: Path) -> None:
+    """Hold the software asset(s) a synthesized assembly staged, as the deploy would upload them."""
+    import hashlib
+
+    for path in assembly.glob("asset.*.xz"):
+        data = path.read_bytes()
+        SOFTWARE[hashlib.sha256(data).hexdigest()] = data
 
 ROOT = Path(__file__).resolve().parent.parent.parent
 SIGNAL_SCRIPT = ROOT / "userdata" / "bin" / "gptoss-signal"
@@ -161,13 +174,21 @@ class Stack:
         return None
 
     def node_env(self, template: str) -> dict[str, str]:
-        """The node's cluster.env, from the bundle in its launch template's user data."""
+        """The node's cluster.env, from the software version its instance boots with: the one its user
+        data pins (rollout.software=replace), else the one the stack's software parameter names."""
         data = self.res[template]["Properties"]["LaunchTemplateData"]["UserData"]
         join = data["Fn::Base64"]
         parts = join["Fn::Join"][1] if isinstance(join, dict) else [join]
         text = "".join(p if isinstance(p, str) else "TOKEN" for p in parts)
-        files, _deploy, _doc = parse_user_data(text)
-        return parse_env_file(files["/etc/gptoss/cluster.env"][0])
+        _files, deploy, _doc = parse_user_data(text)
+        sha = deploy.get("GPTOSS_SCRIPTS_SHA256") or self.software_version()
+        return parse_env_file(node_files_in(SOFTWARE[sha], deploy["GPTOSS_NODE"])["/etc/gptoss/cluster.env"][0])
+
+    def software_version(self) -> str:
+        """The sha256 the stack's software parameter names (its value: the asset's URI, then the sha256)."""
+        (value,) = [r["Properties"]["Value"] for r in self.res.values()
+                    if r.get("Type") == "AWS::SSM::Parameter" and str(r["Properties"].get("Name", "")).endswith("/software")]  # fmt: skip
+        return str(value["Fn::Join"][1][-1])
 
 
 def _launch_props(res: Mapping[str, Any]) -> Any:

@@ -143,9 +143,12 @@ def deploy_check_destroy(
     s3 = aws.client("s3")
     for n in nodes.values():
         _, deploy, _ = parse_user_data(base64.b64decode(n["template"]["UserData"]).decode())
-        bucket, key = deploy["GPTOSS_SCRIPTS_URI"].removeprefix("s3://").split("/", 1)
+        # rollout.software=in-place: the version is the one the stack's parameter names (the user data names the parameter).
+        version = aws.client("ssm").get_parameter(Name=deploy["GPTOSS_SOFTWARE_PARAMETER"])["Parameter"]["Value"]
+        uri, sha = version.split(" ")
+        bucket, key = uri.removeprefix("s3://").split("/", 1)
         body = s3.get_object(Bucket=bucket, Key=key)["Body"].read()
-        assert hashlib.sha256(body).hexdigest() == deploy["GPTOSS_SCRIPTS_SHA256"]
+        assert hashlib.sha256(body).hexdigest() == sha
         assert not [k for k in deploy if k.startswith("GPTOSS_HOST_")], "no node's user data names another's address"
         n["deploy"] = deploy
         asset_arn = f"arn:aws:s3:::{bucket}/{key}"

@@ -27,7 +27,8 @@ def local_aws(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalAws]:
     with started(tmp_path_factory.mktemp("local-aws"), extended=True) as aws:
         yield aws
 
-CHANGE = ("-c", "rollout.surge=off", "-c", "serving.decode.max_num_seqs=4")
+# A machine change (the root volume): it replaces the instances, as the policy split needs (a flag is applied in place).
+CHANGE = ("-c", "rollout.surge=off", "-c", "root_volume_gb=1024")
 
 
 def _by_type(templates: dict[str, Any], kind: str) -> dict[str, Any]:

@@ -112,7 +112,7 @@ def test_either_kind_deploys_anywhere_the_router_on_the_references_layout_too(sy
 
     t = synth_variant(**{"serving.proxy.kind": "vllm-router"})
     # One parameter: the routers' settings and pool (read at run time); the members' addresses come from EC2.
-    ((_, param),) = of_type(t, "AWS::SSM::Parameter").items()
+    ((_, param),) = [(k, v) for k, v in of_type(t, "AWS::SSM::Parameter").items() if v["Properties"]["Name"].endswith("/router")]
     assert (param["Properties"]["Name"], param["Properties"]["Type"], param["Properties"]["Tier"]) == ("/gptoss/gptoss-8k1k/router", "String", "Standard")
     assert param["Properties"]["Value"].splitlines()[-2:] == ["pool prefill 0 0 8100 8105", "pool decode 0 0 8200 8200"]
     assert not of_type(t, "AWS::ElasticLoadBalancingV2::LoadBalancer"), "one router: no load balancer"

@@ -52,6 +52,8 @@ DATA_READS = ("s3:GetObject", "secretsmanager:GetSecretValue", "kms:Decrypt", "s
 CACHE_BUCKET = "<the stack's compile cache bucket>"
 # The stack (the cell) that holds the node's group, by its own id: a Ref of AWS::StackId there.
 OWN_STACK = "<the node's own stack>"
+# The stack's State Manager document (rollout.software=in-place), by its Ref (its generated name).
+APPLY_DOCUMENT = "<the stack's apply document>"
 
 
 def _text(value: Any) -> str:
@@ -70,6 +72,8 @@ def _text(value: Any) -> str:
         return CACHE_BUCKET
     if value == {"Ref": "AWS::StackId"}:
         return OWN_STACK
+    if "Ref" in value and value["Ref"].startswith("NodeSoftwareApply"):
+        return APPLY_DOCUMENT
     raise AssertionError(f"unexpected resource form {value}")
 
 
@@ -145,6 +149,13 @@ def expected(cfg: ClusterConfig, node: str, scripts_key: str, router_key: str | 
     none = "{}"
     out = {(a, "*", none) for a in SSM_AGENT}
     out.add(("s3:GetObject", f"arn:aws:s3:::{ASSETS}/{scripts_key}", _when(ASSETS)))
+    if cfg.rollout.software == "in-place":
+        # Which software version is current (one parameter), State Manager's association of its own instance
+        # (nothing narrower exists) and the one document it runs.
+        out.add(("ssm:GetParameter", f"arn:aws:ssm:{cfg.region}:{ACCOUNT}:parameter/gptoss/{cfg.cluster_name}/software", none))
+        out |= {(a, "*", none) for a in ("ssm:DescribeAssociation", "ssm:ListInstanceAssociations", "ssm:PutComplianceItems",
+                                          "ssm:UpdateInstanceAssociationStatus")}  # fmt: skip
+        out |= {(a, f"arn:aws:ssm:{cfg.region}:{ACCOUNT}:document/{APPLY_DOCUMENT}", none) for a in ("ssm:GetDocument", "ssm:DescribeDocument")}
     cache = _cache(cfg)
     reads = []
     if cfg.model.source == "s3" and cfg.model.s3_uri:

@@ -69,6 +69,7 @@ def test_a_first_deploy_of_two_hundred_decode_makes_at_most_three_alarms_at_once
     from tests.fakes import cloudformation as cf
 
     stack = big_synth["paths"]["big"].name.removesuffix(".template.json")
+    cf.register_assembly(big_synth["outdir"])
     after = rollout.synthesized(big_synth["outdir"], stack)
     alarms = [r for r in after.values() if r["Type"] == "AWS::CloudWatch::Alarm"]
     assert len(alarms) == 275 + 10

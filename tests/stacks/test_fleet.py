@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 from pathlib import Path
@@ -10,7 +11,7 @@ from typing import Any
 from clusterspec.loading import load_config
 from node_render.limits import estimate
 from node_render.render import render_cluster
-from node_render.userdata import parse_user_data, user_data
+from node_render.userdata import node_files_in, node_software, parse_user_data, user_data
 from tests.conftest import Synth
 from tests.stacks.template import ingress_rules, normalized, of_type, one
 
@@ -34,8 +35,10 @@ def test_eleven_node_identities_three_prefill_eight_decode(fleet_synth: Synth) -
 
 
 def test_each_full_prefill_instance_runs_sixteen_replicas(fleet_synth: Synth) -> None:
+    software = fleet_synth.software()
     for lid, res in of_type(fleet_synth.template, "AWS::EC2::LaunchTemplate").items():
-        files, _, _ = parse_user_data(_user_data(res))
+        node = next(t["Value"] for t in res["Properties"]["LaunchTemplateData"]["TagSpecifications"][0]["Tags"] if t["Key"] == "gptoss:node")
+        files = node_files_in(software, node)
         target = files.get("/etc/systemd/system/gptoss-prefill.target")
         if lid.startswith("Prefill"):
             assert target is not None
@@ -89,11 +92,16 @@ def test_one_internal_endpoint_over_every_proxy(fleet_synth: Synth) -> None:
 
 def test_every_node_runs_what_the_plan_shows(fleet_synth: Synth) -> None:
     renders = {r.node.logical_id: r for r in render_cluster(load_config({"decode_instances": "8"}))}
+    software = fleet_synth.software()
+    # The version every node reads at boot: the asset the stack ships, by its key and its sha256.
+    (param,) = [p["Properties"] for p in fleet_synth.resources("AWS::SSM::Parameter").values() if p["Properties"]["Name"].endswith("/software")]
+    assert param["Name"] == "/gptoss/gptoss-8k1k/software"
+    uri_parts, sha = param["Value"]["Fn::Join"][1][0]["Fn::Join"][1], param["Value"]["Fn::Join"][1][1]
+    assert sha == hashlib.sha256(software).hexdigest() and uri_parts[-1].endswith(".xz") and uri_parts[0] == "s3://"
     for lid, res in of_type(fleet_synth.template, "AWS::EC2::LaunchTemplate").items():
         r = next(v for k, v in renders.items() if lid.startswith(k + "Template"))
         text = _user_data(res)
-        uri, sha = re.search(r"GPTOSS_SCRIPTS_URI=(\S+)\n.*GPTOSS_SCRIPTS_SHA256=(\w+)", text, re.S).groups()  # type: ignore[union-attr]
-        assert uri.startswith("s3://<bucket>/") and "GPTOSS_SIGNAL_URL=<signal>" in text
+        assert "GPTOSS_SCRIPTS_" not in text and "GPTOSS_SIGNAL_URL=<signal>" in text
         router = re.search(r"GPTOSS_ROUTER_URI=(\S+)\n", text)
         assert bool(router) == (r.node.role == "decode"), "every router node, and only those, fetch the router"
         router_uri = router.group(1) if router else None
@@ -101,8 +109,11 @@ def test_every_node_runs_what_the_plan_shows(fleet_synth: Synth) -> None:
         # The node asks CloudFormation about its own deploy gate (was it answered?) by this id: its own wait condition.
         gate = re.search(r"'GPTOSS_GATE=(\w+)'", text).group(1)  # type: ignore[union-attr]
         assert gate.startswith(f"{r.node.logical_id}Ready") and fleet_synth.template["Resources"][gate]["Type"] == "AWS::CloudFormation::WaitCondition"
-        assert text == user_data(r, scripts_uri=uri, scripts_sha256=sha, signal_url="<signal>", gate_id=gate, router_uri=router_uri,
+        assert text == user_data(r, software_parameter="/gptoss/gptoss-8k1k/software", signal_url="<signal>", gate_id=gate, router_uri=router_uri,
                                  compile_cache_uri="s3://<cache>")  # fmt: skip
+        # Everything else the node runs is in the software asset, exactly as the plan renders it.
+        assert node_files_in(software, r.node.name) == node_software(r), r.node.name
+        assert set(r.files) == set(node_software(r)) | set(parse_user_data(text)[0]), "each file in the user data or the asset"
 
 
 def test_config_file_gives_the_same_stack_as_context(fleet_synth: Synth, synth_variant: Any, tmp_path: Path) -> None:

@@ -76,13 +76,21 @@ def _gate_ids(t: dict[str, Any]) -> dict[str, str]:
     return out
 
 
-def test_a_change_to_one_role_renews_only_that_roles_gates(synth_variant: Callable[..., dict[str, Any]]) -> None:
-    """An update waits for the nodes it restarts; an untouched node's gate (and node) stays."""
+def test_a_software_change_renews_no_gate_and_a_machine_change_of_one_role_only_that_roles(synth_variant: Callable[..., dict[str, Any]]) -> None:
+    """An update waits for the nodes whose instances it replaces. A server flag is software, applied in place
+    (rollout.software=in-place, the default): no gate changes. The capacity one role launches into is its
+    machine: only that role's gates are new. With rollout.software=replace, the flag renews every gate (one
+    version of the software for the fleet, pinned in every node's user data)."""
     before = _gate_ids(synth_variant())
-    after = _gate_ids(synth_variant(**{"serving.prefill.max_num_seqs": 2}))
-    assert before.keys() == after.keys()
-    changed = {inst for inst in before if before[inst] != after[inst]}
-    assert changed == {i for i in before if i.startswith("Prefill")}, changed
+    assert _gate_ids(synth_variant(**{"serving.prefill.max_num_seqs": 2})) == before
+    odcr = {"type": "odcr", "reservation_id": "cr-0123456789abcdef0"}
+    base = _gate_ids(synth_variant(capacity=odcr))
+    after = _gate_ids(synth_variant(capacity=odcr | {"roles": {"decode": {"reservation_id": "cr-0fedcba987654321f"}}}))
+    assert base.keys() == after.keys()
+    assert {i for i in base if base[i] != after[i]} == {i for i in base if i.startswith("Decode")}
+    pinned = _gate_ids(synth_variant(rollout={"software": "replace"}))
+    flagged = _gate_ids(synth_variant(rollout={"software": "replace"}, **{"serving.prefill.max_num_seqs": 2}))
+    assert {i for i in pinned if pinned[i] != flagged[i]} == set(pinned)
 
 
 @pytest.mark.parametrize(

@@ -5,12 +5,15 @@ file carries which setting), not read back from the renderer."""
 
 from __future__ import annotations
 
+import base64
 import json
-import re
 from typing import Any
+
+import yaml
 
 from cluster_ops import replacements
 from clusterspec.names import node_order
+from node_render.userdata import bundle, parse_user_data
 
 PROD = {"decode_instances": "8"}
 
@@ -24,20 +27,19 @@ def test_the_same_spec_replaces_nothing_and_says_nothing(synth_variant: Any) -> 
     assert replacements.lines({}) == []
 
 
-def test_a_decode_flag_is_a_software_change_of_the_decode_nodes_files(synth_variant: Any) -> None:
-    """3 + 8: max_num_seqs is on the decode server's command line, in its unit (and in the benchmark unit of a
-    node that runs one); every decode node is replaced for its files alone, no prefill node, and the line says
-    what it costs."""
-    why = _why(synth_variant, PROD, PROD | {"serving.decode.max_num_seqs": "4"})
-    assert sorted(why) == [f"decode-{d}" for d in range(8)], why
-    kinds = {kind for kind, _ in why.values()}
-    assert kinds == {"software"}
-    for node, (_, what) in why.items():
-        assert len(what) == 1 and what[0].startswith("its files ") and "/etc/systemd/system/gptoss-decode.service" in what[0], (node, what)
-        assert "the image" not in what and "the node scripts" not in what
+def test_a_decode_flag_replaces_nothing_in_place_and_every_node_pinned(synth_variant: Any) -> None:
+    """3 + 8: max_num_seqs is on the decode server's command line, in its unit: software. In place (the default)
+    no launch template changes; pinned in the launch template (rollout.software=replace), the fleet's one
+    software version changes in every node's user data, and the line says what that costs."""
+    assert _why(synth_variant, PROD, PROD | {"serving.decode.max_num_seqs": "4"}) == {}
+    pinned = PROD | {"rollout.software": "replace"}
+    why = _why(synth_variant, pinned, pinned | {"serving.decode.max_num_seqs": "4"})
+    assert sorted(why, key=node_order) == [*(f"decode-{d}" for d in range(8)), *(f"prefill-{p}" for p in range(3))]
+    assert {(kind, tuple(what)) for kind, what in why.values()} == {("software", ("the software version",))}
     said = replacements.lines(why)
-    assert all(line.startswith("  why decode-") for line in said) and "a software change" in said[0], said
-    assert "it boots, stages the model and loads again" in said[0]
+    assert said == ["  why decode-0..7, prefill-0..2: the software version (a software change pinned in the launch template "
+                    "(rollout.software=replace): a new instance, which boots, stages the model and loads again; "
+                    "rollout.software=in-place restarts the changed units instead)"]  # fmt: skip
 
 
 def test_a_new_image_is_a_machine_change_of_every_node_and_nothing_else(synth_variant: Any) -> None:
@@ -55,16 +57,21 @@ def test_a_router_setting_replaces_nothing(synth_variant: Any) -> None:
     assert _why(synth_variant, routed, routed | {"serving.proxy.router.health_check_timeout_s": "7"}) == {}
 
 
-def test_a_new_node_script_is_a_software_change_named_as_such(synth_variant: Any) -> None:
-    """What a script edit does to a node's launch: the scripts asset's sha256 (and its key) in every node's user
-    data. The deployed template is the same spec with an older asset: its sha256 and key replaced by others."""
+def test_a_boot_script_is_a_machine_change_and_no_other_script_is(synth_variant: Any) -> None:
+    """The boot's own scripts are in every node's user data (they run before the software is fetched): an edit of
+    one is the machine, named by its path. The deployed template is the same spec with another gptoss-bootstrap."""
     after = synth_variant(**PROD)["Resources"]
-    text = json.dumps(after)
-    shas = set(re.findall(r"GPTOSS_SCRIPTS_SHA256=([0-9a-f]{64})", text))
-    assert len(shas) == 1, shas
-    (sha,) = shas
-    before = json.loads(text.replace(sha, "0" * 64))
+    flat = {lid: res for lid, res in after.items()}
+    before = json.loads(json.dumps(flat))
+    for res in before.values():
+        if res["Type"] == "AWS::EC2::LaunchTemplate":
+            data = res["Properties"]["LaunchTemplateData"]
+            text = replacements.user_data_text(data["UserData"])
+            files, _values, doc = parse_user_data(text)
+            assert "/opt/gptoss/bin/gptoss-bootstrap" in files and not any(p.endswith(".env") for p in files), sorted(files)
+            doc["bootcmd"][0][3] = base64.b64encode(bundle(files | {"/opt/gptoss/bin/gptoss-bootstrap": ("#!/bin/sh\n", 0o755)})).decode()
+            data["UserData"] = {"Fn::Base64": "#cloud-config\n" + yaml.safe_dump(doc, sort_keys=False, width=1 << 20)}
     why = replacements.reasons(before, after)
-    assert sorted(why, key=node_order) == [
-        *(f"decode-{d}" for d in range(8)), *(f"prefill-{p}" for p in range(3))]  # fmt: skip
-    assert {(kind, tuple(what)) for kind, what in why.values()} == {("software", ("the node scripts",))}
+    assert sorted(why, key=node_order) == [*(f"decode-{d}" for d in range(8)), *(f"prefill-{p}" for p in range(3))]
+    assert {kind for kind, _ in why.values()} == {"machine"}
+    assert all(any(w == "its boot files /opt/gptoss/bin/gptoss-bootstrap" for w in what) for _, what in why.values()), why

@@ -24,7 +24,9 @@ from clusterspec.loading import load_config
 from tests.conftest import ROOT, STACK
 from tests.fakes import cloudformation as cf
 
-FLEETS = {"3+8": {"decode_instances": "8"}, "56 decode": {"decode_instances": "56"}}
+# The software in the launch template (rollout.software=replace): the flag replaces the decode instances,
+# the path this replay checks. The default applies it in place (test_in_place.py).
+FLEETS = {"3+8": {"decode_instances": "8", "rollout.software": "replace"}, "56 decode": {"decode_instances": "56", "rollout.software": "replace"}}
 CHANGE = {"serving.decode.max_num_seqs": "4"}
 NODE_MIN = (20, 50, 90)
 FAILING = (None, 1, 4, "last")
@@ -45,7 +47,9 @@ def templates(tmp_path_factory: pytest.TempPathFactory) -> Callable[[dict[str, s
             out = tmp_path_factory.mktemp("assembly")
             app = cdk.App(context=json.loads((ROOT / "cdk.json").read_text())["context"], outdir=str(out))
             GptOssClusterStack(app, STACK, config=load_config(context))
-            cache[key] = rollout.assembly_templates(Path(app.synth().directory), STACK)
+            directory = Path(app.synth().directory)
+            cf.register_assembly(directory)
+            cache[key] = rollout.assembly_templates(directory, STACK)
         return cache[key]
 
     return get
@@ -126,7 +130,7 @@ def test_a_move_of_the_3p8d_fleet_from_block_a_to_block_b_replayed_keeps_every_r
     """The 3+8 fleet on Capacity Block A deployed with block B's id (nodes of 50 minutes): `gptoss deploy`'s own
     decision (a move surges), replayed by CloudFormation's rules: the update completes, every node is replaced,
     and no role ever serves with fewer than all its nodes (each replacement serves before its old instance goes)."""
-    a = FLEETS["3+8"] | {"ami_id": "ami-0123456789abcdef0", "capacity.type": "capacity-block", "capacity.reservation_id": "cr-0aaaaaaaaaaaaaaa1"}
+    a = {"decode_instances": "8"} | {"ami_id": "ami-0123456789abcdef0", "capacity.type": "capacity-block", "capacity.reservation_id": "cr-0aaaaaaaaaaaaaaa1"}
     b = a | {"capacity.reservation_id": "cr-0bbbbbbbbbbbbbbb2"}
     d = cf.replay_deploy(templates(a), templates, b, {"prefill": 50, "decode": 50})
     assert d.context.get("rollout.surge") == "on" and not d.surge_off, d.context

@@ -21,6 +21,9 @@ from clusterspec.loading import load_config
 from tests.conftest import ROOT, STACK
 
 PROD = {"decode_instances": "8"}
+# Software in the launch template (rollout.software=replace): a server flag replaces the instances, as
+# these cases of the replacement path need; the default applies it in place (test_in_place.py).
+REPLACE = {"rollout.software": "replace"}
 # The default layout is the reference's: its toy proxy runs on prefill-0.
 ENDPOINT_MOVES = (
     "  prefill-0 serves the endpoint with no load balancer: a client's port forward (stack output ProxyPortForward) or address "
@@ -62,16 +65,20 @@ def test_the_same_parameters_replace_nothing(assembly: Callable[..., Path]) -> N
     assert r.batch == {}
 
 
-def test_a_prefill_flag_replaces_the_prefill_node_only(assembly: Callable[..., Path]) -> None:
+def test_a_prefill_flag_replaces_no_instance_in_place_and_every_node_pinned(assembly: Callable[..., Path]) -> None:
+    """In place (the default) the flag is restarted on prefill-0 (tests/stacks/test_in_place.py); pinned in the
+    launch template, the fleet's one software version is new on every node."""
     r = _rollout(assembly, {}, {"serving.prefill.max_num_seqs": "2"})
-    assert (r.kept, r.replaced) == (["decode-0"], ["prefill-0"])
+    assert (r.kept, r.replaced) == (["decode-0", "prefill-0"], [])
+    r = _rollout(assembly, REPLACE, REPLACE | {"serving.prefill.max_num_seqs": "2"})
+    assert (r.kept, r.replaced) == ([], ["decode-0", "prefill-0"])
 
 
 def test_a_decode_flag_replaces_the_prefill_node_too_because_its_benchmark_unit_carries_it(assembly: Callable[..., Path]) -> None:
     """The benchmark unit on prefill-0 runs at the decode server's batch size: its user data changes as well.
     On-Demand (the default) surges: each replacement serves before its old instance goes, so even the
     two-node default keeps serving."""
-    r = _rollout(assembly, {}, {"serving.decode.max_num_seqs": "4"})
+    r = _rollout(assembly, REPLACE, REPLACE | {"serving.decode.max_num_seqs": "4"})
     assert (r.kept, r.replaced) == ([], ["decode-0", "prefill-0"])
     assert r.batch == {"decode-0": 1, "prefill-0": 1} and r.surge == {"decode-0": True, "prefill-0": True}
     lines = rollout.describe(load_config({"serving.decode.max_num_seqs": "4"}), r)
@@ -85,7 +92,8 @@ def test_a_decode_flag_replaces_the_prefill_node_too_because_its_benchmark_unit_
 
 
 def test_without_surge_the_two_node_default_says_it_is_down(assembly: Callable[..., Path]) -> None:
-    before, after = {"rollout.surge": "off"}, {"rollout.surge": "off", "serving.decode.max_num_seqs": "4"}
+    before = REPLACE | {"rollout.surge": "off"}
+    after = before | {"serving.decode.max_num_seqs": "4"}
     r = _rollout(assembly, before, after)
     assert r.surge == {"decode-0": False, "prefill-0": False}
     lines = rollout.describe(load_config(after), r)
@@ -121,15 +129,17 @@ def test_a_router_setting_replaces_no_instance_and_changes_only_the_fleets_docum
     assert (r.replaced, r.launched, r.removed) == ([], [], []) and len(r.kept) == 11
     assert rollout.describe(load_config(changed), r) == ["this deploy replaces no instance (11 running nodes keep their own)"]
     params = {p: json.loads((assembly(**c) / f"{STACK}.template.json").read_text())["Resources"] for p, c in (("before", PROD), ("after", changed))}
-    values = {k: next(r["Properties"]["Value"] for r in v.values() if r["Type"] == "AWS::SSM::Parameter") for k, v in params.items()}
+    values = {k: next(r["Properties"]["Value"] for r in v.values() if r["Type"] == "AWS::SSM::Parameter" and r["Properties"]["Name"].endswith("/router"))
+              for k, v in params.items()}  # fmt: skip
     assert "arg --health-check-timeout-secs\narg 10\n" in values["before"] and "arg --health-check-timeout-secs\narg 12\n" in values["after"]
     assert "arg --request-timeout-secs\narg 900\n" in values["after"]
 
 
-def test_a_decode_flag_rolls_the_production_layouts_decode_nodes_one_at_a_time(assembly: Callable[..., Path]) -> None:
-    """Without surge (a reservation's default): eight replacements in eight batches, each after the one before serves."""
-    base = PROD | {"rollout.surge": "off"}
-    changed = base | {"serving.decode.max_num_seqs": "4"}
+def test_a_decode_machine_change_rolls_the_production_layouts_decode_nodes_one_at_a_time(assembly: Callable[..., Path]) -> None:
+    """Without surge (a reservation's default): eight replacements in eight batches, each after the one before serves.
+    The change: the reservation the decode role launches into (its machine; the prefill role's stays)."""
+    base = PROD | {"capacity.type": "odcr", "capacity.reservation_id": "cr-0aaaaaaaaaaaaaaa1", "rollout.surge": "off"}
+    changed = base | {"capacity.roles.decode.reservation_id": "cr-0bbbbbbbbbbbbbbb2"}
     r = _rollout(assembly, base, changed)
     assert r.replaced == [f"decode-{i}" for i in range(8)] and r.kept == ["prefill-0", "prefill-1", "prefill-2"]
     assert r.batch == {f"decode-{i}": i + 1 for i in range(8)}
@@ -214,7 +224,7 @@ def test_a_nodes_turn_waits_for_every_earlier_node_of_its_lane_so_an_unchanged_n
 def test_max_surge_makes_parallel_lanes(assembly: Callable[..., Path]) -> None:
     """rollout.max_surge 25 %: 2 lanes of the 8 decode nodes (8 x 25 % = 2), 1 of the 3 prefill nodes
     (0.75, rounded up); a surge change of all eleven rolls in ceil(8 / 2) = 4 and 3 batches."""
-    ctx = PROD | {"rollout.max_surge": "25%"}
+    ctx = PROD | REPLACE | {"rollout.max_surge": "25%"}
     on_groups = {node: sorted(d.split("Group")[0] for d in g.get("DependsOn", [])) for node, g in _groups(assembly(**ctx)).items()}
     assert on_groups["decode-1"] == [] and on_groups["decode-5"] == ["Decode1", "Decode3"] and on_groups["prefill-2"] == ["Prefill0", "Prefill1"]
     r = _rollout(assembly, ctx, ctx | {"serving.prefill.max_num_seqs": "2", "serving.decode.max_num_seqs": "4"})

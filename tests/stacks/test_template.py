@@ -237,7 +237,11 @@ class TestQualityGates:
 def test_template_snapshot(default_synth: Synth, snapshot: Any) -> None:
     from syrupy.extensions.json import JSONSnapshotExtension
 
-    assert normalized(default_synth.template) == snapshot(extension_class=JSONSnapshotExtension)
+    from node_render.userdata import unbundle
+
+    # The software the nodes fetch (rollout.software=in-place: not in their user data), file by file.
+    software = {path: {"mode": oct(mode), "text": text.splitlines()} for path, (text, mode) in sorted(unbundle(default_synth.software()).items())}
+    assert normalized(default_synth.template) | {"Software": software} == snapshot(extension_class=JSONSnapshotExtension)
 
 
 def test_the_compile_cache_bucket_is_private_encrypted_and_keeps_replaced_graphs_for_30_days(default_synth: Synth) -> None:

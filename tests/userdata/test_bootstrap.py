@@ -22,7 +22,7 @@ from node_render.node_scripts import NODE_SCRIPTS, node_script
 from node_render.paths import BIN, DEPLOY_ENV, MANIFEST, MEMBERS_ENV, NIXL_ENV, UNITS_FILE
 from node_render.quoting import parse_env_file, systemd_expand
 from node_render.render import render_cluster, render_node
-from node_render.userdata import USER_DATA_LIMIT, parse_user_data, scripts_asset, unbundle
+from node_render.userdata import USER_DATA_LIMIT, parse_user_data, software_asset, unbundle
 from tests.conftest import CACHE_URI, SCRIPTS_SHA, SCRIPTS_URI, node_user_data
 
 LONGEST_IP = "10.255.255.254"
@@ -173,7 +173,7 @@ def test_user_data_carries_only_the_boot_the_fetch_and_the_status_scripts() -> N
 
 def test_the_scripts_asset_holds_every_other_script_any_node_runs() -> None:
     for layout in LAYOUTS:
-        asset = unbundle(scripts_asset(renders(layout)))
+        asset = unbundle(software_asset(renders(layout)))
         needed = set().union(*(r.scripts for r in renders(layout))) - NODE_SCRIPTS
         shared = {p: f for r in renders(layout) for p, f in r.shared.items()}
         scripts = {p: f for p, f in asset.items() if p not in shared}
@@ -185,7 +185,7 @@ def test_the_scripts_asset_holds_every_other_script_any_node_runs() -> None:
         for r in renders(layout):
             manifest = r.files["/etc/gptoss/manifest"][0].split()
             assert all(p in manifest for p in r.shared) and all(p not in r.files for p in r.shared), r.node.name
-    assert scripts_asset(renders("6p1d")) == scripts_asset(render_cluster(load_config({}))), "reproducible"
+    assert software_asset(renders("6p1d")) == software_asset(render_cluster(load_config({}))), "reproducible"
 
 
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
@@ -314,7 +314,7 @@ def test_stack_embeds_exactly_the_rendered_user_data(default_synth: object) -> N
         # The file the CLI packaged under that key is the one the node checks against the sha256.
         packaged = default_synth.outdir / f"asset.{uri.rsplit('/', 1)[1]}"  # type: ignore[attr-defined]
         assert hashlib.sha256(packaged.read_bytes()).hexdigest() == sha
-        assert packaged.read_bytes() == scripts_asset(renders("6p1d"))
+        assert packaged.read_bytes() == software_asset(renders("6p1d"))
     assert sorted(seen) == ["decode-0", "prefill-0"], "one launch template per node identity"
     assert assets == [], "the asset is a file asset, not a resource"
 

@@ -30,7 +30,7 @@ from node_render.command_lines import router_fleet
 from node_render.node_files import NodeRender
 from node_render.paths import WHEELS_DIR, router_parameter
 from node_render.render import render_cluster
-from node_render.userdata import launch_inputs, node_digest, scripts_asset, user_data
+from node_render.userdata import launch_inputs, node_digest, software_asset, user_data
 from tests.vm import profile
 from tests.vm.aws import ASSET_BUCKET, CACHE_BUCKET, HostAws
 from tests.vm.image import Image
@@ -115,7 +115,7 @@ class VmCluster:
         renders = render_cluster(self.cfg)
         assert {r.node.name for r in renders} <= set(INDEX), f"the harness holds {sorted(INDEX)}, not {[r.node.name for r in renders]}"
         self.renders = {r.node.name: r for r in renders}
-        data = scripts_asset(renders)
+        data = software_asset(renders)
         sha = hashlib.sha256(data).hexdigest()
         self.scripts_uri = f"s3://{ASSET_BUCKET}/{sha}.xz"
         self.aws.put(self.scripts_uri, data)

@@ -1,0 +1,192 @@
+"""A software change applied in place (rollout.software=in-place, the default; docs/design.md 'Changes').
+
+Each case synthesizes two assemblies, as `gptoss deploy` synthesizes the new one, and compares them: the
+launch templates (which replace instances when they change), the software parameter and the State
+Manager associations (which apply a new version in place), and what `gptoss diff` says each node
+restarts. The expected units are typed out from where the spec puts each setting (the decode server's
+flags on its unit's command line, the prefill replicas' on theirs, the collector's script), not read
+back from the renderer.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import boto3
+import pytest
+
+from cluster_ops import in_place, rollout
+from clusterspec.loading import load_config
+from tests.conftest import ROOT, STACK
+
+PROD = {"decode_instances": "8"}
+PREFILL_UNITS = [f"gptoss-prefill@{i}.service" for i in range(16)]
+
+
+@contextlib.contextmanager
+def script_edited(name: str) -> Iterator[None]:
+    """A node script with one more line, while a change is synthesized."""
+    from node_render.node_scripts import shipped_scripts
+
+    scripts = shipped_scripts()  # cached: the synth ships the edited copy
+    original = scripts[name]
+    scripts[name] = original + "# a one-line edit\n"
+    try:
+        yield
+    finally:
+        scripts[name] = original
+
+
+@pytest.fixture(scope="module")
+def assembly(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
+    """The cloud assembly of a parameter set, synthesized in-process (cached per set and edited script)."""
+    import aws_cdk as cdk
+
+    from stacks.cluster_stack import GptOssClusterStack
+
+    cache: dict[str, Path] = {}
+
+    def get(edit: str = "", **context: str) -> Path:
+        key = json.dumps([edit, context], sort_keys=True)
+        if key not in cache:
+            out = tmp_path_factory.mktemp("assembly")
+            app = cdk.App(context=json.loads((ROOT / "cdk.json").read_text())["context"], outdir=str(out))
+            with script_edited(edit) if edit else contextlib.nullcontext():
+                GptOssClusterStack(app, STACK, config=load_config(context))
+                cache[key] = Path(app.synth().directory)
+        return cache[key]
+
+    return get
+
+
+def _flat(path: Path) -> dict[str, Any]:
+    return rollout.synthesized(path, STACK)
+
+
+def _of(flat: dict[str, Any], rtype: str) -> dict[str, Any]:
+    return {lid: res for lid, res in flat.items() if res["Type"] == rtype}
+
+
+def _restarts(assembly: Callable[..., Path], before: dict[str, Any], after: dict[str, Any]) -> in_place.InPlace:
+    """What `gptoss diff` says each running node restarts, both assets read from their assemblies."""
+    a, b = assembly(**before), assembly(**after)
+    old, new = in_place.version_of(_flat(a)), in_place.version_of(_flat(b))
+    assert old and new and old != new, "a new software version"
+    r = rollout.compare(_flat(a), _flat(b))
+    return in_place.compare(old, new, in_place.assembly_software(a, old), in_place.assembly_software(b, new), r.kept)
+
+
+@pytest.mark.parametrize(
+    ("change", "context"),
+    [
+        ("a node script (one line of gptoss-retry)", {"edit": "gptoss-retry"}),
+        ("a decode server flag (max_num_seqs)", {"serving.decode.max_num_seqs": "4"}),
+        ("a router setting (health_check_timeout_s)", {"serving.proxy.kind": "vllm-router", "serving.proxy.router.health_check_timeout_s": "12"}),
+    ],
+)
+def test_a_software_change_leaves_all_eleven_launch_templates_byte_identical(assembly: Callable[..., Path], change: str, context: dict[str, str]) -> None:
+    base = PROD | ({"serving.proxy.kind": "vllm-router"} if "serving.proxy.kind" in context else {})
+    before, after = _flat(assembly(**base)), _flat(assembly(**(base | context)))
+    templates = {k: _of(v, "AWS::EC2::LaunchTemplate") for k, v in (("before", before), ("after", after))}
+    assert len(templates["before"]) == 11 and templates["after"] == templates["before"], change
+    assert _of(after, "AWS::CloudFormation::WaitCondition").keys() == _of(before, "AWS::CloudFormation::WaitCondition").keys(), "no new gate"
+    r = rollout.compare(before, after)
+    assert (r.replaced, r.launched, r.removed, len(r.kept)) == ([], [], [], 11), change
+
+
+def test_a_new_image_changes_all_eleven_launch_templates(assembly: Callable[..., Path]) -> None:
+    base = PROD | {"ami_id": "ami-0aaaaaaaaaaaaaaa1"}
+    before, after = _flat(assembly(**base)), _flat(assembly(**(base | {"ami_id": "ami-0bbbbbbbbbbbbbbb2"})))
+    old, new = _of(before, "AWS::EC2::LaunchTemplate"), _of(after, "AWS::EC2::LaunchTemplate")
+    assert len(old) == 11 and all(old[lid] != new[lid] for lid in old)
+    assert in_place.version_of(before) == in_place.version_of(after), "the software is the same"
+
+
+def test_a_decode_flag_restarts_only_the_decode_servers(assembly: Callable[..., Path]) -> None:
+    """max_num_seqs is on the decode server's command line (its unit). The prefill nodes' files are the same."""
+    change = _restarts(assembly, PROD, PROD | {"serving.decode.max_num_seqs": "4"})
+    assert change.restarts == {f"decode-{d}": ["gptoss-decode.service"] for d in range(8)}
+    assert change.same == ["prefill-0", "prefill-1", "prefill-2"]
+    lines = in_place.lines(load_config(PROD), change)
+    assert lines[1:] == [
+        "  decode-0..7: restart gptoss-decode.service",
+        "  decode: 8 batches of at most 1, minimum serving decode 7/8, about 8 x a node's restart (each at most 30 min)",
+        "  same software, nothing restarted: prefill-0..2",
+    ]
+    assert lines[0].startswith(f"software {change.old[:12]} -> {change.new[:12]}, in place (no instance replaced)")
+
+
+def test_a_prefill_flag_restarts_the_sixteen_replicas_of_each_prefill_node(assembly: Callable[..., Path]) -> None:
+    change = _restarts(assembly, PROD, PROD | {"serving.prefill.max_num_seqs": "2"})
+    assert change.restarts == {f"prefill-{p}": PREFILL_UNITS for p in range(3)}
+    assert change.same == [f"decode-{d}" for d in range(8)]
+
+
+def test_a_collector_script_restarts_no_server(assembly: Callable[..., Path]) -> None:
+    """gptoss-telemetry is the node's metrics and logs collector: its edit restarts it (and the signal unit, whose
+    script names it, which has answered its gate already), never a server, a router or a proxy."""
+    change = _restarts(assembly, PROD, {"edit": "gptoss-telemetry", **PROD})
+    assert change.restarts == {n: ["gptoss-signal.service", "gptoss-telemetry.service"] for n in
+                               [*(f"decode-{d}" for d in range(8)), *(f"prefill-{p}" for p in range(3))]}  # fmt: skip
+    assert "minimum serving decode 8/8" in in_place.lines(load_config(PROD), change)[-1]
+
+
+def test_each_role_has_an_association_at_its_lanes_rate_stopping_at_the_first_failure(assembly: Callable[..., Path]) -> None:
+    """3 + 8 with max_unavailable 25 %: decode 2 at a time (8 x 25 %), prefill 1 (rounded down, at least 1);
+    MaxErrors 0; targets by the cluster's and the role's tags (a replacement is one of them); the version is the
+    parameter's; each waits for its role's cells (its nodes served), the second role for the first."""
+    ctx = PROD | {"rollout.max_unavailable": "25%"}
+    flat = _flat(assembly(**ctx))
+    (param,) = [p for p in _of(flat, "AWS::SSM::Parameter").values() if p["Properties"]["Name"] == "/gptoss/gptoss-8k1k/software"]
+    assocs = {a["Properties"]["AssociationName"]: a for a in _of(flat, "AWS::SSM::Association").values()}
+    assert sorted(assocs) == ["gptoss-8k1k-software-decode", "gptoss-8k1k-software-prefill"]
+    for role, rate in (("prefill", "1"), ("decode", "2")):
+        p = assocs[f"gptoss-8k1k-software-{role}"]["Properties"]
+        assert (p["MaxConcurrency"], p["MaxErrors"]) == (rate, "0")
+        assert p["Targets"] == [{"Key": "tag:gptoss:cluster", "Values": ["gptoss-8k1k"]}, {"Key": "tag:gptoss:role", "Values": [role]}]
+        assert p["Parameters"] == {"Software": [param["Properties"]["Value"]], "TimeoutSeconds": ["1800"]}
+    deps = {name: a["DependsOn"] for name, a in assocs.items()}
+    assert any(d.startswith("PrefillCell0") for d in deps["gptoss-8k1k-software-prefill"])
+    assert any(d.startswith("SoftwarePrefill") for d in deps["gptoss-8k1k-software-decode"])
+    # Two batches of 2 x 30 min and the fetch for prefill's 3 nodes (1 at a time): 3 x (3600 + 900) s.
+    assert assocs["gptoss-8k1k-software-prefill"]["Properties"]["WaitForSuccessTimeoutSeconds"] == 3 * 4500
+    assert assocs["gptoss-8k1k-software-decode"]["Properties"]["WaitForSuccessTimeoutSeconds"] == 4 * 4500
+    (doc,) = _of(flat, "AWS::SSM::Document").values()
+    step = doc["Properties"]["Content"]["mainSteps"][0]
+    assert step["inputs"]["runCommand"] == ["/opt/gptoss/bin/gptoss-apply '{{ Software }}' '{{ TimeoutSeconds }}'"]
+    assert doc["Properties"]["Content"]["parameters"]["Software"]["allowedPattern"] == r"^s3://[a-z0-9.-]+/[A-Za-z0-9._/-]+ [0-9a-f]{64}$"
+
+
+def test_replace_pins_the_version_in_the_launch_template_and_makes_no_association(assembly: Callable[..., Path]) -> None:
+    flat = _flat(assembly(**PROD, **{"rollout.software": "replace"}))
+    assert not _of(flat, "AWS::SSM::Association") and not _of(flat, "AWS::SSM::Document") and in_place.version_of(flat) is None
+
+
+def test_the_deployed_version_is_read_where_its_parameter_says_and_checked(moto_url: str, assembly: Callable[..., Path]) -> None:
+    """gptoss diff reads the deployed asset from S3 (moto here) at the URI the parameter names, and trusts it only
+    when its sha256 is the version."""
+    data = in_place.assembly_software(assembly(**PROD), in_place.version_of(_flat(assembly(**PROD))) or "")
+    sha = hashlib.sha256(data).hexdigest()
+    session = boto3.Session(aws_access_key_id="testing", aws_secret_access_key="testing", region_name="us-east-2")
+    s3 = session.client("s3", endpoint_url=moto_url)
+    ssm = session.client("ssm", endpoint_url=moto_url)
+    s3.create_bucket(Bucket="assets-in-place", CreateBucketConfiguration={"LocationConstraint": "us-east-2"})
+    s3.put_object(Bucket="assets-in-place", Key=f"{sha}.xz", Body=data)
+
+    class Endpoints:
+        region_name = "us-east-2"
+
+        def client(self, name: str) -> Any:
+            return {"s3": s3, "ssm": ssm}[name]
+
+    ssm.put_parameter(Name="/gptoss/in-place-test/software", Value=f"s3://assets-in-place/{sha}.xz {sha}", Type="String", Overwrite=True)
+    assert in_place.deployed_software(Endpoints(), "/gptoss/in-place-test/software", sha) == (data, "")
+    s3.put_object(Bucket="assets-in-place", Key=f"{sha}.xz", Body=data + b"x")
+    assert in_place.deployed_software(Endpoints(), "/gptoss/in-place-test/software", sha) == (None, f"the object at s3://assets-in-place/{sha}.xz is not version {sha[:12]}")
+    got, why = in_place.deployed_software(Endpoints(), "/gptoss/in-place-test/nothing", sha)
+    assert got is None and "ParameterNotFound" in why
