@@ -10,6 +10,7 @@ from typing import Any
 
 from cluster_ops.remote import find_nodes, run_on_all
 from clusterspec.config import ClusterConfig
+from clusterspec.names import node_order
 from node_render.node_health import health_checks
 from node_render.paths import BIN
 from node_render.render import render_cluster
@@ -76,6 +77,7 @@ class ClusterStatus:
     notes: list[str] = field(default_factory=list)  # e.g. how long a Capacity Block has left
     identities: list[Identity] = field(default_factory=list)
     no_report: dict[str, str] = field(default_factory=dict)  # node -> why it reported no unit (SSM's status, or no output)
+    software: dict[str, tuple[str, bool]] = field(default_factory=dict)  # node -> (the software version it runs, applying one now)
 
     @property
     def ready(self) -> bool:
@@ -174,8 +176,10 @@ def collect(
         reported: dict[str, dict[str, Any]] = {}
         if result == "Success":
             try:
-                reported = {u["unit"]: u for u in json.loads(out)["units"]}
-            except (ValueError, KeyError):
+                doc = json.loads(out)
+                reported = {u["unit"]: u for u in doc["units"]}
+                status.software[name] = (str(doc.get("software") or ""), bool(doc.get("applying")))
+            except (ValueError, KeyError, TypeError, AttributeError):
                 reported = {}
         if result != "Success":
             status.no_report[name] = f"SSM Run Command {result}"
@@ -257,3 +261,22 @@ def likely_cause(status: ClusterStatus, endpoint: str | None = None) -> str:
     u = waiting[0]
     return (f"{u.node}: {u.unit}: {u.problem}" + (f" - last log: {u.last_log}" if u.last_log else "")
             + "; servers that compile take long at first boot (gptoss wait-ready waits, up to 6 h)")  # fmt: skip
+
+
+def software_lines(status: ClusterStatus) -> list[str]:
+    """Which software version each node runs (its first 12 hex digits), and the nodes applying one now
+    (rollout.software=in-place: State Manager's association runs gptoss-apply on them)."""
+    from cluster_ops.rollout import span
+
+    by_version: dict[str, list[str]] = {}
+    for node, (version, _) in status.software.items():
+        by_version.setdefault(version[:12] or "none yet (its software is not installed)", []).append(node)
+    if not by_version:
+        return []
+    said = "; ".join(f"{span(sorted(nodes, key=node_order))} run{'s' if len(nodes) == 1 else ''} {v}"
+                     for v, nodes in sorted(by_version.items(), key=lambda kv: node_order(kv[1][0])))  # fmt: skip
+    out = [f"software: {said}" + (" (two versions: a change in progress, or a node that did not take the last one)" if len(by_version) > 1 else "")]
+    applying = sorted((n for n, (_, now) in status.software.items() if now), key=node_order)
+    if applying:
+        out.append(f"software change in progress on {span(applying)}: gptoss-apply restarts its changed units, and the node rejoins once it serves")
+    return out

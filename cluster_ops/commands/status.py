@@ -39,6 +39,10 @@ def run(args: argparse.Namespace) -> int:
         for line in rollout.progress(cfg, session.client("cloudformation"), session.client("autoscaling")):
             console.print(line, highlight=False, soft_wrap=True)
     console.print(identity_table(cfg, status))
+    from cluster_ops.status import software_lines
+
+    for line in software_lines(status):
+        console.print(line, highlight=False, soft_wrap=True)
     console.print(status_table(cfg, status))
     if not no_instances_hint(cfg, status):
         from cluster_ops.status import summary

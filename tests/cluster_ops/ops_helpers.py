@@ -90,8 +90,10 @@ def launch(cfg: ClusterConfig, names: list[str] | None = None) -> dict[str, str]
     return out
 
 
-def node_report(cfg: ClusterConfig, node: str, tmp_path: Path, server: str, down: frozenset[str] | set[str] = frozenset()) -> str:
-    """What gptoss-status prints on a node: the real script, a fake systemctl, local health routes."""
+def node_report(cfg: ClusterConfig, node: str, tmp_path: Path, server: str, down: frozenset[str] | set[str] = frozenset(),
+                software: str = "", applying: bool = False) -> str:  # fmt: skip
+    """What gptoss-status prints on a node: the real script, a fake systemctl, local health routes; the software
+    version it runs (what its fetch or gptoss-apply recorded) and whether gptoss-apply runs now."""
     r = next(r for r in render_cluster(cfg) if r.node.name == node)
     lines = []
     for line in health_file(cfg, r).splitlines():
@@ -100,6 +102,12 @@ def node_report(cfg: ClusterConfig, node: str, tmp_path: Path, server: str, down
             # A unit that is down gets a port nothing listens on.
             url = f"{server if unit not in down else 'http://127.0.0.1:1'}/{url.rsplit('/', 1)[1]}"
         lines.append(f"{unit} {url} {phase}")
+    state = tmp_path / f"{node}-state"
+    (state / "run").mkdir(parents=True, exist_ok=True)
+    if software:
+        (state / "software").write_text(f"s3://assets/{software}.xz {software}\n")
+    if applying:
+        (state / "run" / "applying").touch()
     hf = tmp_path / f"{node}.health"
     hf.write_text("\n".join(lines) + "\n")
     env_file = tmp_path / "cluster.env"
@@ -122,7 +130,8 @@ def node_report(cfg: ClusterConfig, node: str, tmp_path: Path, server: str, down
             "GPTOSS_CLUSTER_ENV": str(env_file),
             "GPTOSS_SYSTEMCTL": str(systemctl),
             "GPTOSS_JOURNALCTL": str(journalctl),
-            "GPTOSS_RUN_DIR": str(tmp_path / "run"),
+            "GPTOSS_RUN_DIR": str(state / "run"),
+            "GPTOSS_STATE_DIR": str(state),
             "DOWN": " ".join(down),
         },
         capture_output=True,

@@ -11,7 +11,7 @@ from typing import Any
 import boto3
 from botocore.stub import Stubber
 
-from cluster_ops.status import collect, wait_ready
+from cluster_ops.status import collect, software_lines, wait_ready
 from clusterspec.loading import load_config
 from tests.cluster_ops.ops_helpers import (
     REGION,
@@ -38,6 +38,24 @@ def test_status_reports_every_unit_of_every_node(aws: None, tmp_path: Path, heal
     assert len(status.units) == 16 + 8
     assert not status.ready
     assert status.failing == ["prefill-0: gptoss-prefill@3.service: retrying (restart 2) - last log: last line of gptoss-prefill@3.service"]
+
+
+def test_status_shows_the_software_version_each_node_runs_and_a_change_in_progress(aws: None, tmp_path: Path, health_server: str) -> None:
+    """rollout.software=in-place: decode-0 took the new version and restarts its server now (gptoss-apply); prefill-0
+    still runs the previous one. Both said, from what each node's own gptoss-status printed."""
+    cfg = load_config({})
+    ids = launch(cfg)
+    old, new = "a" * 64, "b" * 64
+    ssm, _ = stub_fleet([[
+        (ids["prefill-0"], node_report(cfg, "prefill-0", tmp_path, health_server, software=old)),
+        (ids["decode-0"], node_report(cfg, "decode-0", tmp_path, health_server, software=new, applying=True)),
+    ]])  # fmt: skip
+    status = collect(cfg, boto3.client("ec2", region_name=REGION), ssm, sleep=lambda s: None)
+    assert status.software == {"prefill-0": (old, False), "decode-0": (new, True)}
+    assert software_lines(status) == [
+        "software: decode-0 runs bbbbbbbbbbbb; prefill-0 runs aaaaaaaaaaaa (two versions: a change in progress, or a node that did not take the last one)",
+        "software change in progress on decode-0: gptoss-apply restarts its changed units, and the node rejoins once it serves",
+    ]
 
 
 def test_wait_ready_returns_when_every_server_answers(aws: None, tmp_path: Path, health_server: str) -> None:

@@ -314,7 +314,7 @@ def _boot_unit(tmp_path: Path, shipped: Shipped, handle: Any, unit: str, env: di
     the gate's budget goes), with the real gptoss-signal watching its state and journal."""
     spec = _rendered_unit(unit)
     shipped_dir = shipped("gptoss-retry").parent
-    for name in ("gptoss-stage-nvme", "gptoss-fetch-scripts", "gptoss-identity", "gptoss-node-check", "gptoss-stage-artifacts", "gptoss-checkpoint",
+    for name in ("gptoss-stage-nvme", "gptoss-fetch-scripts", "gptoss-bootstrap", "gptoss-identity", "gptoss-node-check", "gptoss-stage-artifacts", "gptoss-checkpoint",
                  "gptoss-gate-failure", "gptoss-cache-manifest"):
         shipped(name)
     argv = [a.replace(BIN, str(shipped_dir)) for a in spec["argv"]]
@@ -382,15 +382,17 @@ def boot_env(tmp_path: Path, request: pytest.FixtureRequest) -> Callable[[str, b
         if unit == "gptoss-scripts.service":
             root = tmp_path / "root"
             (root / "etc/gptoss").mkdir(parents=True)
-            (root / "etc/gptoss/manifest").write_text("/opt/gptoss/bin/gptoss-exec\n")
             asset = tmp_path / "asset.xz"
-            asset.write_bytes(bundle({"/opt/gptoss/bin/gptoss-exec": ("#!/bin/sh\n", 0o755)}))
+            asset.write_bytes(bundle({"/opt/gptoss/bin/gptoss-exec": ("#!/bin/sh\n", 0o755),
+                                      "/nodes/prefill-0/etc/gptoss/manifest": ("/opt/gptoss/bin/gptoss-exec\n/etc/gptoss/manifest\n", 0o644),
+                                      "/nodes/prefill-0/etc/gptoss/units": ("", 0o644)}))  # fmt: skip
             error = "An error occurred (SlowDown) when calling the GetObject operation: Please reduce your request rate."
             fake_command(fakes, "aws", f'{once} echo "{error}" >&2; exit 1; fi\ncp "{asset}" "${{*: -1}}"\n')
-            (tmp_path / "cluster.env").write_text("AWS_REGION=us-east-2\n")
-            return {"PATH": f"{fakes}{os.pathsep}{os.environ['PATH']}", "GPTOSS_ROOT": str(root), "GPTOSS_CLUSTER_ENV": str(tmp_path / "cluster.env"),
-                    "GPTOSS_SCRIPTS_URI": "s3://bucket/asset.xz", "GPTOSS_SCRIPTS_SHA256": hashlib.sha256(asset.read_bytes()).hexdigest(),
-                    "GPTOSS_FETCH_TIMEOUT_S": "3"}, error  # fmt: skip
+            # The user data's deploy.env, the version pinned (rollout.software=replace: no parameter to read here).
+            (root / "etc/gptoss/deploy.env").write_text("AWS_REGION=us-east-2\nGPTOSS_NODE=prefill-0\nGPTOSS_SCRIPTS_URI=s3://bucket/asset.xz\n"
+                                                        f"GPTOSS_SCRIPTS_SHA256={hashlib.sha256(asset.read_bytes()).hexdigest()}\n")  # fmt: skip
+            return {"PATH": f"{fakes}{os.pathsep}{os.environ['PATH']}", "GPTOSS_ROOT": str(root),
+                    "GPTOSS_DEPLOY_ENV": str(root / "etc/gptoss/deploy.env"), "GPTOSS_SYSTEMCTL": "true", "GPTOSS_FETCH_TIMEOUT_S": "3"}, error  # fmt: skip
         if unit == "gptoss-identity.service":
             imds = request.getfixturevalue("imds")
             imds.fail_until = time.monotonic() + (3600 if lasting else 1.5)

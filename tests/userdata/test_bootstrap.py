@@ -22,8 +22,16 @@ from node_render.node_scripts import NODE_SCRIPTS, node_script
 from node_render.paths import BIN, DEPLOY_ENV, MANIFEST, MEMBERS_ENV, NIXL_ENV, UNITS_FILE
 from node_render.quoting import parse_env_file, systemd_expand
 from node_render.render import render_cluster, render_node
-from node_render.userdata import USER_DATA_LIMIT, parse_user_data, software_asset, unbundle
-from tests.conftest import CACHE_URI, SCRIPTS_SHA, SCRIPTS_URI, node_user_data
+from node_render.userdata import (
+    USER_DATA_LIMIT,
+    boot_files,
+    node_files_in,
+    node_software,
+    parse_user_data,
+    software_asset,
+    unbundle,
+)
+from tests.conftest import CACHE_URI, SOFTWARE_PARAMETER, node_user_data
 
 LONGEST_IP = "10.255.255.254"
 LAYOUTS = {"6p1d": {}, "3p8d": {"decode_instances": "8"}}
@@ -163,36 +171,43 @@ def test_user_data_of_a_64_decode_fleet_still_fits() -> None:
     assert max(sizes) <= USER_DATA_LIMIT
 
 
-def test_user_data_carries_only_the_boot_the_fetch_and_the_status_scripts() -> None:
+def test_user_data_carries_only_the_boot_files() -> None:
+    """The boot, the software fetch and its unit, the status report and the gate's failure answer: nothing a
+    software change touches (the node's units, environment and other scripts are its software)."""
     for r in renders("6p1d"):
         files, _, _ = parse_user_data(node_user_data(r))
         assert {p.rsplit("/", 1)[1] for p in files if p.startswith(f"{BIN}/")} == set(NODE_SCRIPTS)
-        manifest = set(files[MANIFEST][0].split())
-        assert {f"{BIN}/{n}" for n in r.scripts} <= manifest and set(files) <= manifest
+        assert set(files) - {f"{BIN}/{n}" for n in NODE_SCRIPTS} == {"/etc/systemd/system/gptoss-scripts.service"}
+        assert files == boot_files(r) and not set(files) & set(node_software(r))
+        manifest = set(r.files[MANIFEST][0].split())
+        assert {f"{BIN}/{n}" for n in r.scripts} <= manifest and set(r.files) <= manifest
 
 
-def test_the_scripts_asset_holds_every_other_script_any_node_runs() -> None:
+def test_the_software_asset_holds_every_other_file_and_script_any_node_runs() -> None:
     for layout in LAYOUTS:
         asset = unbundle(software_asset(renders(layout)))
         needed = set().union(*(r.scripts for r in renders(layout))) - NODE_SCRIPTS
         shared = {p: f for r in renders(layout) for p, f in r.shared.items()}
-        scripts = {p: f for p, f in asset.items() if p not in shared}
+        scripts = {p: f for p, f in asset.items() if p not in shared and not p.startswith("/nodes/")}
         assert {p.rsplit("/", 1)[1] for p in scripts} == needed
         assert all(mode == 0o755 and text == node_script(p.rsplit("/", 1)[1]) for p, (text, mode) in scripts.items())
-        # The API gate's configuration, the same on every router node, travels with the scripts, not in each node's user data.
+        # The API gate's configuration, the same on every router node, travels once, not with each node's files.
         assert {p: asset[p] for p in shared} == shared
         assert set(shared) == ({"/etc/gptoss/haproxy.cfg"} if any("gptoss-api.service" in r.units for r in renders(layout)) else set())
         for r in renders(layout):
             manifest = r.files["/etc/gptoss/manifest"][0].split()
             assert all(p in manifest for p in r.shared) and all(p not in r.files for p in r.shared), r.node.name
+            # Each node's own files under nodes/<node>/, exactly as rendered (its boot files aside).
+            assert node_files_in(software_asset(renders(layout)), r.node.name) == node_software(r), r.node.name
     assert software_asset(renders("6p1d")) == software_asset(render_cluster(load_config({}))), "reproducible"
 
 
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
 def test_no_unrendered_placeholder_and_no_secret(layout: str) -> None:
-    for name, text in all_user_data(layout).items():
-        files, deploy, _ = parse_user_data(text)
-        for path, (content, _) in files.items():
+    for r in renders(layout):
+        name, text = r.node.name, node_user_data(r)
+        _, deploy, _ = parse_user_data(text)
+        for path, (content, _) in r.files.items():
             jinja = re.search(r"\{\{-?\s*[\w.|() ]+\s*-?\}\}|\{%-?\s*\w+|\{##", content)
             assert not jinja, f"{name}:{path} holds unrendered template text {jinja.group(0)!r}"
             assert not re.search(r"=None$|\bUndefined\b", content, re.M), f"{name}:{path} holds an unset value"
@@ -201,7 +216,8 @@ def test_no_unrendered_placeholder_and_no_secret(layout: str) -> None:
         # No other node's address: any node's instance may be replaced (the members come from EC2).
         assert not [k for k in deploy if k.startswith("GPTOSS_HOST_")], f"{name}: {deploy}"
         assert not re.search(r"\b10\.\d+\.\d+\.\d+\b", text), f"{name}: an address in the user data"
-        assert (deploy["GPTOSS_SCRIPTS_URI"], deploy["GPTOSS_SCRIPTS_SHA256"]) == (SCRIPTS_URI, SCRIPTS_SHA)
+        assert (deploy["GPTOSS_SOFTWARE_PARAMETER"], deploy["GPTOSS_NODE"]) == (SOFTWARE_PARAMETER, name)
+        assert not [k for k in deploy if k.startswith("GPTOSS_SCRIPTS_")], "no software version: the parameter names it"
 
 
 def booted_env(files: dict[str, tuple[str, int]], deploy: dict[str, str], self_ip: str) -> dict[str, str]:
@@ -234,8 +250,9 @@ def _unit_env(files: dict[str, tuple[str, int]], deploy: dict[str, str], text: s
 
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
 def test_every_exec_variable_is_defined_by_the_units_environment(layout: str) -> None:
-    for name, text in all_user_data(layout).items():
-        files, deploy, _ = parse_user_data(text)
+    for r in renders(layout):
+        name, files = r.node.name, r.files
+        _, deploy, _ = parse_user_data(node_user_data(r))
         for path, (content, _) in files.items():
             if not path.endswith((".service", ".target")):
                 continue
@@ -249,7 +266,8 @@ def test_every_exec_variable_is_defined_by_the_units_environment(layout: str) ->
 def test_plan_and_user_data_agree(layout: str, tmp_path: Path, shipped: Callable[[str], Path]) -> None:
     """Each plan service is what its unit runs once systemd expands the node's env files."""
     for r in renders(layout):
-        files, deploy, doc = parse_user_data(node_user_data(r))
+        _, deploy, doc = parse_user_data(node_user_data(r))
+        files = r.files
         assert doc["bootcmd"][4] == [f"{BIN}/gptoss-bootstrap"] and set(doc) == {"bootcmd"}, "no first-boot-only runcmd"
         listed = files[UNITS_FILE][0].split()
         for s in r.services:
@@ -257,7 +275,8 @@ def test_plan_and_user_data_agree(layout: str, tmp_path: Path, shipped: Callable
             inst = s.unit.split("@")[1].split(".")[0] if "@" in s.unit else None
             text = files[f"/etc/systemd/system/{template}"][0]
             env = _unit_env(files, deploy, text, inst, f"<{r.node.name}>", lambda n: f"<{n}>")
-            plan_env = {k: v for k, v in env.items() if not k.startswith(("GPTOSS_SCRIPTS_", "GPTOSS_ROUTER_URI", "GPTOSS_COMPILE_CACHE_URI"))}
+            deploy_only = ("AWS_REGION", "GPTOSS_NODE", "GPTOSS_SOFTWARE_PARAMETER", "GPTOSS_ROUTER_URI", "GPTOSS_COMPILE_CACHE_URI")
+            plan_env = {k: v for k, v in env.items() if k not in deploy_only or k in s.environment}
             assert plan_env == s.environment, f"{r.node.name} {s.unit}"
             lines = [shlex.split(line) for line in re.findall(r"^ExecStart=(.*)$", text, re.M)]
             unit_argv = [systemd_expand(a, env, inst) for a in lines[1 if s.step == "measured" else 0]]
@@ -279,12 +298,13 @@ def test_plan_and_user_data_agree(layout: str, tmp_path: Path, shipped: Callable
 
 
 def test_stack_embeds_exactly_the_rendered_user_data(default_synth: object) -> None:
-    """Each node's launch template carries the rendering, with CloudFormation filling the deploy-time values."""
+    """Each node's launch template carries its boot files and the software parameter's name, with CloudFormation
+    filling the deploy-time values; the parameter names the software asset the CLI packaged, by its sha256."""
     from node_render.userdata import user_data
 
     t = default_synth.template  # type: ignore[attr-defined]
     by_node = {r.node.logical_id: r for r in renders("6p1d")}
-    assets = [k for k in t["Resources"] if k.startswith("NodeScripts")]
+    assets = [k for k in t["Resources"] if k.startswith("NodeSoftwareAsset")]
     seen = []
     for lid, res in t["Resources"].items():
         if res["Type"] != "AWS::EC2::LaunchTemplate":
@@ -300,21 +320,21 @@ def test_stack_embeds_exactly_the_rendered_user_data(default_synth: object) -> N
             elif "Ref" in p and "Ready" in p["Ref"]:
                 assert p["Ref"].endswith(tuple("0123456789ABCDEF")), p  # the node's wait condition handle
                 text += "<signal>"
-            elif "Ref" in p:
+            else:
                 assert p["Ref"].startswith("CompileCacheBucket"), p  # the stack's compile cache
                 text += "<cache>"
-            else:
-                assert p == {"Fn::Sub": "cdk-hnb659fds-assets-${AWS::AccountId}-us-east-2"}, p
-                text += "<bucket>"
-        uri, sha = re.search(r"GPTOSS_SCRIPTS_URI=(\S+)\n.*GPTOSS_SCRIPTS_SHA256=([0-9a-f]{64})", text, re.S).groups()  # type: ignore[union-attr]
-        assert uri.startswith("s3://<bucket>/") and uri.endswith(".xz")
         gate = re.search(r"'GPTOSS_GATE=(\w+)'", text).group(1)  # type: ignore[union-attr]
         assert gate.startswith(f"{node.node.logical_id}Ready") and "Condition" in gate, "the node's own wait condition, which it asks about"
-        assert text == user_data(node, scripts_uri=uri, scripts_sha256=sha, signal_url="<signal>", gate_id=gate, compile_cache_uri="s3://<cache>")
-        # The file the CLI packaged under that key is the one the node checks against the sha256.
-        packaged = default_synth.outdir / f"asset.{uri.rsplit('/', 1)[1]}"  # type: ignore[attr-defined]
-        assert hashlib.sha256(packaged.read_bytes()).hexdigest() == sha
-        assert packaged.read_bytes() == software_asset(renders("6p1d"))
+        assert text == user_data(node, software_parameter=SOFTWARE_PARAMETER, signal_url="<signal>", gate_id=gate, compile_cache_uri="s3://<cache>")
+    (param,) = [r["Properties"] for r in t["Resources"].values() if r["Type"] == "AWS::SSM::Parameter"]
+    assert param["Name"] == SOFTWARE_PARAMETER
+    (uri, sha) = param["Value"]["Fn::Join"][1]
+    key = uri["Fn::Join"][1][-1]
+    assert uri["Fn::Join"][1][:2] == ["s3://", {"Fn::Sub": "cdk-hnb659fds-assets-${AWS::AccountId}-us-east-2"}] and key.endswith(".xz")
+    # The file the CLI packaged under that key is the one the node checks against the sha256.
+    packaged = default_synth.outdir / f"asset.{key.lstrip('/')}"  # type: ignore[attr-defined]
+    assert hashlib.sha256(packaged.read_bytes()).hexdigest() == sha
+    assert packaged.read_bytes() == software_asset(renders("6p1d"))
     assert sorted(seen) == ["decode-0", "prefill-0"], "one launch template per node identity"
     assert assets == [], "the asset is a file asset, not a resource"
 
@@ -331,8 +351,8 @@ def test_bootcmd_really_unpacks_the_bundle_and_writes_the_deploy_values(tmp_path
     assert (root / "var/lib/gptoss/bundle.tar.xz").is_file()
     extracted = {"/" + str(p.relative_to(root)): p.read_text() for p in root.rglob("*") if p.is_file() and p.suffix != ".xz"}
     deploy = extracted.pop("/etc/gptoss/deploy.env")
-    assert deploy == f"GPTOSS_SCRIPTS_URI={SCRIPTS_URI}\nGPTOSS_SCRIPTS_SHA256={SCRIPTS_SHA}\nGPTOSS_COMPILE_CACHE_URI={CACHE_URI}\n"
-    assert extracted == {path: text for path, (text, _) in r.files.items()}
+    assert deploy == f"AWS_REGION=us-east-2\nGPTOSS_NODE=prefill-0\nGPTOSS_SOFTWARE_PARAMETER={SOFTWARE_PARAMETER}\nGPTOSS_COMPILE_CACHE_URI={CACHE_URI}\n"
+    assert extracted == {path: text for path, (text, _) in boot_files(r).items()}
     assert os.access(root / "opt/gptoss/bin/gptoss-bootstrap", os.X_OK)
 
 
@@ -344,7 +364,7 @@ def test_the_signal_url_lands_in_a_root_only_file_that_no_other_unit_reads(tmp_p
 
     url = "https://cloudformation-waitcondition-us-east-2.s3.amazonaws.com/arn%3Aaws%3A?X-Amz-Expires=86399&X-Amz-Signature=0a1b"
     r = next(r for r in renders("6p1d") if r.node.name == "prefill-0")
-    doc = yaml.safe_load(user_data(r, scripts_uri=SCRIPTS_URI, scripts_sha256=SCRIPTS_SHA, signal_url=url, compile_cache_uri=CACHE_URI))
+    doc = yaml.safe_load(user_data(r, software_parameter=SOFTWARE_PARAMETER, signal_url=url, compile_cache_uri=CACHE_URI))
     root = tmp_path / "root"
     lines = []
     for cmd in doc["bootcmd"][:3]:

@@ -66,7 +66,7 @@ def test_bootstrap_retires_what_the_new_bundle_no_longer_ships_then_starts_the_n
         "gptoss-prefill@0.service loaded active running x\ngptoss-prefill@6.service loaded active running x\n"
         "gptoss-proxy.service loaded active running x\n"
     )
-    res = subprocess.run([str(shipped("gptoss-bootstrap"))], env=node_root["env"], capture_output=True, text=True)
+    res = subprocess.run([str(shipped("gptoss-bootstrap")), "--installed"], env=node_root["env"], capture_output=True, text=True)
     assert res.returncode == 0, res.stderr
     calls = node_root["log"].read_text().splitlines()
     assert calls == [
@@ -92,7 +92,7 @@ def test_bootstrap_keeps_an_operators_drop_in_and_starts_the_node(node_root: dic
     dropin.mkdir()
     (dropin / "override.conf").write_text("[Service]\nEnvironment=OPERATOR=1\n")
     (root / "etc/gptoss/signal.env").write_text("GPTOSS_SIGNAL_URL=x\n")
-    res = subprocess.run([str(shipped("gptoss-bootstrap"))], env=node_root["env"], capture_output=True, text=True)
+    res = subprocess.run([str(shipped("gptoss-bootstrap")), "--installed"], env=node_root["env"], capture_output=True, text=True)
     assert res.returncode == 0, res.stderr
     calls = node_root["log"].read_text().splitlines()
     assert calls[-1] == "start --no-block gptoss-node.target" and not [c for c in calls if c.startswith("stop")]
@@ -107,7 +107,7 @@ def test_bootstrap_on_an_unchanged_node_stops_and_removes_nothing(node_root: dic
     (root / "etc/gptoss/manifest").write_text("\n".join(files) + "\n")
     (root / "etc/gptoss/units").write_text("gptoss-decode.service\n")
     node_root["loaded"].write_text("gptoss-decode.service loaded inactive dead x\ngptoss-node.target loaded inactive dead x\n")
-    res = subprocess.run([str(shipped("gptoss-bootstrap"))], env=node_root["env"], capture_output=True, text=True)
+    res = subprocess.run([str(shipped("gptoss-bootstrap")), "--installed"], env=node_root["env"], capture_output=True, text=True)
     assert res.returncode == 0, res.stderr
     assert "stop" not in node_root["log"].read_text().split()
     assert all((root / f.lstrip("/")).exists() for f in files)
@@ -179,51 +179,108 @@ def test_identity_fails_loudly_when_imds_never_answers(tmp_path: Path, imds: Any
     assert "10.42.0.10" not in (tmp_path / "deploy.env").read_text()
 
 
-# ---- gptoss-fetch-scripts: S3, sha256, cache -----------------------------------------------------
+# ---- gptoss-fetch-scripts: the software version, S3, sha256, install -----------------------------
+
+# The fleet's software as the stack ships it: the shared scripts at their paths, each node's own files under nodes/<node>/.
+MANIFEST_0 = "/etc/gptoss/manifest\n/etc/gptoss/units\n/etc/systemd/system/gptoss-decode.service\n/opt/gptoss/bin/gptoss-exec\n"
+SOFTWARE = {
+    "/opt/gptoss/bin/gptoss-exec": ("#!/bin/sh\n", 0o755),
+    "/opt/gptoss/bin/gptoss-prepare-schedule": ("#!/bin/sh\n", 0o755),
+    "/nodes/decode-0/etc/gptoss/manifest": (MANIFEST_0, 0o644),
+    "/nodes/decode-0/etc/gptoss/units": ("gptoss-decode.service\n", 0o644),
+    "/nodes/decode-0/etc/systemd/system/gptoss-decode.service": ("[Service]\nExecStart=/opt/gptoss/bin/gptoss-exec\n", 0o644),
+    "/nodes/decode-1/etc/gptoss/manifest": ("/etc/gptoss/manifest\n", 0o644),
+}
 
 
 @pytest.fixture
-def fetch_env(tmp_path: Path) -> dict[str, Any]:
+def fetch_env(tmp_path: Path, shipped: Shipped) -> dict[str, Any]:
+    """A node whose user data was unpacked (deploy.env), an S3 with the software asset, an SSM with its parameter,
+    and a systemctl that logs what the bootstrap then asks of it."""
     root = tmp_path / "root"
     (root / "etc/gptoss").mkdir(parents=True)
-    asset = bundle({"/opt/gptoss/bin/gptoss-exec": ("#!/bin/sh\n", 0o755), "/opt/gptoss/bin/gptoss-prepare-schedule": ("#!/bin/sh\n", 0o755)})
+    asset = bundle(SOFTWARE)
+    sha = hashlib.sha256(asset).hexdigest()
     s3 = tmp_path / "s3"
     s3.mkdir()
     (s3 / "asset.xz").write_bytes(asset)
-    (root / "etc/gptoss/manifest").write_text("/opt/gptoss/bin/gptoss-exec\n/etc/gptoss/manifest\n")
-    (tmp_path / "cluster.env").write_text("AWS_REGION=us-east-2\n")
+    (tmp_path / "parameter").write_text(f"s3://bucket/asset.xz {sha}\n")
+    deploy = root / "etc/gptoss/deploy.env"
+    deploy.write_text("AWS_REGION=us-east-2\nGPTOSS_NODE=decode-0\nGPTOSS_SOFTWARE_PARAMETER=/gptoss/c/software\n")
     log = tmp_path / "aws.log"
     fakes = tmp_path / "fakes"
-    fake_command(fakes, "aws", f'echo "$*" >>"{log}"\n[ -f "{tmp_path}/s3-down" ] && exit 1\ncp "{s3}/asset.xz" "${{*: -1}}"\n')
-    env = {**os.environ, "PATH": f"{fakes}{os.pathsep}{os.environ['PATH']}", "GPTOSS_ROOT": str(root),
-           "GPTOSS_CLUSTER_ENV": str(tmp_path / "cluster.env"), "GPTOSS_SCRIPTS_URI": "s3://bucket/asset.xz",
-           "GPTOSS_SCRIPTS_SHA256": hashlib.sha256(asset).hexdigest(), "GPTOSS_FETCH_TIMEOUT_S": "3"}  # fmt: skip
-    return {"root": root, "log": log, "env": env, "tmp": tmp_path}
+    fake_command(fakes, "aws", f'echo "$*" >>"{log}"\n[ -f "{tmp_path}/$1-down" ] && {{ echo "Could not connect to the endpoint URL" >&2; exit 255; }}\n'
+                              f'if [ "$1" = ssm ]; then cat "{tmp_path}/parameter"; else cp "{s3}/${{4##*/}}" "${{*: -1}}"; fi\n')  # fmt: skip
+    systemctl_log = tmp_path / "systemctl.log"
+    systemctl = fake_command(fakes, "systemctl", f'echo "$*" >>"{systemctl_log}"\n')
+    shipped("gptoss-bootstrap")
+    shipped("gptoss-gate-failure")
+    env = {**os.environ, "PATH": f"{fakes}{os.pathsep}{os.environ['PATH']}", "GPTOSS_ROOT": str(root), "GPTOSS_DEPLOY_ENV": str(deploy),
+           "GPTOSS_SYSTEMCTL": str(systemctl), "GPTOSS_FETCH_TIMEOUT_S": "3"}  # fmt: skip
+    return {"root": root, "log": log, "env": env, "tmp": tmp_path, "sha": sha, "asset": asset, "systemctl": systemctl_log}
 
 
-def test_fetch_checks_the_sha256_unpacks_only_this_nodes_scripts_and_reuses_its_cache(fetch_env: dict[str, Any], shipped: Shipped) -> None:
-    root: Path = fetch_env["root"]
-    res = subprocess.run([str(shipped("gptoss-fetch-scripts"))], env=fetch_env["env"], capture_output=True, text=True)
+def _tree(root: Path) -> list[str]:
+    return sorted("/" + str(p.relative_to(root)) for p in root.rglob("*") if p.is_file() and "var/lib" not in str(p))
+
+
+def test_fetch_installs_the_version_the_parameter_names_then_starts_the_node(fetch_env: dict[str, Any], shipped: Shipped) -> None:
+    """The node's own files and the scripts its manifest lists (not another role's), the version recorded, the
+    bootstrap's retiring pass, the node's target; a reboot needs no S3 (the kept version is intact)."""
+    root, sha = fetch_env["root"], fetch_env["sha"]
+    res = subprocess.run([str(shipped("gptoss-fetch-scripts"))], env=fetch_env["env"], capture_output=True, text=True, timeout=60)
     assert res.returncode == 0, res.stderr
-    assert (root / "opt/gptoss/bin/gptoss-exec").exists()
-    assert not (root / "opt/gptoss/bin/gptoss-prepare-schedule").exists(), "another role's script"
-    assert fetch_env["log"].read_text().splitlines() == ["s3 cp --only-show-errors s3://bucket/asset.xz " +
-                                                         str(root / f"var/lib/gptoss/scripts-{fetch_env['env']['GPTOSS_SCRIPTS_SHA256']}.tar.xz.partial")]  # fmt: skip
-    # A reboot: the cached copy is intact, S3 is not asked (and may be down).
+    assert _tree(root) == ["/etc/gptoss/deploy.env", "/etc/gptoss/manifest", "/etc/gptoss/units", "/etc/systemd/system/gptoss-decode.service",
+                           "/opt/gptoss/bin/gptoss-exec"], "another role's script and another node's files stay out"  # fmt: skip
+    assert (root / "var/lib/gptoss/software").read_text() == f"s3://bucket/asset.xz {sha}\n"
+    assert fetch_env["log"].read_text().splitlines() == [
+        "ssm get-parameter --name /gptoss/c/software --query Parameter.Value --output text",
+        f"s3 cp --only-show-errors s3://bucket/asset.xz {root}/var/lib/gptoss/scripts-{sha}.tar.xz.partial",
+    ]
+    assert fetch_env["systemctl"].read_text().splitlines()[-1] == "start --no-block gptoss-node.target"
+    assert not list((root / "var/lib/gptoss").glob("scripts-*")), "the tarball goes once the version's files are kept"
+    # A reboot: S3 is down, the parameter names the same version: its kept files are installed again.
     (fetch_env["tmp"] / "s3-down").touch()
     (root / "opt/gptoss/bin/gptoss-exec").unlink()
-    res = subprocess.run([str(shipped("gptoss-fetch-scripts"))], env=fetch_env["env"], capture_output=True, text=True)
-    assert res.returncode == 0 and (root / "opt/gptoss/bin/gptoss-exec").exists()
-    assert len(fetch_env["log"].read_text().splitlines()) == 1
+    res = subprocess.run([str(shipped("gptoss-fetch-scripts"))], env=fetch_env["env"], capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0 and (root / "opt/gptoss/bin/gptoss-exec").exists(), res.stderr
+
+
+def test_a_reboot_with_ssm_out_of_reach_keeps_the_installed_version_and_says_so(fetch_env: dict[str, Any], shipped: Shipped) -> None:
+    root = fetch_env["root"]
+    assert subprocess.run([str(shipped("gptoss-fetch-scripts"))], env=fetch_env["env"], capture_output=True, timeout=60).returncode == 0
+    (fetch_env["tmp"] / "ssm-down").touch()
+    (fetch_env["tmp"] / "s3-down").touch()
+    res = subprocess.run([str(shipped("gptoss-fetch-scripts"))], env=fetch_env["env"], capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0, res.stderr
+    assert f"/gptoss/c/software not read (Could not connect to the endpoint URL); keeping the installed version {fetch_env['sha']}" in res.stderr
+    assert (root / "var/lib/gptoss/software").read_text().split()[1] == fetch_env["sha"]
+
+
+def test_a_first_boot_with_ssm_out_of_reach_gives_up_within_its_budget(fetch_env: dict[str, Any], shipped: Shipped) -> None:
+    (fetch_env["tmp"] / "ssm-down").touch()
+    res = subprocess.run([str(shipped("gptoss-fetch-scripts"))], env=fetch_env["env"], capture_output=True, text=True, timeout=60)
+    assert res.returncode == 1
+    assert "Could not connect to the endpoint URL; /gptoss/c/software not read within 3s; giving up" in res.stderr
+    assert _tree(fetch_env["root"]) == ["/etc/gptoss/deploy.env"]
 
 
 def test_fetch_refuses_an_object_whose_sha256_differs(fetch_env: dict[str, Any], shipped: Shipped) -> None:
-    env = fetch_env["env"] | {"GPTOSS_SCRIPTS_SHA256": "f" * 64}
-    res = subprocess.run([str(shipped("gptoss-fetch-scripts"))], env=env, capture_output=True, text=True, timeout=60)
+    (fetch_env["tmp"] / "parameter").write_text(f"s3://bucket/asset.xz {'f' * 64}\n")
+    res = subprocess.run([str(shipped("gptoss-fetch-scripts"))], env=fetch_env["env"], capture_output=True, text=True, timeout=60)
     assert res.returncode == 1
-    assert f"no intact copy of s3://bucket/asset.xz (sha256 {'f' * 64}) within 3s" in res.stderr
+    assert f"what S3 holds does not match sha256 {'f' * 64}; no intact copy of s3://bucket/asset.xz within 3s; giving up" in res.stderr
     assert not (fetch_env["root"] / "opt/gptoss/bin/gptoss-exec").exists()
-    assert len(fetch_env["log"].read_text().splitlines()) >= 2, "asked again"
+    assert len([c for c in fetch_env["log"].read_text().splitlines() if c.startswith("s3 ")]) >= 2, "asked again"
+
+
+def test_a_version_pinned_in_the_user_data_needs_no_parameter(fetch_env: dict[str, Any], shipped: Shipped) -> None:
+    """rollout.software=replace: the user data names the version itself."""
+    deploy = fetch_env["root"] / "etc/gptoss/deploy.env"
+    deploy.write_text(f"AWS_REGION=us-east-2\nGPTOSS_NODE=decode-0\nGPTOSS_SCRIPTS_URI=s3://bucket/asset.xz\nGPTOSS_SCRIPTS_SHA256={fetch_env['sha']}\n")
+    res = subprocess.run([str(shipped("gptoss-fetch-scripts"))], env=fetch_env["env"], capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0, res.stderr
+    assert [c.split()[0] for c in fetch_env["log"].read_text().splitlines()] == ["s3"]
 
 
 class _Handle(http.server.BaseHTTPRequestHandler):
@@ -250,9 +307,11 @@ def test_a_scripts_fetch_that_gives_up_answers_the_gate_itself_naming_the_cause(
     etc = tmp / "etc"
     etc.mkdir()
     (etc / "signal.env").write_text(f"GPTOSS_SIGNAL_URL={url}\n")
-    (etc / "cluster.env").write_text("GPTOSS_NODE=decode-0\n")
+    # The node's name, from the user data's deploy.env (its cluster.env is its software, not there yet).
+    shutil.copy(fetch_env["root"] / "etc/gptoss/deploy.env", etc / "deploy.env")
     error = "An error occurred (AccessDenied) when calling the GetObject operation: Access Denied"
-    fake_command(tmp / "fakes", "aws", f'echo "{error}" >&2; exit 1\n')
+    (tmp / "parameter").write_text(f"s3://bucket/asset.xz {fetch_env['sha']}\n")
+    fake_command(tmp / "fakes", "aws", f'if [ "$1" = ssm ]; then cat "{tmp}/parameter"; exit 0; fi\necho "{error}" >&2; exit 1\n')
     argv_log = tmp / "curl-argv"
     curl = fake_command(tmp / "rec", "curl", f'printf "%s\\n" "$*" >>"{argv_log}"\nexec {shutil.which("curl")} "$@"\n')
     shipped("gptoss-gate-failure")
