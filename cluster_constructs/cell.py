@@ -13,7 +13,7 @@ from cluster_constructs.node import ClusterNode
 from clusterspec.cells import Cell
 from clusterspec.config import ClusterConfig
 from node_render.node_files import NodeRender
-from node_render.userdata import launch_inputs, user_data
+from node_render.userdata import launch_inputs, node_version, user_data
 
 
 @dataclass(frozen=True)
@@ -24,12 +24,10 @@ class Shared:
     subnet_id: str
     security_group_id: str
     placement_group: str | None
-    scripts_uri: str
-    scripts_sha256: str
     scripts_arn: str
-    # rollout.software=in-place: the parameter naming the current version, the document that applies one.
-    software_parameter: str | None
-    software_parameter_arn: str | None
+    # The parameter naming the current software version; in place, the document that applies one.
+    software_parameter: str
+    software_parameter_arn: str
     software_document_arn: str | None
     router_uri: str | None
     router_arn: str | None
@@ -68,7 +66,8 @@ class NodeCell(NestedStack):
             software_parameter_arn=shared.software_parameter_arn, software_document_arn=shared.software_document_arn,
         )  # fmt: skip
         # In place, a new software version changes no node's launch template or gate: State Manager applies it.
-        pinned = shared.software_parameter is None
+        # With replace, a node's own software is part of its launch: a change of it replaces exactly that node.
+        replace = config.rollout.software == "replace"
         self.nodes: dict[str, ClusterNode] = {}
         gates: dict[str, NodeReadyGate] = {}
         for node in cell.nodes:
@@ -78,7 +77,7 @@ class NodeCell(NestedStack):
                     self,
                     f"{node.logical_id}Ready",
                     render=render,
-                    software_sha256=shared.scripts_sha256 if pinned else "",
+                    software=node_version(render) if replace else "",
                     launch=launch_inputs(config, node.role),
                     timeout_s=config.gate_timeout_s,
                 )
@@ -108,9 +107,8 @@ class NodeCell(NestedStack):
                 placement_group=shared.placement_group,
                 user_data=user_data(
                     render,
-                    scripts_uri=shared.scripts_uri if pinned else None,
-                    scripts_sha256=shared.scripts_sha256 if pinned else None,
                     software_parameter=shared.software_parameter,
+                    software_digest=node_version(render) if replace else None,
                     signal_url=gate.url if gate else None,
                     gate_id=gate.condition_id if gate else None,
                     router_uri=shared.router_uri,

@@ -20,9 +20,9 @@ class NodeReadyGate(Construct):
     """
 
     def __init__(
-        self, scope: Construct, construct_id: str, *, render: NodeRender, software_sha256: str, launch: str, timeout_s: int
+        self, scope: Construct, construct_id: str, *, render: NodeRender, software: str, launch: str, timeout_s: int
     ) -> None:
-        super().__init__(scope, f"{construct_id}{node_digest(render, software_sha256, launch)}")
+        super().__init__(scope, f"{construct_id}{node_digest(render, software, launch)}")
         self.handle = CfnWaitConditionHandle(self, "Handle")
         self.condition = CfnWaitCondition(self, "Condition", handle=self.handle.ref, timeout=str(timeout_s), count=1)
 

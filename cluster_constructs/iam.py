@@ -126,12 +126,13 @@ class NodePolicy(Construct):
         self.add(iam.PolicyStatement(actions=list(SSM_AGENT_ACTIONS), resources=["*"]))
         # Every node's software: the stack's asset, its one key (the current version's).
         self.add(in_account(iam.PolicyStatement(actions=["s3:GetObject"], resources=[scripts_arn])))
-        if software_parameter_arn and software_document_arn:
-            # rollout.software=in-place: which version is current (gptoss-fetch-scripts, at boot), this one
-            # String parameter; State Manager's association of the node's role (the agent lists and reports
-            # the associations of its own instance, which has no resource to narrow them to) and the one
-            # document it runs (gptoss-apply).
+        if software_parameter_arn:
+            # Which software version is current (gptoss-fetch-scripts, at boot): this one String parameter.
             self.add(iam.PolicyStatement(actions=["ssm:GetParameter"], resources=[software_parameter_arn]))
+        if software_document_arn:
+            # rollout.software=in-place: State Manager's association of the node's role (the agent lists and
+            # reports the associations of its own instance, which has no resource to narrow them to) and the
+            # one document it runs (gptoss-apply).
             self.add(iam.PolicyStatement(actions=list(STATE_MANAGER_AGENT_ACTIONS), resources=["*"]))
             self.add(iam.PolicyStatement(actions=["ssm:DescribeDocument", "ssm:GetDocument"], resources=[software_document_arn]))
         if config.observability.enabled:

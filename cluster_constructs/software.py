@@ -1,6 +1,7 @@
 """The fleet's software: one reproducible tarball (every node's files and the scripts they share) as a
-CDK file asset, and with rollout.software=in-place the SSM parameter that names the current version and
-the State Manager document that applies a new one on a node (docs/design.md 'Changes')."""
+CDK file asset, the SSM parameter that names the current version (every node reads it at boot) and,
+with rollout.software=in-place, the State Manager document that applies a new one on a running node
+(docs/design.md 'Changes')."""
 
 from __future__ import annotations
 
@@ -59,8 +60,8 @@ def apply_document(config: ClusterConfig) -> dict[str, object]:
 
 
 class NodeSoftware(Construct):
-    """The asset (in the CDK bootstrap bucket), its s3:// URI, the sha256 nodes check it against and, in
-    place, the parameter every node reads at boot and the document State Manager runs."""
+    """The asset (in the CDK bootstrap bucket), its s3:// URI, the sha256 nodes check it against, the
+    parameter every node reads at boot and, in place, the document State Manager runs."""
 
     def __init__(self, scope: Construct, construct_id: str, *, config: ClusterConfig, renders: list[NodeRender]) -> None:
         super().__init__(scope, construct_id)
@@ -76,11 +77,7 @@ class NodeSoftware(Construct):
         self.object_arn = self.asset.bucket.arn_for_objects(self.asset.s3_object_key)
         self.version = Fn.join(" ", [self.uri, self.sha256])
         self.in_place = config.rollout.software == "in-place"
-        self.parameter_name: str | None = None
-        self.parameter_arn: str | None = None
         self.document: ssm.CfnDocument | None = None
-        if not self.in_place:
-            return
         self.parameter_name = software_parameter(config.cluster_name)
         self.parameter = ssm.CfnParameter(
             self, "Version", name=self.parameter_name, type="String", value=self.version, tier="Standard",
@@ -88,9 +85,9 @@ class NodeSoftware(Construct):
         )  # fmt: skip
         # Untagged, as the router parameter (moto's CloudFormation fails on this type's Tags map).
         Tags.of(self.parameter).remove("gptoss:cluster")
-        self.parameter_arn = Stack.of(self).format_arn(
-            service="ssm", resource="parameter", resource_name=self.parameter_name.lstrip("/")
-        )
+        self.parameter_arn = Stack.of(self).format_arn(service="ssm", resource="parameter", resource_name=self.parameter_name.lstrip("/"))
+        if not self.in_place:
+            return
         self.document = ssm.CfnDocument(self, "Apply", document_type="Command", document_format="JSON", content=apply_document(config))
 
     @property

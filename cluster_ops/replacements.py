@@ -3,8 +3,8 @@ template, and which kind of change that is.
 
 A node's instance is replaced when its group's launch changes. Two kinds: the *machine* (image,
 instance type, network interfaces and EFA, root volume, the capacity it launches into, its group's
-subnet, the boot files its user data carries) and the *software* when it is pinned in the user data
-(rollout.software=replace: the fleet's software version; the router wheel). With the default,
+subnet, the boot files its user data carries) and the *software* when the launch template carries it
+(rollout.software=replace: the digest of the node's own software; the router wheel). With the default,
 rollout.software=in-place, the software is not in the launch template: a change of it replaces no
 instance (cluster_ops.in_place says which units it restarts). Said per node before the deploy, so
 that a one-line change is seen for what it costs.
@@ -35,9 +35,9 @@ MACHINE = {
     "MetadataOptions": "the instance metadata settings",
     "IamInstanceProfile": "the instance profile",
 }
-# deploy.env values that are software: the version pinned in the user data (rollout.software=replace), the router.
-SOFTWARE_VALUES = {"GPTOSS_SCRIPTS_SHA256": "the software version", "GPTOSS_SCRIPTS_URI": "the software version", "GPTOSS_ROUTER_URI": "the router wheel",
-                   "GPTOSS_COMPILE_CACHE_URI": "the compile cache location", "GPTOSS_SOFTWARE_PARAMETER": "how it finds its software (rollout.software)"}
+# deploy.env values that are software: its own software's digest (rollout.software=replace), the router.
+SOFTWARE_VALUES = {"GPTOSS_SOFTWARE_DIGEST": "its software", "GPTOSS_ROUTER_URI": "the router wheel",
+                   "GPTOSS_COMPILE_CACHE_URI": "the compile cache location", "GPTOSS_SOFTWARE_PARAMETER": "where it reads its software version"}
 # What changes with the deploy gate itself (a consequence of a replacement, never its cause).
 GATE_VALUES = {"GPTOSS_SIGNAL_URL", "GPTOSS_GATE"}
 
@@ -75,7 +75,8 @@ def _user_data_changes(before: Any, after: Any) -> tuple[list[str], list[str]]:
         new_files, new_values, _ = parse_user_data(new)
     except (AssertionError, ValueError, KeyError, TypeError):
         return ["its user data"], []
-    machine, software = [], []
+    machine: list[str] = []
+    software: list[str] = []
     files = sorted(p for p in set(old_files) | set(new_files) if old_files.get(p) != new_files.get(p))
     if files:
         machine.append(f"its boot files {', '.join(files)}")
@@ -115,7 +116,7 @@ def lines(why: Mapping[str, tuple[str, list[str]]]) -> list[str]:
     out = []
     for (kind, said), nodes in sorted(groups.items(), key=lambda g: node_order(g[1][0])):
         cost = ("a new machine" if kind == "machine" else
-                "a software change pinned in the launch template (rollout.software=replace): a new instance, which boots, stages "
-                "the model and loads again; rollout.software=in-place restarts the changed units instead")  # fmt: skip
+                "a software change, applied with a new instance (rollout.software=replace): it boots, stages the model and loads "
+                "again; rollout.software=in-place restarts the changed units instead")  # fmt: skip
         out.append(f"  why {span(nodes)}: {'; '.join(said)} ({cost})")
     return out

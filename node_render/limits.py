@@ -36,7 +36,7 @@ ALARM_TOPIC_RESOURCES = 2
 PER_EMAIL_BYTES = 400  # one e-mail subscription to it
 PER_CELL_BYTES = 3_000
 ROUTER_FLEET_BYTES = 500  # the routers' SSM parameter around its document (the document itself is counted as rendered)
-IN_PLACE_BYTES = 2_600  # rollout.software=in-place: the software parameter and the State Manager document
+IN_PLACE_BYTES = 2_600  # the software parameter and (rollout.software=in-place) the State Manager document
 PER_ASSOCIATION_BYTES = 1_600  # ... and one association per role, with its DependsOn on the role's cells
 # A cell: its parameters and shared policy, then per node its launch template (but its NICs), group,
 # role, instance profile and gate, and one network interface per card.
@@ -119,15 +119,14 @@ def shapes(layout: Layout) -> list[list[Node]]:
 def _user_data_bytes(cfg: ClusterConfig, layout: Layout, node: Node, *, compress: Compress = bundle) -> int:
     """A node's user data as EC2 counts it: exact with the shipped compression (`bundle`)."""
     r = render_node(cfg, layout, node)
-    pinned = cfg.rollout.software == "replace"
+    replace = cfg.rollout.software == "replace"
     # In the template the gate's URL is a Ref of about 60 characters; on the instance it is the
     # presigned URL, which counts against EC2's 16 KB.
     return len(
         user_data(
             r,
-            scripts_uri=SCRIPTS_URI_PLACEHOLDER if pinned else None,
-            scripts_sha256="0" * 64 if pinned else None,
-            software_parameter=None if pinned else software_parameter(cfg.cluster_name),
+            software_parameter=software_parameter(cfg.cluster_name),
+            software_digest="0" * 64 if replace else None,
             signal_url="x" * 60 if cfg.wait_for_ready else None,
             gate_id="x" * 48 if cfg.wait_for_ready else None,
             router_uri=SCRIPTS_URI_PLACEHOLDER,
@@ -190,7 +189,7 @@ def estimate(cfg: ClusterConfig) -> StackSize:
     return StackSize(
         nodes=len(layout.nodes),
         resources=BASE_RESOURCES + len(cell_sizes) + len(alarm_cells) + sg_rules + (OBSERVABILITY_RESOURCES if obs.enabled else 0)
-        + ((ALARM_TOPIC_RESOURCES + len(obs.alarm_emails)) if own_topic else 0) + ((2 + roles) if in_place else 0),
+        + ((ALARM_TOPIC_RESOURCES + len(obs.alarm_emails)) if own_topic else 0) + 1 + ((1 + roles) if in_place else 0),
         outputs=BASE_OUTPUTS + (2 if own_topic else 0),
         template_bytes=BASE_BYTES
         + PER_CELL_BYTES * len(cell_sizes)
@@ -199,7 +198,7 @@ def estimate(cfg: ClusterConfig) -> StackSize:
         + (OBSERVABILITY_BYTES if obs.enabled else 0)
         + ((ALARM_TOPIC_BYTES + PER_EMAIL_BYTES * len(obs.alarm_emails)) if own_topic else 0)
         + (LOAD_BALANCER_BYTES if cfg.load_balanced else 0)
-        + ((IN_PLACE_BYTES + PER_ASSOCIATION_BYTES * roles) if in_place else 0)
+        + IN_PLACE_BYTES + (PER_ASSOCIATION_BYTES * roles if in_place else 0)
         + _router_fleet_bytes(cfg),
         largest_user_data=max(size_of.values()) + url_growth,
         cells=cell_sizes,

@@ -340,8 +340,11 @@ def _script_references() -> dict[str, frozenset[str]]:
     return {n: frozenset(m for m in scripts if m in text) for n, text in scripts.items()}
 
 
-# The unit that installs the software: never restarted by a change of it (its files are the boot's).
-NOT_RESTARTED = frozenset({"gptoss-scripts.service"})
+# Never restarted by a software change: the unit that installs the software (its files are the boot's),
+# the deploy gate's verdict (once per instance: an in-place change is judged by gptoss-apply itself) and
+# the compile cache's save (once per instance, after it first served). A new version of theirs runs at
+# the instance's next boot.
+NOT_RESTARTED = frozenset({"gptoss-scripts.service", "gptoss-signal.service", "gptoss-cache-save.service"})
 
 
 def restarts_file(out: NodeRender, bin_dir: str = BIN) -> str:

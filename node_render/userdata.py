@@ -145,11 +145,11 @@ def launch_inputs(cfg: ClusterConfig, role: str) -> str:
     return json.dumps(doc, sort_keys=True)
 
 
-def node_digest(render: NodeRender, software_sha256: str, launch: str = "") -> str:
+def node_digest(render: NodeRender, software: str, launch: str = "") -> str:
     """8 hex digits that change exactly when the node's instance is replaced: its boot files, its launch
-    inputs and, with rollout.software=replace, the software version (in place, software_sha256 is
+    inputs and, with rollout.software=replace, its own software (node_version; in place, `software` is
     ""): the deploy gate's id, so an update waits for exactly the nodes it replaces."""
-    data = bundle(boot_files(render)) + software_sha256.encode() + launch.encode()
+    data = bundle(boot_files(render)) + software.encode() + launch.encode()
     return hashlib.sha256(data).hexdigest()[:8]
 
 
@@ -200,12 +200,21 @@ def _signal_line(url: str | None, gate_id: str | None = None) -> str:
 _DUMPER = getattr(yaml, "CSafeDumper", yaml.SafeDumper)
 
 
+def node_version(render: NodeRender) -> str:
+    """The sha256 of what this node runs of the software (its own files, the scripts and shared files its
+    manifest lists): with rollout.software=replace, its user data carries it, so that a change of exactly
+    this node's software gives it a new launch template."""
+    scripts = shipped_scripts()
+    files = dict(node_software(render)) | dict(render.shared)
+    files |= {f"{BIN}/{n}": (scripts[n], 0o755) for n in sorted(render.scripts - NODE_SCRIPTS)}
+    return hashlib.sha256(tarball(files)).hexdigest()
+
+
 def user_data(
     render: NodeRender,
     *,
-    scripts_uri: str | None = None,
-    scripts_sha256: str | None = None,
-    software_parameter: str | None = None,
+    software_parameter: str,
+    software_digest: str | None = None,
     signal_url: str | None = None,
     gate_id: str | None = None,
     router_uri: str | None = None,
@@ -215,32 +224,27 @@ def user_data(
     """cloud-init user data: the node's boot files and what the stack knows only at deploy time.
 
     The node's software (every other file it runs) is fetched at boot: the version the SSM parameter
-    `software_parameter` names (rollout.software=in-place: a new version leaves this text alone), or
-    the one `scripts_uri`/`scripts_sha256` pin (replace: a new version is a new launch template).
+    `software_parameter` names, the fleet's current one whatever the launch template's age. With
+    rollout.software=in-place a new version leaves this text alone (State Manager applies it to the
+    running nodes); with replace, `software_digest` (node_version) is here too, so a node whose own
+    software changed gets a new launch template and a new instance.
 
-    `scripts_uri`, `router_uri`, `compile_cache_uri` (the stack's bucket, or the configured
-    location) and `signal_url` (the deploy gate's wait condition handle) are CDK tokens at synth;
-    CloudFormation fills them in. No other node's address is here: an instance of any node can be
-    replaced at any time, and the nodes that need their peers read them from EC2 (gptoss-members).
-    The scripts' sha256 is computed here, so the node checks what it fetches. The signal URL goes
-    to its own root-only file (whoever holds it can fail the deploy), never to deploy.env, which
+    `router_uri`, `compile_cache_uri` (the stack's bucket, or the configured location) and
+    `signal_url` (the deploy gate's wait condition handle) are CDK tokens at synth; CloudFormation
+    fills them in. No other node's address is here: an instance of any node can be replaced at any
+    time, and the nodes that need their peers read them from EC2 (gptoss-members). The signal URL
+    goes to its own root-only file (whoever holds it can fail the deploy), never to deploy.env, which
     the proxy and the other units read. `compress` is for the size estimate alone (bundle_bound).
 
     Everything is applied in `bootcmd`, which cloud-init runs at every boot with the current
     user data, where write_files and runcmd would run only once per instance. gptoss-bootstrap
-    then starts the node's target at every boot (there is no first-boot special case). Data goes
+    then starts the software's fetch at every boot (there is no first-boot special case). Data goes
     to `sh -c` as arguments, never inside the script text.
     """
-    if (software_parameter is None) == (scripts_uri is None or scripts_sha256 is None):
-        raise ValueError(
-            f"{render.node.name}: the software is named by a parameter or pinned by its URI and sha256, one of the two"
-        )
     region = parse_env_file(render.files[CLUSTER_ENV][0])["AWS_REGION"]
-    values = [f"AWS_REGION={region}", f"GPTOSS_NODE={render.node.name}"]
-    if software_parameter is not None:
-        values.append(f"GPTOSS_SOFTWARE_PARAMETER={software_parameter}")
-    else:
-        values += [f"GPTOSS_SCRIPTS_URI={scripts_uri}", f"GPTOSS_SCRIPTS_SHA256={scripts_sha256}"]
+    values = [f"AWS_REGION={region}", f"GPTOSS_NODE={render.node.name}", f"GPTOSS_SOFTWARE_PARAMETER={software_parameter}"]
+    if software_digest is not None:
+        values.append(f"GPTOSS_SOFTWARE_DIGEST={software_digest}")
     if "gptoss-install-router" in render.scripts:
         if router_uri is None:
             raise ValueError(f"{render.node.name}: runs vLLM's router but no router asset URI was given")

@@ -135,8 +135,6 @@ class GptOssClusterStack(Stack):
             subnet_id=network.subnet_id,
             security_group_id=security.group.security_group_id,
             placement_group=placement,
-            scripts_uri=software.uri,
-            scripts_sha256=software.sha256,
             scripts_arn=software.object_arn,
             software_parameter=software.parameter_name,
             software_parameter_arn=software.parameter_arn,

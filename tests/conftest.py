@@ -219,8 +219,6 @@ ODD_VALUES = [
     "%i %n %%",
 ]
 
-SCRIPTS_URI = "s3://cdk-hnb659fds-assets-123456789012-us-east-2/scripts.xz"
-SCRIPTS_SHA = "0" * 64
 SOFTWARE_PARAMETER = "/gptoss/gptoss-8k1k/software"
 ROUTER_URI = "s3://cdk-hnb659fds-assets-123456789012-us-east-2/router.whl"
 CACHE_URI = "s3://gptoss-8k1k-compilecachebucket-0123456789ab"

@@ -111,6 +111,7 @@ def test_the_user_data_limit_counts_the_gates_presigned_url_as_the_instance_gets
     """In the template the gate's URL is a Ref; on the instance it is CloudFormation's presigned URL
     (SigV4: the handle's ARN with a nested stack's name, the query), which EC2's 16 KB counts. The
     estimate holds the largest node's user data with a URL of that form and its gate's logical id."""
+    from node_render.paths import software_parameter
     from node_render.userdata import user_data
     from tests.fakes.cloudformation import handle_url
 
@@ -120,7 +121,7 @@ def test_the_user_data_limit_counts_the_gates_presigned_url_as_the_instance_gets
     assert len(url) > 500
     gate = "Decode7Ready0123abcdCondition0A1B2C3D"
     largest = max(
-        len(user_data(r, scripts_uri=limits.SCRIPTS_URI_PLACEHOLDER, scripts_sha256="0" * 64, signal_url=url, gate_id=gate,
+        len(user_data(r, software_parameter=software_parameter(cfg.cluster_name), signal_url=url, gate_id=gate,
                       router_uri=limits.SCRIPTS_URI_PLACEHOLDER, compile_cache_uri=limits.SCRIPTS_URI_PLACEHOLDER).encode())
         for r in render.render_cluster(cfg)
     )  # fmt: skip

@@ -128,10 +128,10 @@ def test_a_prefill_flag_restarts_the_sixteen_replicas_of_each_prefill_node(assem
 
 
 def test_a_collector_script_restarts_no_server(assembly: Callable[..., Path]) -> None:
-    """gptoss-telemetry is the node's metrics and logs collector: its edit restarts it (and the signal unit, whose
-    script names it, which has answered its gate already), never a server, a router or a proxy."""
+    """gptoss-telemetry is the node's metrics and logs collector: its edit restarts it, never a server, a router or
+    a proxy (nor the deploy gate's verdict, whose script names the collector: once per instance)."""
     change = _restarts(assembly, PROD, {"edit": "gptoss-telemetry", **PROD})
-    assert change.restarts == {n: ["gptoss-signal.service", "gptoss-telemetry.service"] for n in
+    assert change.restarts == {n: ["gptoss-telemetry.service"] for n in
                                [*(f"decode-{d}" for d in range(8)), *(f"prefill-{p}" for p in range(3))]}  # fmt: skip
     assert "minimum serving decode 8/8" in in_place.lines(load_config(PROD), change)[-1]
 
@@ -162,9 +162,15 @@ def test_each_role_has_an_association_at_its_lanes_rate_stopping_at_the_first_fa
     assert doc["Properties"]["Content"]["parameters"]["Software"]["allowedPattern"] == r"^s3://[a-z0-9.-]+/[A-Za-z0-9._/-]+ [0-9a-f]{64}$"
 
 
-def test_replace_pins_the_version_in_the_launch_template_and_makes_no_association(assembly: Callable[..., Path]) -> None:
-    flat = _flat(assembly(**PROD, **{"rollout.software": "replace"}))
-    assert not _of(flat, "AWS::SSM::Association") and not _of(flat, "AWS::SSM::Document") and in_place.version_of(flat) is None
+def test_replace_puts_each_nodes_own_software_in_its_launch_template_and_makes_no_association(assembly: Callable[..., Path]) -> None:
+    """rollout.software=replace: a decode flag gives the decode nodes, and only them, a new launch template (their
+    own software's digest is in it); the version every node boots is still the parameter's; nothing in place."""
+    pinned = PROD | {"rollout.software": "replace"}
+    before, after = _flat(assembly(**pinned)), _flat(assembly(**(pinned | {"serving.decode.max_num_seqs": "4"})))
+    assert not _of(after, "AWS::SSM::Association") and not _of(after, "AWS::SSM::Document")
+    assert in_place.version_of(after) not in (None, in_place.version_of(before))
+    r = rollout.compare(before, after)
+    assert (r.replaced, r.kept) == ([f"decode-{d}" for d in range(8)], ["prefill-0", "prefill-1", "prefill-2"])
 
 
 def test_the_deployed_version_is_read_where_its_parameter_says_and_checked(moto_url: str, assembly: Callable[..., Path]) -> None:

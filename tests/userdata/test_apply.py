@@ -153,8 +153,8 @@ def test_a_decode_flag_restarts_the_decode_server_alone_and_records_the_version(
 
 
 def test_a_collector_script_restarts_no_server(node: dict[str, Any], shipped: Shipped) -> None:
-    """The telemetry collector's script changes (an edit of userdata/bin/gptoss-telemetry): its unit restarts, and
-    gptoss-signal's (its script names the collector; it has answered its gate), never the decode server."""
+    """The telemetry collector's script changes (an edit of userdata/bin/gptoss-telemetry): its unit restarts, never
+    the decode server (nor gptoss-signal, whose script names the collector: the gate's verdict is once per instance)."""
     from node_render.node_scripts import shipped_scripts
 
     scripts = shipped_scripts()
@@ -166,7 +166,7 @@ def test_a_collector_script_restarts_no_server(node: dict[str, Any], shipped: Sh
         scripts["gptoss-telemetry"] = original
     res = node["apply"](b)
     assert res.returncode == 0, res.stdout + res.stderr
-    assert node["restarted"]() == [["gptoss-signal.service", "gptoss-telemetry.service"]]
+    assert node["restarted"]() == [["gptoss-telemetry.service"]]
     assert (node["root"] / "opt/gptoss/bin/gptoss-telemetry").read_text().endswith("# a one-line edit\n")
 
 

@@ -387,10 +387,10 @@ def boot_env(tmp_path: Path, request: pytest.FixtureRequest) -> Callable[[str, b
                                       "/nodes/prefill-0/etc/gptoss/manifest": ("/opt/gptoss/bin/gptoss-exec\n/etc/gptoss/manifest\n", 0o644),
                                       "/nodes/prefill-0/etc/gptoss/units": ("", 0o644)}))  # fmt: skip
             error = "An error occurred (SlowDown) when calling the GetObject operation: Please reduce your request rate."
-            fake_command(fakes, "aws", f'{once} echo "{error}" >&2; exit 1; fi\ncp "{asset}" "${{*: -1}}"\n')
-            # The user data's deploy.env, the version pinned (rollout.software=replace: no parameter to read here).
-            (root / "etc/gptoss/deploy.env").write_text("AWS_REGION=us-east-2\nGPTOSS_NODE=prefill-0\nGPTOSS_SCRIPTS_URI=s3://bucket/asset.xz\n"
-                                                        f"GPTOSS_SCRIPTS_SHA256={hashlib.sha256(asset.read_bytes()).hexdigest()}\n")  # fmt: skip
+            version = f"s3://bucket/asset.xz {hashlib.sha256(asset.read_bytes()).hexdigest()}"
+            fake_command(fakes, "aws", f'if [ "$1" = ssm ]; then echo "{version}"; exit 0; fi\n{once} echo "{error}" >&2; exit 1; fi\ncp "{asset}" "${{*: -1}}"\n')
+            # The user data's deploy.env: the node, and the parameter that names its software version.
+            (root / "etc/gptoss/deploy.env").write_text("AWS_REGION=us-east-2\nGPTOSS_NODE=prefill-0\nGPTOSS_SOFTWARE_PARAMETER=/gptoss/c/software\n")
             return {"PATH": f"{fakes}{os.pathsep}{os.environ['PATH']}", "GPTOSS_ROOT": str(root),
                     "GPTOSS_DEPLOY_ENV": str(root / "etc/gptoss/deploy.env"), "GPTOSS_SYSTEMCTL": "true", "GPTOSS_FETCH_TIMEOUT_S": "3"}, error  # fmt: skip
         if unit == "gptoss-identity.service":

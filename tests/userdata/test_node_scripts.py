@@ -274,15 +274,6 @@ def test_fetch_refuses_an_object_whose_sha256_differs(fetch_env: dict[str, Any],
     assert len([c for c in fetch_env["log"].read_text().splitlines() if c.startswith("s3 ")]) >= 2, "asked again"
 
 
-def test_a_version_pinned_in_the_user_data_needs_no_parameter(fetch_env: dict[str, Any], shipped: Shipped) -> None:
-    """rollout.software=replace: the user data names the version itself."""
-    deploy = fetch_env["root"] / "etc/gptoss/deploy.env"
-    deploy.write_text(f"AWS_REGION=us-east-2\nGPTOSS_NODE=decode-0\nGPTOSS_SCRIPTS_URI=s3://bucket/asset.xz\nGPTOSS_SCRIPTS_SHA256={fetch_env['sha']}\n")
-    res = subprocess.run([str(shipped("gptoss-fetch-scripts"))], env=fetch_env["env"], capture_output=True, text=True, timeout=60)
-    assert res.returncode == 0, res.stderr
-    assert [c.split()[0] for c in fetch_env["log"].read_text().splitlines()] == ["s3"]
-
-
 class _Handle(http.server.BaseHTTPRequestHandler):
     puts: list[dict[str, Any]]
 

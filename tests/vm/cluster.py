@@ -3,15 +3,16 @@
 Each node identity (prefill-0, decode-0, and decode-1 of the two-decode router layout) is held by
 one VM at a time, as an Auto Scaling group of one holds one instance (two during a surge). `deploy()` is what `cdk deploy` does: it renders each node's user data
 with the same function the stack uses (tests/userdata prove the stack embeds exactly that
-rendering), fills in what CloudFormation fills in (where the scripts asset and the compile
-cache are, each node's deploy gate), puts the stack's assets in the cluster's AWS (one moto on
-the host, tests/vm/aws.py), and says which nodes changed: a changed node's group replaces its
+rendering), fills in what CloudFormation fills in (the software parameter's name, where the compile
+cache is, each node's deploy gate), puts the stack's assets and its software parameter in the
+cluster's AWS (one moto on the host, tests/vm/aws.py), and says which nodes changed: a changed node's group replaces its
 instance (a new VM: new root disk, new instance id, new address, blank instance store),
 `launch()` does that (the old instance first, then the new). With surge,
 `surge()` launches the replacement beside the running instance (both on the subnet, a hub:
 tests/vm/link.py) and `retire()` lets the old one go as CloudFormation does once the replacement
-signalled its group. A reboot keeps every disk; a crash in its wave (the plug pulled) is a hard
-reset of the same instance.
+signalled its group. A software change of a running node (rollout.software=in-place) is `apply()`: what
+State Manager's association runs, gptoss-apply on each node, one at a time. A reboot keeps every disk; a
+crash in its wave (the plug pulled) is a hard reset of the same instance.
 """
 
 from __future__ import annotations
@@ -23,14 +24,15 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from cluster_ops import in_place
 from clusterspec.config import ClusterConfig
 from clusterspec.loading import load_config
 from node_render import telemetry
 from node_render.command_lines import router_fleet
 from node_render.node_files import NodeRender
-from node_render.paths import WHEELS_DIR, router_parameter
+from node_render.paths import WHEELS_DIR, router_parameter, software_parameter
 from node_render.render import render_cluster
-from node_render.userdata import launch_inputs, node_digest, software_asset, user_data
+from node_render.userdata import launch_inputs, node_digest, node_version, software_asset, user_data
 from tests.vm import profile
 from tests.vm.aws import ASSET_BUCKET, CACHE_BUCKET, HostAws
 from tests.vm.image import Image
@@ -91,7 +93,12 @@ class VmCluster:
         self.cfg: ClusterConfig | None = None
         self.renders: dict[str, NodeRender] = {}
         self.user_data_text: dict[str, str] = {}
-        self.scripts_uri = ""
+        # The fleet's software version ("URI SHA256", what the stack's parameter names) and its asset.
+        self.version = ""
+        self.software = b""
+        # After a deploy: the running nodes whose own software changed, and the units gptoss-apply restarts on
+        # each (rollout.software=in-place: State Manager's association would run it; `apply` does here).
+        self.in_place: dict[str, list[str]] = {}
         self.fakes: dict[str, Any] = {}
         self.deploys = 0
         self.handles: dict[str, tuple[str, str]] = {}
@@ -117,8 +124,11 @@ class VmCluster:
         self.renders = {r.node.name: r for r in renders}
         data = software_asset(renders)
         sha = hashlib.sha256(data).hexdigest()
-        self.scripts_uri = f"s3://{ASSET_BUCKET}/{sha}.xz"
-        self.aws.put(self.scripts_uri, data)
+        uri = f"s3://{ASSET_BUCKET}/{sha}.xz"
+        self.aws.put(uri, data)
+        # The stack's software parameter: the version every node reads at boot.
+        self.aws.client("ssm").put_parameter(Name=software_parameter(self.cfg.cluster_name), Value=f"{uri} {sha}", Type="String", Overwrite=True)
+        previous, self.software, self.version = self.software, data, f"{uri} {sha}"
         router_uri = None
         if self.cfg.proxy_kind == "vllm-router":
             # The routers' settings and pool, the one SSM parameter the stack writes (read at run time).
@@ -132,19 +142,38 @@ class VmCluster:
         self.aws.log_group(telemetry.log_group(self.cfg))
         self.deploys += 1
         changed = set()
+        replace = self.cfg.rollout.software == "replace"
         for name, r in self.renders.items():
             # The deploy gate's handle, as CloudFormation keeps or makes it: the same URL while the
             # node's gate (its digest) stays, a new one when the node changes (and is replaced).
-            digest = node_digest(r, sha, launch_inputs(self.cfg, r.node.role))
+            digest = node_digest(r, node_version(r) if replace else "", launch_inputs(self.cfg, r.node.role))
             if self.handles.get(name, ("",))[0] != digest:
                 self.handles[name] = (digest, f"{SIGNAL_BASE}/{name}/{digest}-{self.deploys}?Expires=1900000000&Signature=a%2Fb%3D")
                 changed.add(name)
             signal = self.handles[name][1] if self.cfg.wait_for_ready else None
             self.user_data_text[name] = user_data(
-                r, scripts_uri=self.scripts_uri, scripts_sha256=sha, signal_url=signal, router_uri=router_uri, compile_cache_uri=f"s3://{CACHE_BUCKET}"
-            )
+                r, software_parameter=software_parameter(self.cfg.cluster_name), software_digest=node_version(r) if replace else None,
+                signal_url=signal, router_uri=router_uri, compile_cache_uri=f"s3://{CACHE_BUCKET}",
+            )  # fmt: skip
         self.pending = changed
+        running = [n for n in self.renders if n in self.vms and n not in changed]
+        self.in_place = {} if replace or not previous else in_place.compare("", sha, previous, data, running).restarts
         return changed
+
+    def apply(self, timeout_s: int) -> dict[str, tuple[int, float, str]]:
+        """What the stack's State Manager associations do after an in-place deploy: gptoss-apply with the new
+        version on each running node whose software changed, a role after the other and one node at a time
+        (MaxConcurrency 1), stopping at the first that fails (MaxErrors 0). Per node: (exit code, seconds, output)."""
+        assert self.cfg is not None
+        out: dict[str, tuple[int, float, str]] = {}
+        for role in dict.fromkeys(n.role for n in self.cfg.layout.nodes):
+            for name in [n for n in self.in_place if self.renders[n].node.role == role]:
+                t0 = time.monotonic()
+                res = self.vms[name].ssh(f"/opt/gptoss/bin/gptoss-apply '{self.version}' {timeout_s}", check=False, timeout=2 * timeout_s + 900)
+                out[name] = (res.returncode, time.monotonic() - t0, res.stdout + res.stderr)
+                if res.returncode != 0:
+                    return out
+        return out
 
     def user_data(self, name: str) -> str:
         """The user data of a node's launch template (what every instance of it boots from)."""

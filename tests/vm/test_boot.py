@@ -44,6 +44,9 @@ MODEL = "/opt/dlami/nvme/models/gpt-oss-120b"
 # Telemetry every 3 minutes, not 1: under TCG each AWS CLI call costs a guest 5-20 s of CPU (a
 # second on a node), and a minute's calls would starve the servers' own boot.
 IMAGE, NEW_IMAGE = "ami-0aaaaaaaaaaaaaaa1", "ami-0bbbbbbbbbbbbbbb2"
+# The redeploy to vLLM's router comes with a newer image (a machine change: every node's instance is replaced,
+# and the new ones boot the new software version); the surge's change with another one.
+ROUTER_IMAGE, SURGE_IMAGE = "ami-0ccccccccccccccc3", "ami-0ddddddddddddddd4"
 BASE = {"ami_id": IMAGE, "boot": {"scripts_fetch_s": 240}, "observability": {"interval_s": 180}}
 # Typed here, not read from the code: what a server may never inherit, and the guest's own knobs
 # (tests/vm/guest/rootfs/etc/systemd/system.conf.d/90-fakes.conf).
@@ -59,7 +62,7 @@ ODD_ENV = {f"ODD_{i}": {"value": v, "reason": "odd but legal"} for i, v in enume
 ODD_FLAGS = [{"name": f"--odd-{i}", "value": v, "reason": "odd but legal"} for i, v in enumerate(ODD_VALUES)]
 # The guest's HAProxy is Debian 13's (3.0), the API gate's pin on a router node; a 10 s lame-duck (no load balancer here waits 20 s).
 ROUTED_SERVING: dict[str, Any] = {"proxy": {"kind": "vllm-router", "gate": {"haproxy_version": "3.0", "lame_duck_s": 10}}, "decode": {"max_num_seqs": 4, "env": ODD_ENV, "extra_flags": ODD_FLAGS}}
-ROUTED = BASE | {"serving": ROUTED_SERVING}
+ROUTED = BASE | {"ami_id": ROUTER_IMAGE, "serving": ROUTED_SERVING}
 TIMES: dict[str, float] = {}  # what the scenarios measured, printed by the replacement's
 
 
@@ -431,8 +434,9 @@ def router_completion(cluster: VmCluster, prompt: str) -> None:
 
 
 def test_a_redeploy_to_the_router_replaces_both_instances_which_restore_their_compile_caches(cluster: VmCluster) -> None:
-    """Both nodes change (the proxy moves to decode-0 as vLLM's router): their groups replace their
-    instances. The new ones (new root disks, new addresses, blank instance stores) restripe,
+    """A newer image and the proxy moved to decode-0 as vLLM's router: the image is the machine, so both groups
+    replace their instances, which boot the new software version (the parameter's). The new ones (new root
+    disks, new addresses, blank instance stores) restripe,
     restage through a download cut half-way, restore what their identities saved (no compile),
     install the router from the stack's asset with no network, and serve through it."""
     before = {n: (cluster.instance_ids[n], cluster.ip(n)) for n in NODES}
@@ -490,6 +494,68 @@ def test_a_redeploy_to_the_router_replaces_both_instances_which_restore_their_co
         assert signal["body"]["Status"] == "SUCCESS" and cluster.handles[node][0] in signal["path"], signal
 
 
+# A server flag and a node script changed together on the router layout scenario 7 left: software only.
+ROUTED_IN_PLACE = ROUTED | {"serving": ROUTED_SERVING | {"decode": ROUTED_SERVING["decode"] | {"max_num_seqs": 2}}}
+EDIT = "# an in-place edit of the collector\n"
+
+
+def test_a_server_flag_and_a_script_change_are_applied_in_place_under_a_clients_load(cluster: VmCluster) -> None:
+    """rollout.software=in-place (the default): decode's max_num_seqs and the telemetry collector's script change
+    together. No launch template changes, so no instance is replaced; State Manager's association (here the
+    harness: moto has no State Manager) runs gptoss-apply on each node, one at a time: decode-0 restarts its
+    decode server and its collector, prefill-0 its collector alone, its six replicas untouched. A client sending
+    completions through decode-0's router all the while may see failures only while decode-0's one decode
+    server restarts (the layout has no other), none before and none once the node serves again."""
+    from node_render.node_scripts import shipped_scripts
+
+    ids = dict(cluster.instance_ids)
+    decode, prefill = cluster.vms["decode-0"], cluster.vms["prefill-0"]
+    replicas = {port: len([r for r in cluster.this_boot("prefill-0", prefill.records(f"vllm-{port}.jsonl")) if r["event"] == "start"])
+                for port in range(8100, 8106)}  # fmt: skip
+    scripts = shipped_scripts()  # cached: the deploy ships the edited copy
+    original = scripts["gptoss-telemetry"]
+    scripts["gptoss-telemetry"] = original + EDIT
+    try:
+        assert cluster.deploy(ROUTED_IN_PLACE) == set(), "software only: no launch template changes, no instance is replaced"
+    finally:
+        scripts["gptoss-telemetry"] = original
+    assert cluster.in_place == {"decode-0": ["gptoss-decode.service", "gptoss-telemetry.service"], "prefill-0": ["gptoss-telemetry.service"]}
+    decode.ssh(LOAD.replace("MODEL", MODEL))
+    time.sleep(20)
+    began = float(decode.ssh("date +%s.%N").stdout)
+    results = cluster.apply(timeout_s=600)
+    ended = float(decode.ssh("date +%s.%N").stdout)
+    time.sleep(20)
+    decode.ssh("touch /run/vm-load.stop")
+    decode.wait_until("! systemctl is-active --quiet vm-load.service", 180, "the client's last request")
+    assert sorted(results) == ["decode-0", "prefill-0"] and all(code == 0 for code, _, _ in results.values()), results
+    for node, units in cluster.in_place.items():
+        assert f"restarting: {' '.join(units)}" in results[node][2], results[node][2]
+    assert cluster.instance_ids == ids, "no instance replaced"
+    argv = last_start(cluster, "decode-0", 8200)["argv"]
+    assert argv[argv.index("--max-num-seqs") + 1] == "2", "the decode server runs the new flag"
+    after = {port: len([r for r in cluster.this_boot("prefill-0", prefill.records(f"vllm-{port}.jsonl")) if r["event"] == "start"])
+             for port in range(8100, 8106)}  # fmt: skip
+    assert after == replicas, "no prefill replica restarted"
+    sha = cluster.version.split()[1]
+    for node in NODES:
+        vm = cluster.vms[node]
+        assert vm.ssh("tail -n 1 /opt/gptoss/bin/gptoss-telemetry").stdout == EDIT, f"{node}: the collector's new script"
+        assert vm.json("/opt/gptoss/bin/gptoss-status")["software"] == sha, f"{node}: reports the new version"
+        assert vm.ssh("systemctl is-active gptoss-telemetry.service").stdout.strip() == "active"
+    lines = [line.split() for line in decode.ssh("cat /var/lib/fakes/load.log").stdout.splitlines()]
+    before = [c for t, _, c in lines if float(t) < began and c != "200"]
+    during = [c for t, _, c in lines if began <= float(t) <= ended and c != "200"]
+    late = [c for t, _, c in lines if float(t) > ended and c != "200"]
+    first = TIMES.get("first boot: launch to serving", float("nan"))
+    print(f"\nin place, a decode flag and a script under a client's load (TCG; one completion at a time through decode-0's router): "
+          f"{len(lines)} requests, {len(before)} failed before, {len(during)} while the nodes restarted {sorted(set(during))}, "
+          f"{len(late)} after; decode-0 served again {results['decode-0'][1]:.0f} s after its apply began (its decode server "
+          f"restarted, compile cache and checkpoint on its NVMe), prefill-0 {results['prefill-0'][1]:.0f} s (its collector alone); "
+          f"first boot, launch to serving: {first:.0f} s")  # fmt: skip
+    assert len(lines) >= 30 and before == [] and late == [], (before, late)
+
+
 # A client's load through decode-0's router: one completion at a time, a second apart, each one's
 # HTTP status (000: no answer) in a line, until the stop file appears. Not a gptoss- unit (the plan's checks
 # look at those).
@@ -506,9 +572,10 @@ done
 EOF
 chmod +x /root/load.sh && rm -f /run/vm-load.stop /var/lib/fakes/load.log && systemd-run --unit=vm-load --collect /root/load.sh"""
 # The fleet grown to two decode servers (a router on each) with the same six replicas: prefill-0 and
-# decode-0 render as before, decode-1 is a new node. Then a change of the decode servers (a flag).
+# decode-0 render as before, decode-1 is a new node. Then a newer image (every group rolls) with a change of
+# the decode servers (a flag: the software the replacement reads at boot).
 GROWN = ROUTED | {"decode_instances": 2, "prefill_per_decode": 3}
-DECODE_SURGED = GROWN | {"serving": ROUTED_SERVING | {"decode": ROUTED_SERVING["decode"] | {
+DECODE_SURGED = GROWN | {"ami_id": SURGE_IMAGE, "serving": ROUTED_SERVING | {"decode": ROUTED_SERVING["decode"] | {
     "extra_flags": [*ODD_FLAGS, {"name": "--vm-surge", "value": "1", "reason": "a change of the decode servers"}]}}}  # fmt: skip
 GATE_PROMPT = "The capital of France is "  # gptoss-signal's test requests
 
@@ -520,9 +587,10 @@ def decode_records(cluster: VmCluster, node: str) -> list[dict[str, Any]]:
 
 def test_a_surge_replaces_decode_1_a_router_node_which_proves_its_own_server_and_a_client_sees_no_failure(cluster: VmCluster) -> None:
     """The fleet grows to two decode nodes (decode-1 launched, decode-0's router takes the new pool), then a
-    change of the decode servers rolls decode-1's group with surge, played here as CloudFormation plays it
-    (decode-0, first in the lane, is not rolled: the replay of CloudFormation's rules covers the lane's
-    order): the replacement boots beside the old instance (four guests on one subnet), restores its
+    newer image with a change of the decode servers rolls decode-1's group with surge, played here as
+    CloudFormation plays it (prefill-0 and decode-0, first in their lanes, are not rolled: the replay of
+    CloudFormation's rules covers the lanes' order): the replacement boots beside the old instance (four
+    guests on one subnet), runs the new command line (the software version it reads at boot), restores its
     identity's compile cache and signals its group only once its *own* decode server served a request
     pinned to it (the name decode-1, which its own router and decode-0's reach, is still the old
     instance's: a completion through a router proves nothing of the new server). Until its group lets the
@@ -549,7 +617,7 @@ def test_a_surge_replaces_decode_1_a_router_node_which_proves_its_own_server_and
 
     router = {p: cluster.unit_prop("decode-0", "gptoss-proxy.service", p) for p in ("MainPID", "NRestarts")}
     old_id, old_ip = cluster.instance_ids["decode-1"], cluster.ip("decode-1")
-    assert cluster.deploy(DECODE_SURGED) == {"decode-0", "decode-1"}, "a decode flag: both decode nodes' groups roll, in one lane"
+    assert cluster.deploy(DECODE_SURGED) == {"prefill-0", "decode-0", "decode-1"}, "a new image: every group rolls"
     assert cluster.cfg.surge, "On-Demand capacity with a deploy gate: surge (rollout.surge=auto)"
     decode.ssh(LOAD.replace("MODEL", MODEL))
     launched = time.monotonic()
