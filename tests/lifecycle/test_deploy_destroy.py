@@ -12,6 +12,7 @@ from __future__ import annotations
 import base64
 import hashlib
 import json
+import re
 from typing import Any
 
 import pytest
@@ -309,13 +310,21 @@ def test_single_instance_recipe_with_the_stacks_own_cache_bucket_deploys_and_is_
         ctx = ["-c", "recipe=gptoss-20b-single", "-c", "compile_cache_s3_uri=null"]
         same = local_aws.gptoss("diff", *ctx).stderr
         assert "this deploy replaces no instance (1 running node keeps its own)" in same, same[-3000:]
+        # A software change (the device wait: the node's settings and its check's unit), applied in place: the deployed
+        # version read where the stack's parameter names it (S3, checked by its sha256), compared file by file.
         changed = local_aws.gptoss("diff", *ctx, "-c", "boot.devices_s=240").stderr
+        assert "this deploy replaces no instance (1 running node keeps its own)" in changed, changed[-3000:]
+        assert re.search(r"^software [0-9a-f]{12} -> [0-9a-f]{12}, in place \(no instance replaced\)", changed, re.M), changed[-3000:]
+        # Every unit that reads the node's settings (cluster.env) restarts; the collector (telemetry.json) does not.
+        assert ("  server-0: restart gptoss-nvme.service, gptoss-identity.service, gptoss-node-check.service, gptoss-stage.service, "
+                "gptoss-server.service") in changed, changed[-3000:]  # fmt: skip
+        assert "  server: 1 batch of at most 1, minimum serving server 0/1, about 1 x a node's restart (each at most 30 min)" in changed
+        # A machine change (the root volume): the instance is replaced, with surge, and the reason said.
+        machine = local_aws.gptoss("diff", *ctx, "-c", "root_volume_gb=700").stderr
         assert ("this deploy replaces the instances of 1 of the 1 running nodes, in batches (each replacement launched and "
-                "serving before its old instance is terminated (surge)): batch 1: server-0") in changed, changed[-3000:]  # fmt: skip
-        assert "server: 1 batch, at most 0 of 1 out (surge: each replacement serves before its old instance goes), minimum serving server 1/1" in changed, changed[-3000:]
-        # Why, read from the template CloudFormation holds: the device wait is in the node's environment and its check's unit.
-        assert ("  why server-0: its files /etc/gptoss/cluster.env, /etc/systemd/system/gptoss-node-check.service (a software change, "
-                "which today also takes a new instance: it boots, stages the model and loads again)") in changed, changed[-3000:]  # fmt: skip
+                "serving before its old instance is terminated (surge)): batch 1: server-0") in machine, machine[-3000:]  # fmt: skip
+        assert "server: 1 batch, at most 0 of 1 out (surge: each replacement serves before its old instance goes), minimum serving server 1/1" in machine
+        assert "  why server-0: the root volume (a new machine)" in machine, machine[-3000:]
 
     seen = deploy_check_destroy(
         local_aws, "recipe=gptoss-20b-single", "compile_cache_s3_uri=null", stack="GptOss20bSingleStack", cluster="gptoss-20b-single",

@@ -54,7 +54,7 @@ def test_ci_runs_the_vm_scenarios_and_checks_their_count() -> None:
     (line,) = [x for x in ci.splitlines() if x.startswith("make test-vm")]
     assert " -k" not in line and "-m " not in line, line
     scenarios = sum(p.read_text().count("\ndef test_") for p in (ROOT / "tests" / "vm").glob("test_*.py"))
-    assert scenarios == 9 and f"--expect-at-least {scenarios}" in ci
+    assert scenarios == 10 and f"--expect-at-least {scenarios}" in ci
 
 
 def test_make_test_vm_without_root_exits_non_zero_with_one_line() -> None:

@@ -27,19 +27,18 @@ def test_the_same_spec_replaces_nothing_and_says_nothing(synth_variant: Any) -> 
     assert replacements.lines({}) == []
 
 
-def test_a_decode_flag_replaces_nothing_in_place_and_every_node_pinned(synth_variant: Any) -> None:
+def test_a_decode_flag_replaces_nothing_in_place_and_the_decode_nodes_with_replace(synth_variant: Any) -> None:
     """3 + 8: max_num_seqs is on the decode server's command line, in its unit: software. In place (the default)
-    no launch template changes; pinned in the launch template (rollout.software=replace), the fleet's one
-    software version changes in every node's user data, and the line says what that costs."""
+    no launch template changes; with rollout.software=replace the decode nodes' own software (its digest in
+    their launch templates) changes, no prefill node's, and the line says what that costs."""
     assert _why(synth_variant, PROD, PROD | {"serving.decode.max_num_seqs": "4"}) == {}
-    pinned = PROD | {"rollout.software": "replace"}
-    why = _why(synth_variant, pinned, pinned | {"serving.decode.max_num_seqs": "4"})
-    assert sorted(why, key=node_order) == [*(f"decode-{d}" for d in range(8)), *(f"prefill-{p}" for p in range(3))]
-    assert {(kind, tuple(what)) for kind, what in why.values()} == {("software", ("the software version",))}
-    said = replacements.lines(why)
-    assert said == ["  why decode-0..7, prefill-0..2: the software version (a software change pinned in the launch template "
-                    "(rollout.software=replace): a new instance, which boots, stages the model and loads again; "
-                    "rollout.software=in-place restarts the changed units instead)"]  # fmt: skip
+    replace = PROD | {"rollout.software": "replace"}
+    why = _why(synth_variant, replace, replace | {"serving.decode.max_num_seqs": "4"})
+    assert sorted(why, key=node_order) == [f"decode-{d}" for d in range(8)]
+    assert {(kind, tuple(what)) for kind, what in why.values()} == {("software", ("its software",))}
+    assert replacements.lines(why) == ["  why decode-0..7: its software (a software change, applied with a new instance "
+                                       "(rollout.software=replace): it boots, stages the model and loads again; "
+                                       "rollout.software=in-place restarts the changed units instead)"]  # fmt: skip
 
 
 def test_a_new_image_is_a_machine_change_of_every_node_and_nothing_else(synth_variant: Any) -> None:

@@ -65,13 +65,13 @@ def test_the_same_parameters_replace_nothing(assembly: Callable[..., Path]) -> N
     assert r.batch == {}
 
 
-def test_a_prefill_flag_replaces_no_instance_in_place_and_every_node_pinned(assembly: Callable[..., Path]) -> None:
-    """In place (the default) the flag is restarted on prefill-0 (tests/stacks/test_in_place.py); pinned in the
-    launch template, the fleet's one software version is new on every node."""
+def test_a_prefill_flag_replaces_no_instance_in_place_and_the_prefill_node_with_replace(assembly: Callable[..., Path]) -> None:
+    """In place (the default) the flag is restarted on prefill-0 (tests/stacks/test_in_place.py); with
+    rollout.software=replace, the node whose own software carries it is replaced, the other not."""
     r = _rollout(assembly, {}, {"serving.prefill.max_num_seqs": "2"})
     assert (r.kept, r.replaced) == (["decode-0", "prefill-0"], [])
     r = _rollout(assembly, REPLACE, REPLACE | {"serving.prefill.max_num_seqs": "2"})
-    assert (r.kept, r.replaced) == ([], ["decode-0", "prefill-0"])
+    assert (r.kept, r.replaced) == (["decode-0"], ["prefill-0"])
 
 
 def test_a_decode_flag_replaces_the_prefill_node_too_because_its_benchmark_unit_carries_it(assembly: Callable[..., Path]) -> None:
