@@ -145,3 +145,11 @@ def deployed_software(session: Any, parameter: str, version: str) -> tuple[bytes
     if hashlib.sha256(data).hexdigest() != version:
         return None, f"the object at {uri} is not version {version[:12]}"
     return data, ""
+
+
+def serving_restarts(change: InPlace | None) -> list[str]:
+    """The nodes whose servers, router or proxy restart (all the nodes the change reaches when the deployed
+    version could not be read): what `gptoss deploy` asks about."""
+    if change is None:
+        return []
+    return [n for n, units in change.restarts.items() if change.unknown or any(u not in NOT_SERVING for u in units)]

@@ -369,12 +369,21 @@ def surge_found_no_capacity(cfg: ClusterConfig, autoscaling: Any, nodes: list[st
     return ""
 
 
-def confirm(cfg: ClusterConfig, r: Rollout, *, yes: bool) -> None:
-    """Ask before a deploy that takes serving nodes' instances away (--yes: do not ask)."""
-    gone = len(r.replaced) + len(r.removed)
+def confirm(cfg: ClusterConfig, r: Rollout, *, yes: bool, restarting: list[str] | None = None) -> None:
+    """Ask before a deploy that takes serving nodes' instances away, or restarts their servers in place
+    (RESTARTING: rollout.software=in-place), counting both (--yes: do not ask)."""
+    lost = len(r.replaced) + len(r.removed)
+    restarted = len(restarting or [])
+    gone = lost + restarted
     if not gone or yes:
         return
-    what = f"{gone} serving node{'s' if gone != 1 else ''} of {cfg.stack_name} lose{'' if gone != 1 else 's'} their instance"
+    said = []
+    if lost:
+        said.append(f"{lost} serving node{'s' if lost != 1 else ''} of {cfg.stack_name} lose{'' if lost != 1 else 's'} their instance")
+    if restarted:
+        said.append(f"{restarted} serving node{'s' if restarted != 1 else ''} of {cfg.stack_name} restart{'' if restarted != 1 else 's'} "
+                    "their servers in place")  # fmt: skip
+    what = " and ".join(said)
     if not sys.stdin.isatty():
         raise common.CliError(f"refusing to deploy without confirmation: {what}. Nothing was deployed. "
                               "Fix: gptoss diff shows the change; pass --yes if it is the change you mean.", 1)  # fmt: skip

@@ -8,7 +8,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from cluster_ops import common, deploy_plan, rollout, stack
+from cluster_ops import common, deploy_plan, in_place, rollout, stack
 from cluster_ops.growth import fleet_growth
 from clusterspec.config import ClusterConfig
 
@@ -76,7 +76,7 @@ def _deploy(cfg: ClusterConfig, args: argparse.Namespace, context: list[str], ex
         plan = deploy_plan.make(cfg, context, Path(workdir))
         deploy_plan.say(plan)
         if plan.change is not None:
-            rollout.confirm(plan.cfg, plan.change, yes=args.yes)
+            rollout.confirm(plan.cfg, plan.change, yes=args.yes, restarting=in_place.serving_restarts(plan.software))
         started = dt.datetime.now(dt.UTC)
         return deploy_plan.execute(plan, extra), plan, started
 

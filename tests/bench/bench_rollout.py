@@ -36,7 +36,10 @@ FLEETS = {
     "production (3+8)": IMAGE | {"decode_instances": "8"},
     "production (3+8), surge off": IMAGE | {"decode_instances": "8", "rollout.surge": "off"},
     "production (3+8), surge off, max_unavailable 25%": IMAGE | {"decode_instances": "8", "rollout.surge": "off", "rollout.max_unavailable": "25%"},
+    "production (3+8), software replace": IMAGE | {"decode_instances": "8", "rollout.software": "replace"},
 }
+# A node's restart in place (its servers reload the checkpoint from its NVMe and the graphs from its compile cache).
+RESTART_MIN = 10
 CHANGES: dict[str, dict[str, str]] = {
     "a node script (one line of gptoss-retry)": {},
     "the image": {"ami_id": "ami-0fedcba9876543210"},
@@ -46,7 +49,9 @@ CHANGES: dict[str, dict[str, str]] = {
 }
 NODE_MIN = 50
 # The replay's matrix (tests/stacks/test_replay.py replays and checks it): node times, and node k of the decode lane failing.
-MATRIX_FLEETS = {"production (3+8)": IMAGE | {"decode_instances": "8"}, "56 decode": IMAGE | {"decode_instances": "56"}}
+# A decode flag replaces instances only with rollout.software=replace: the matrix replays that path.
+MATRIX_FLEETS = {"production (3+8), software replace": IMAGE | {"decode_instances": "8", "rollout.software": "replace"},
+                 "56 decode, software replace": IMAGE | {"decode_instances": "56", "rollout.software": "replace"}}  # fmt: skip
 MATRIX_MIN = (20, 50, 90)
 
 
@@ -70,7 +75,7 @@ def script_edited(change: str) -> Iterator[None]:
 def main() -> int:
     import aws_cdk as cdk
 
-    from cluster_ops import replacements, rollout
+    from cluster_ops import in_place, replacements, rollout
     from clusterspec.loading import load_config
     from stacks.cluster_stack import GptOssClusterStack
     from tests.fakes import cloudformation as cf
@@ -96,6 +101,20 @@ def main() -> int:
             how = f"; {len(d.updates)} updates (the policy alone first: surge off)" if len(d.updates) > 1 else ""
             return f"replay: {fleet} {change}{failing} node {minutes} min: {o.state} in {o.ended / 3600:.1f} h, {batches} batches{how}"
 
+        def in_place_replay(fleet: str, change: str, cfg: Any, deployed: dict[str, Any], context: dict[str, str], software: Any) -> str:
+            """The in-place change through the roles' associations (tests/fakes/state_manager.py), each node RESTART_MIN."""
+            from tests.fakes import state_manager
+
+            roles: dict[str, list[str]] = {}
+            for n in cfg.layout.nodes:
+                roles.setdefault(n.role, []).append(n.name)
+            assocs = state_manager.from_template(rollout.flatten_templates(synth(context)), roles)
+            o = state_manager.replay(assocs, dict.fromkeys((n.name for n in cfg.layout.nodes), RESTART_MIN * 60), set(software.restarts))
+            serving = ", ".join(f"{role} {o.min_serving(names)}/{len(names)}" for role, names in roles.items())
+            batches = max((len(b) for b in o.batches.values()), default=0)
+            return (f"replay: {fleet} {change} in place, node {RESTART_MIN} min: {o.state} in {o.ended / 3600:.1f} h, {batches} batches, "
+                    f"min serving {serving}")  # fmt: skip
+
         started = time.monotonic()
         for fleet, base in FLEETS.items():
             deployed = synth(base)
@@ -107,18 +126,28 @@ def main() -> int:
                 with script_edited(change):
                     after = rollout.flatten_templates(synth(context))
                     r = rollout.compare(before, after)
-                    replayed = replay_line(fleet, change, deployed, context, NODE_MIN)
+                    replayed = replay_line(fleet, change, deployed, context, NODE_MIN) if r.replaced or r.launched else ""
                 cfg = load_config(context)
-                # Which kind of change each role's replacements are (gptoss diff's "why" lines): none is applied in place yet.
+                # Which kind of change each role's replacements are (gptoss diff's "why" lines).
                 why = replacements.reasons(before, after)
                 roles = {n.name: n.role for n in cfg.layout.nodes}
-                lines = rollout.role_lines(cfg, r) or ["no instance replaced (run-time data: in place)"]
                 extra = f" (launched: {', '.join(r.launched)})" if r.launched else ""
-                for line in lines:
+                for line in rollout.role_lines(cfg, r):
                     kinds = sorted({why[n][0] for n in r.replaced if n in why and roles.get(n) == line.split(":")[0]})
-                    kind = f"; {' and '.join(kinds)}, in place: no" if kinds else ""
-                    print(f"rollout: {fleet}: {change}: {line}{kind}{extra}")
-                print(replayed, flush=True)
+                    print(f"rollout: {fleet}: {change}: {line}; {' and '.join(kinds) or 'machine'}, in place: no{extra}")
+                old, new = in_place.version_of(before), in_place.version_of(after)
+                software = in_place.compare(old, new, cf.SOFTWARE[old], cf.SOFTWARE[new], r.kept) if old and new and old != new and r.kept else None
+                restarting = software is not None and any(software.restarts.values())
+                if software is not None and software.restarts and cfg.rollout.software == "in-place":
+                    for line in in_place.lines(cfg, software)[1:]:
+                        if line.startswith(("  prefill:", "  decode:", "  server:")):
+                            print(f"rollout: {fleet}: {change}: {line.strip()}; software, in place: yes{extra}")
+                    if restarting:
+                        replayed = in_place_replay(fleet, change, cfg, deployed, context, software)
+                if not r.replaced and not restarting:
+                    print(f"rollout: {fleet}: {change}: no instance replaced, no unit restarted (run-time data){extra}")
+                if replayed:
+                    print(replayed, flush=True)
         change = "a decode server flag (max_num_seqs)"
         for fleet, base in MATRIX_FLEETS.items():
             deployed = synth(base)

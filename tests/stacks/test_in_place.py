@@ -127,6 +127,23 @@ def test_a_prefill_flag_restarts_the_sixteen_replicas_of_each_prefill_node(assem
     assert change.same == [f"decode-{d}" for d in range(8)]
 
 
+def test_deploy_asks_before_servers_restart_in_place_and_not_for_the_collector_alone(assembly: Callable[..., Path]) -> None:
+    """gptoss deploy asks (the count, or --yes) before a change that restarts serving nodes' servers, as before one
+    that takes instances away; a change of the collector alone restarts no server and is not asked about."""
+    from cluster_ops import common
+
+    flag = _restarts(assembly, PROD, PROD | {"serving.decode.max_num_seqs": "4"})
+    kept = rollout.Rollout(kept=[n.name for n in load_config(PROD).layout.nodes])
+    with pytest.raises(common.CliError) as refused:
+        rollout.confirm(load_config(PROD), kept, yes=False, restarting=in_place.serving_restarts(flag))
+    assert str(refused.value).startswith("refusing to deploy without confirmation: 8 serving nodes of GptOss8k1kStack restart their "
+                                         "servers in place. Nothing was deployed.")  # fmt: skip
+    rollout.confirm(load_config(PROD), kept, yes=True, restarting=in_place.serving_restarts(flag))
+    collector = _restarts(assembly, PROD, {"edit": "gptoss-telemetry", **PROD})
+    assert in_place.serving_restarts(collector) == []
+    rollout.confirm(load_config(PROD), kept, yes=False, restarting=in_place.serving_restarts(collector))
+
+
 def test_a_collector_script_restarts_no_server(assembly: Callable[..., Path]) -> None:
     """gptoss-telemetry is the node's metrics and logs collector: its edit restarts it, never a server, a router or
     a proxy (nor the deploy gate's verdict, whose script names the collector: once per instance)."""
@@ -196,3 +213,57 @@ def test_the_deployed_version_is_read_where_its_parameter_says_and_checked(moto_
     assert in_place.deployed_software(Endpoints(), "/gptoss/in-place-test/software", sha) == (None, f"the object at s3://assets-in-place/{sha}.xz is not version {sha[:12]}")
     got, why = in_place.deployed_software(Endpoints(), "/gptoss/in-place-test/nothing", sha)
     assert got is None and "ParameterNotFound" in why
+
+
+# ---- the change replayed by State Manager's and CloudFormation's documented rules (tests/fakes/state_manager.py) ----
+
+RESTART_S = 600  # a node's restart, as the replay assumes it (its servers reload from its NVMe and its compile cache)
+
+
+def _replay(assembly: Callable[..., Path], base: dict[str, str], fails: frozenset[str] = frozenset(), restart_s: float = RESTART_S) -> Any:
+    from tests.fakes import state_manager
+
+    change = _restarts(assembly, base, base | {"serving.decode.max_num_seqs": "4"})
+    cfg = load_config(base)
+    roles: dict[str, list[str]] = {}
+    for n in cfg.layout.nodes:
+        roles.setdefault(n.role, []).append(n.name)
+    associations = state_manager.from_template(_flat(assembly(**(base | {"serving.decode.max_num_seqs": "4"}))), roles)
+    assert [a.role for a in associations] == ["prefill", "decode"], "the roles one after the other, as their DependsOn says"
+    return state_manager.replay(associations, dict.fromkeys((n.name for n in cfg.layout.nodes), restart_s), set(change.restarts), fails)
+
+
+def test_a_decode_flag_replayed_in_place_restarts_one_decode_node_at_a_time_and_completes(assembly: Callable[..., Path]) -> None:
+    o = _replay(assembly, PROD)
+    decode = [f"decode-{d}" for d in range(8)]
+    assert (o.state, o.batches["decode"], o.batches["prefill"]) == ("UPDATE_COMPLETE", [[n] for n in decode], [])
+    assert o.min_serving(decode) == 7 and o.ended == 8 * RESTART_S
+    print(f"\nreplay in place: 3+8 a decode flag, each node {RESTART_S // 60} min to serve again: {o.state} in {o.ended / 3600:.1f} h, "
+          f"{len(o.batches['decode'])} batches, min serving decode {o.min_serving(decode)}/8, no instance replaced")  # fmt: skip
+
+
+def test_a_node_that_does_not_serve_again_stops_the_change_and_cloudformation_rolls_the_others_back(assembly: Callable[..., Path]) -> None:
+    """decode-3 fails its restart: it goes back by itself; State Manager starts no other node (MaxErrors 0); the
+    update fails and its rollback runs the previous version again on decode-0..2, one at a time. decode-4..7
+    never restart. At most one decode node is out at any time."""
+    o = _replay(assembly, PROD, fails=frozenset({"decode-3"}))
+    decode = [f"decode-{d}" for d in range(8)]
+    assert o.state == "UPDATE_ROLLBACK_COMPLETE" and o.reason.startswith("decode: decode-3 did not serve again within 1800 s")
+    assert o.reached == ["decode-0", "decode-1", "decode-2", "decode-3"] and o.rolled_back == ["decode-0", "decode-1", "decode-2"]
+    assert not {n for n, _, _ in o.out} & {"decode-4", "decode-5", "decode-6", "decode-7"}
+    assert o.min_serving(decode) == 7
+    print(f"\nreplay in place: 3+8 a decode flag, decode-3 fails: {o.state} in {o.ended / 3600:.1f} h, min serving decode "
+          f"{o.min_serving(decode)}/8; rolled back in place: {', '.join(o.rolled_back)}")  # fmt: skip
+
+
+def test_max_unavailable_25_percent_restarts_two_decode_nodes_at_a_time(assembly: Callable[..., Path]) -> None:
+    o = _replay(assembly, PROD | {"rollout.max_unavailable": "25%"})
+    decode = [f"decode-{d}" for d in range(8)]
+    assert o.batches["decode"] == [[f"decode-{i}", f"decode-{i + 1}"] for i in range(0, 8, 2)] and o.min_serving(decode) == 6
+    assert (o.state, o.ended) == ("UPDATE_COMPLETE", 4 * RESTART_S)
+
+
+def test_the_associations_wait_holds_every_node_that_serves_within_its_own_bound(assembly: Callable[..., Path]) -> None:
+    """The template's WaitForSuccessTimeoutSeconds is long enough for the slowest change that can succeed: every node
+    taking just under rollout.apply_timeout_s."""
+    assert _replay(assembly, PROD, restart_s=1799).state == "UPDATE_COMPLETE"
