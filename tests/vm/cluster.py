@@ -169,7 +169,11 @@ class VmCluster:
         for role in dict.fromkeys(n.role for n in self.cfg.layout.nodes):
             for name in [n for n in self.in_place if self.renders[n].node.role == role]:
                 t0 = time.monotonic()
-                res = self.vms[name].ssh(f"/opt/gptoss/bin/gptoss-apply '{self.version}' {timeout_s}", check=False, timeout=2 * timeout_s + 900)
+                # As the SSM agent runs a document's command: in a process systemd started (a transient service here,
+                # with the manager's environment, the guest's way to the cluster's AWS among it), not a login shell.
+                unit = f"vm-apply-{name}-{self.deploys}"
+                res = self.vms[name].ssh(f"systemd-run --wait --pipe --quiet --collect --unit={unit} /opt/gptoss/bin/gptoss-apply '{self.version}' {timeout_s}",
+                                         check=False, timeout=2 * timeout_s + 900)  # fmt: skip
                 out[name] = (res.returncode, time.monotonic() - t0, res.stdout + res.stderr)
                 if res.returncode != 0:
                     return out
