@@ -543,6 +543,7 @@ def test_a_server_flag_and_a_script_change_are_applied_in_place_under_a_clients_
         assert vm.ssh("tail -n 1 /opt/gptoss/bin/gptoss-telemetry").stdout == EDIT, f"{node}: the collector's new script"
         assert vm.json("/opt/gptoss/bin/gptoss-status")["software"] == sha, f"{node}: reports the new version"
         assert vm.ssh("systemctl is-active gptoss-telemetry.service").stdout.strip() == "active"
+    # By the time each request was sent: before the change, while the nodes restarted, once they served again.
     lines = [line.split() for line in decode.ssh("cat /var/lib/fakes/load.log").stdout.splitlines()]
     before = [c for t, _, c in lines if float(t) < began and c != "200"]
     during = [c for t, _, c in lines if began <= float(t) <= ended and c != "200"]
@@ -557,16 +558,17 @@ def test_a_server_flag_and_a_script_change_are_applied_in_place_under_a_clients_
 
 
 # A client's load through decode-0's router: one completion at a time, a second apart, each one's
-# HTTP status (000: no answer) in a line, until the stop file appears. Not a gptoss- unit (the plan's checks
+# time sent and HTTP status (000: no answer) in a line, until the stop file appears. Not a gptoss- unit (the plan's checks
 # look at those).
 LOAD = r"""cat > /root/load.sh <<'EOF'
 #!/bin/bash
 i=0
 while [ ! -e /run/vm-load.stop ]; do
   i=$((i + 1))
+  sent=$(date +%s.%N)
   code=$(curl -s -o /dev/null -w '%{http_code}' -m 120 http://127.0.0.1:8000/v1/completions -H 'Content-Type: application/json' \
     -d "{\"model\": \"MODEL\", \"prompt\": \"load $i\", \"max_tokens\": 5}")
-  echo "$(date +%s) $i $code" >> /var/lib/fakes/load.log
+  echo "$sent $i $code" >> /var/lib/fakes/load.log
   sleep 1
 done
 EOF
