@@ -213,3 +213,13 @@ def test_a_version_that_is_not_one_is_refused_before_anything_runs(node: dict[st
     res = node["apply"]("s3://assets/x.xz not-a-sha")
     assert res.returncode == 2 and "is not 'S3_URI SHA256'" in res.stderr
     assert node["restarted"]() == [] and _installed(node["root"]) == node["a"] + "\n"
+
+
+def test_a_node_draining_for_its_blocks_end_is_not_changed(node: dict[str, Any]) -> None:
+    """Its servers were stopped on purpose before EC2 reclaims the Capacity Block (gptoss-telemetry): an apply would
+    start them again; it refuses, and the deploy hears why."""
+    (node["root"] / "run/gptoss").mkdir(parents=True, exist_ok=True)
+    (node["root"] / "run/gptoss/block-draining").touch()
+    res = node["apply"](node["version"](**{"serving.decode.max_num_seqs": "4"}))
+    assert res.returncode == 1 and "its Capacity Block ends (the node drains before EC2 reclaims it): not applied" in res.stderr
+    assert node["restarted"]() == [] and _installed(node["root"]) == node["a"] + "\n"
