@@ -174,14 +174,14 @@ class Stack:
         return None
 
     def node_env(self, template: str) -> dict[str, str]:
-        """The node's cluster.env, from the software version its instance boots with: the one its user
-        data pins (rollout.software=replace), else the one the stack's software parameter names."""
+        """The node's cluster.env, from the software version its instance boots with: the one the stack's
+        software parameter names (in either rollout.software mode)."""
         data = self.res[template]["Properties"]["LaunchTemplateData"]["UserData"]
         join = data["Fn::Base64"]
         parts = join["Fn::Join"][1] if isinstance(join, dict) else [join]
         text = "".join(p if isinstance(p, str) else "TOKEN" for p in parts)
         _files, deploy, _doc = parse_user_data(text)
-        sha = deploy.get("GPTOSS_SCRIPTS_SHA256") or self.software_version()
+        sha = self.software_version()
         return parse_env_file(node_files_in(SOFTWARE[sha], deploy["GPTOSS_NODE"])["/etc/gptoss/cluster.env"][0])
 
     def software_version(self) -> str:
