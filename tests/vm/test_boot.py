@@ -63,6 +63,12 @@ ODD_FLAGS = [{"name": f"--odd-{i}", "value": v, "reason": "odd but legal"} for i
 # The guest's HAProxy is Debian 13's (3.0), the API gate's pin on a router node; a 10 s lame-duck (no load balancer here waits 20 s).
 ROUTED_SERVING: dict[str, Any] = {"proxy": {"kind": "vllm-router", "gate": {"haproxy_version": "3.0", "lame_duck_s": 10}}, "decode": {"max_num_seqs": 4, "env": ODD_ENV, "extra_flags": ODD_FLAGS}}
 ROUTED = BASE | {"ami_id": ROUTER_IMAGE, "serving": ROUTED_SERVING}
+# The redeploy to the router also grows the fleet to two decode servers (a router on each) with the same six
+# replicas: prefill-0 and decode-0 render as before, decode-1 is a new node that boots with the replacements
+# of the other two (one boot for the three, not a boot of its own later: CI's budget). The in-place change and
+# the surge run on this fleet; then it goes back to ROUTED's two nodes for the new image.
+GROWN = ROUTED | {"decode_instances": 2, "prefill_per_decode": 3}
+ROUTER_NODES = (*NODES, "decode-1")
 TIMES: dict[str, float] = {}  # what the scenarios measured, printed by the replacement's
 
 
@@ -422,34 +428,37 @@ def replica_records(cluster: VmCluster, node: str) -> list[dict[str, Any]]:
 
 
 def router_completion(cluster: VmCluster, prompt: str) -> None:
-    """A completion through decode-0's router, handed from prefill to decode with the prefill node's address."""
+    """A completion through decode-0's router, handed from prefill to a decode server (either node's: the router
+    picks) with the prefill node's address."""
     decode = cluster.vms["decode-0"]
     answer = decode.json("curl -sf -m 60 http://127.0.0.1:8000/v1/completions -H 'Content-Type: application/json' "
                          f"-d '{{\"model\": \"{MODEL}\", \"prompt\": \"{prompt}\", \"max_tokens\": 5}}'")  # fmt: skip
     assert answer["choices"][0]["text"], answer
-    handed = [r["request"] for r in decode.records("vllm-8200.jsonl") if r["event"] == "completion"][-1]
-    assert handed["kv_transfer_params"]["remote_host"] == cluster.ip("prefill-0"), handed
+    handed = [r["request"] for n in cluster.renders if n.startswith("decode-") for r in cluster.vms[n].records("vllm-8200.jsonl")
+              if r["event"] == "completion" and r["request"].get("prompt") == prompt]  # fmt: skip
+    assert len(handed) == 1 and handed[0]["kv_transfer_params"]["remote_host"] == cluster.ip("prefill-0"), handed
     asked = [r["request"] for r in replica_records(cluster, "prefill-0") if r["event"] == "completion" and r["request"].get("prompt") == prompt]
     assert asked and all(a["max_tokens"] == 1 and a["kv_transfer_params"]["do_remote_decode"] is True for a in asked), asked
 
 
 def test_a_redeploy_to_the_router_replaces_both_instances_which_restore_their_compile_caches(cluster: VmCluster) -> None:
-    """A newer image and the proxy moved to decode-0 as vLLM's router: the image is the machine, so both groups
-    replace their instances, which boot the new software version (the parameter's). The new ones (new root
-    disks, new addresses, blank instance stores) restripe,
-    restage through a download cut half-way, restore what their identities saved (no compile),
-    install the router from the stack's asset with no network, and serve through it."""
+    """A newer image and the proxy moved to the decode nodes as vLLM's router, the fleet grown by decode-1: the
+    image is the machine, so both groups replace their instances, which boot the new software version (the
+    parameter's), and decode-1 launches beside them. The new ones (new root disks, new addresses, blank instance
+    stores) restripe, restage through a download cut half-way, restore what their identities saved (no compile;
+    decode-1, new, compiles), install the router from the stack's asset with no network, and serve through it."""
     before = {n: (cluster.instance_ids[n], cluster.ip(n)) for n in NODES}
-    assert cluster.deploy(ROUTED) == set(NODES)
+    assert cluster.deploy(GROWN) == set(ROUTER_NODES)
     assert cluster.cfg is not None and cluster.cfg.proxy_kind == "vllm-router"
     shard = "model-00007-of-00014.safetensors"
-    cluster.launch(LATER | {"hub": {"fail_file": shard, "fail_times": 1}})
-    for node in NODES:
-        assert (cluster.instance_ids[node], cluster.ip(node)) != before[node]
+    # decode-1's first compile is what its surge's replacement restores, not what a scenario times: a short one.
+    cluster.launch(LATER | {"hub": {"fail_file": shard, "fail_times": 1}}, faults={"decode-1": {"vllm": {"compile_s": 15, "load_s": LOAD_S}}})
+    for node in ROUTER_NODES:
+        assert node not in before or (cluster.instance_ids[node], cluster.ip(node)) != before[node]
         assert_boot_finished(cluster, node)
     cluster.wait_ready(900)
     assert_runs_the_plan(cluster)
-    for node in NODES:
+    for node in ROUTER_NODES:
         vm = cluster.vms[node]
         nvme = cluster.journal(node, "gptoss-nvme.service")
         assert "striping 2 disks" in nvme and "making an XFS" in nvme, nvme
@@ -457,10 +466,14 @@ def test_a_redeploy_to_the_router_replaces_both_instances_which_restore_their_co
         hub = cluster.this_boot(node, vm.records("hub.jsonl"))
         assert [r["complete"] for r in hub if r["file"] == shard] == [False, True], "cut half-way, then fetched again"
         assert sorted(r["file"] for r in hub if r["complete"]) == sorted(SERVABLE)
+        if node not in NODES:
+            continue
         stage = cluster.journal(node, "gptoss-stage.service")
         assert f"compile cache restored from s3://{CACHE_BUCKET}/nodes/{node}/{toolchain_key(cluster, node)} (this node's own, saved before)" in stage, stage[-3000:]
     ready = [r for r in cluster.this_boot("prefill-0", cluster.vms["prefill-0"].records("vllm-8100.jsonl")) if r["event"] == "ready"]
     assert ready[-1]["compiled"] is False, "the replacement restored its identity's graphs: no compile"
+    new = [r for r in cluster.this_boot("decode-1", cluster.vms["decode-1"].records("vllm-8200.jsonl")) if r["event"] == "ready"]
+    assert new[-1]["compiled"] is True, "decode-1, a new identity, compiled"
     decode_ready = [r for r in cluster.this_boot("decode-0", cluster.vms["decode-0"].records("vllm-8200.jsonl")) if r["event"] == "ready"]
     assert decode_ready[-1]["compiled"] is False
     started = last_start(cluster, "decode-0", 8200)
@@ -476,9 +489,9 @@ def test_a_redeploy_to_the_router_replaces_both_instances_which_restore_their_co
     assert f"gptoss-install-router: {wheel} installed in /opt/gptoss/vllm-router/" in router, router[-2000:]
     # The router reaches every server by its node's name, kept in /etc/hosts from EC2 at the current addresses.
     hosts = decode.ssh("cat /etc/hosts").stdout
-    assert all(f"{cluster.ip(n)} {n}.gptoss.internal" in hosts for n in NODES), hosts
+    assert all(f"{cluster.ip(n)} {n}.gptoss.internal" in hosts for n in ROUTER_NODES), hosts
     ready_doc = decode.json("curl -s http://127.0.0.1:8000/readiness")
-    assert (ready_doc["status"], ready_doc["prefill"], ready_doc["decode"]) == ("ready", {"healthy": 6, "total": 6}, {"healthy": 1, "total": 1})
+    assert (ready_doc["status"], ready_doc["prefill"], ready_doc["decode"]) == ("ready", {"healthy": 6, "total": 6}, {"healthy": 2, "total": 2})
     router_completion(cluster, "router test")
     # A killed router: systemd starts it again (no reinstall, no download), and it serves.
     restarts = int(cluster.unit_prop("decode-0", "gptoss-proxy.service", "NRestarts"))
@@ -487,25 +500,25 @@ def test_a_redeploy_to_the_router_replaces_both_instances_which_restore_their_co
                       "curl -sf http://127.0.0.1:8000/readiness", 300, "the router restarted and ready")  # fmt: skip
     assert cluster.journal("decode-0", "gptoss-proxy.service").count("installed in /opt/gptoss/vllm-router/") == 1
     router_completion(cluster, "after the restart")
-    # Both nodes changed: each new instance answered its new gate.
-    for node in NODES:
+    # Every node changed: each new instance answered its new gate.
+    for node in ROUTER_NODES:
         cluster.vms[node].wait_until("test -s /var/lib/fakes/signals.jsonl", 300, "a signal to the new handle")
         (signal,) = cluster.signals(node)
         assert signal["body"]["Status"] == "SUCCESS" and cluster.handles[node][0] in signal["path"], signal
 
 
 # A server flag and a node script changed together on the router layout scenario 7 left: software only.
-ROUTED_IN_PLACE = ROUTED | {"serving": ROUTED_SERVING | {"decode": ROUTED_SERVING["decode"] | {"max_num_seqs": 2}}}
+ROUTED_IN_PLACE = GROWN | {"serving": ROUTED_SERVING | {"decode": ROUTED_SERVING["decode"] | {"max_num_seqs": 2}}}
 EDIT = "# an in-place edit of the collector\n"
 
 
 def test_a_server_flag_and_a_script_change_are_applied_in_place_under_a_clients_load(cluster: VmCluster) -> None:
     """rollout.software=in-place (the default): decode's max_num_seqs and the telemetry collector's script change
     together. No launch template changes, so no instance is replaced; State Manager's association (here the
-    harness: moto has no State Manager) runs gptoss-apply on each node, one at a time: decode-0 restarts its
-    decode server and its collector, prefill-0 its collector alone, its six replicas untouched. A client sending
-    completions through decode-0's router all the while may see failures only while decode-0's one decode
-    server restarts (the layout has no other), none before and none once the node serves again."""
+    harness: moto has no State Manager) runs gptoss-apply on each node, one at a time: each decode node restarts
+    its decode server and its collector, prefill-0 its collector alone, its six replicas untouched. A client
+    sending completions through decode-0's router all the while may see a failure only while a decode server
+    restarts (a request it held), none before and none once the nodes serve again."""
     from node_render.node_scripts import shipped_scripts
 
     ids = dict(cluster.instance_ids)
@@ -519,7 +532,8 @@ def test_a_server_flag_and_a_script_change_are_applied_in_place_under_a_clients_
         assert cluster.deploy(ROUTED_IN_PLACE) == set(), "software only: no launch template changes, no instance is replaced"
     finally:
         scripts["gptoss-telemetry"] = original
-    assert cluster.in_place == {"decode-0": ["gptoss-decode.service", "gptoss-telemetry.service"], "prefill-0": ["gptoss-telemetry.service"]}
+    decode_units = ["gptoss-decode.service", "gptoss-telemetry.service"]
+    assert cluster.in_place == {"decode-0": decode_units, "decode-1": decode_units, "prefill-0": ["gptoss-telemetry.service"]}
     decode.ssh(LOAD.replace("MODEL", MODEL))
     time.sleep(20)
     began = float(decode.ssh("date +%s.%N").stdout)
@@ -528,17 +542,18 @@ def test_a_server_flag_and_a_script_change_are_applied_in_place_under_a_clients_
     time.sleep(20)
     decode.ssh("touch /run/vm-load.stop")
     decode.wait_until("! systemctl is-active --quiet vm-load.service", 180, "the client's last request")
-    assert sorted(results) == ["decode-0", "prefill-0"] and all(code == 0 for code, _, _ in results.values()), results
+    assert sorted(results) == ["decode-0", "decode-1", "prefill-0"] and all(code == 0 for code, _, _ in results.values()), results
     for node, units in cluster.in_place.items():
         assert f"restarting: {' '.join(units)}" in results[node][2], results[node][2]
     assert cluster.instance_ids == ids, "no instance replaced"
-    argv = last_start(cluster, "decode-0", 8200)["argv"]
-    assert argv[argv.index("--max-num-seqs") + 1] == "2", "the decode server runs the new flag"
+    for node in ("decode-0", "decode-1"):
+        argv = last_start(cluster, node, 8200)["argv"]
+        assert argv[argv.index("--max-num-seqs") + 1] == "2", f"{node}: the decode server runs the new flag"
     after = {port: len([r for r in cluster.this_boot("prefill-0", prefill.records(f"vllm-{port}.jsonl")) if r["event"] == "start"])
              for port in range(8100, 8106)}  # fmt: skip
     assert after == replicas, "no prefill replica restarted"
     sha = cluster.version.split()[1]
-    for node in NODES:
+    for node in ROUTER_NODES:
         vm = cluster.vms[node]
         assert vm.ssh("tail -n 1 /opt/gptoss/bin/gptoss-telemetry").stdout == EDIT, f"{node}: the collector's new script"
         assert vm.json("/opt/gptoss/bin/gptoss-status")["software"] == sha, f"{node}: reports the new version"
@@ -551,8 +566,9 @@ def test_a_server_flag_and_a_script_change_are_applied_in_place_under_a_clients_
     first = TIMES.get("first boot: launch to serving", float("nan"))
     print(f"\nin place, a decode flag and a script under a client's load (TCG; one completion at a time through decode-0's router): "
           f"{len(lines)} requests, {len(before)} failed before, {len(during)} while the nodes restarted {sorted(set(during))}, "
-          f"{len(late)} after; decode-0 served again {results['decode-0'][1]:.0f} s after its apply began (its decode server "
-          f"restarted, compile cache and checkpoint on its NVMe), prefill-0 {results['prefill-0'][1]:.0f} s (its collector alone); "
+          f"{len(late)} after; decode-0 served again {results['decode-0'][1]:.0f} s after its apply began, decode-1 "
+          f"{results['decode-1'][1]:.0f} s (each its decode server restarted, compile cache and checkpoint on its NVMe), "
+          f"prefill-0 {results['prefill-0'][1]:.0f} s (its collector alone); "
           f"first boot, launch to serving: {first:.0f} s")  # fmt: skip
     assert len(lines) >= 30 and before == [] and late == [], (before, late)
 
@@ -573,10 +589,8 @@ while [ ! -e /run/vm-load.stop ]; do
 done
 EOF
 chmod +x /root/load.sh && rm -f /run/vm-load.stop /var/lib/fakes/load.log && systemd-run --unit=vm-load --collect /root/load.sh"""
-# The fleet grown to two decode servers (a router on each) with the same six replicas: prefill-0 and
-# decode-0 render as before, decode-1 is a new node. Then a newer image (every group rolls) with a change of
-# the decode servers (a flag: the software the replacement reads at boot).
-GROWN = ROUTED | {"decode_instances": 2, "prefill_per_decode": 3}
+# On the grown fleet (decode-1 launched with scenario 7's redeploy), a newer image (every group rolls) with a
+# change of the decode servers (a flag: the software the replacement reads at boot).
 DECODE_SURGED = GROWN | {"ami_id": SURGE_IMAGE, "serving": ROUTED_SERVING | {"decode": ROUTED_SERVING["decode"] | {
     "extra_flags": [*ODD_FLAGS, {"name": "--vm-surge", "value": "1", "reason": "a change of the decode servers"}]}}}  # fmt: skip
 GATE_PROMPT = "The capital of France is "  # gptoss-signal's test requests
@@ -588,7 +602,7 @@ def decode_records(cluster: VmCluster, node: str) -> list[dict[str, Any]]:
 
 
 def test_a_surge_replaces_decode_1_a_router_node_which_proves_its_own_server_and_a_client_sees_no_failure(cluster: VmCluster) -> None:
-    """The fleet grows to two decode nodes (decode-1 launched, decode-0's router takes the new pool), then a
+    """On the fleet of two decode nodes (decode-1 launched with the redeploy to the router), a
     newer image with a change of the decode servers rolls decode-1's group with surge, played here as
     CloudFormation plays it (prefill-0 and decode-0, first in their lanes, are not rolled: the replay of
     CloudFormation's rules covers the lanes' order): the replacement boots beside the old instance (four
@@ -599,14 +613,8 @@ def test_a_surge_replaces_decode_1_a_router_node_which_proves_its_own_server_and
     old instance go, the name and the clients' traffic stay with the old one; then decode-0's running
     router follows the name without a restart, and the old instance drains. A client sending completions
     through decode-0's router all the while sees no failed request."""
-    assert cluster.cfg is not None
-    assert cluster.deploy(GROWN) == {"decode-1"}, "prefill-0 and decode-0 run what they ran: only the new node launches"
-    # Its first compile is what its replacement restores, not what this scenario times: a short one (CI's budget).
-    cluster.launch({"vllm": {"compile_s": 15, "load_s": LOAD_S}})
-    assert_boot_finished(cluster, "decode-1")
-    cluster.wait_ready(900)
+    assert cluster.cfg is not None and "decode-1" in cluster.renders, "the grown fleet of scenario 7"
     decode = cluster.vms["decode-0"]
-    # decode-0's router takes the grown pool (a restart in its turn: the pool is the fleet's document).
     decode.wait_until("curl -sf http://127.0.0.1:8000/readiness | grep -q '\"decode\":{\"healthy\":2,\"total\":2}'", 600,
                       "decode-0's router with both decode servers")  # fmt: skip
     # decode-1 saved its first compile to its identity's area: its replacement restores it.
