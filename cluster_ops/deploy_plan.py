@@ -73,8 +73,11 @@ def _software(cfg: ClusterConfig, deployed: rollout.Templates, synthesized: roll
         return None
     from node_render.paths import software_parameter
 
-    data, unknown = in_place.deployed_software(common.session(cfg), software_parameter(cfg.cluster_name), old)
-    return in_place.compare(old, new, data, in_place.assembly_software(assembly, new), r.kept, unknown=unknown)
+    session = common.session(cfg)
+    data, unknown = in_place.deployed_software(session, software_parameter(cfg.cluster_name), old)
+    change = in_place.compare(old, new, data, in_place.assembly_software(assembly, new), r.kept, unknown=unknown)
+    change.measured = in_place.measured_restarts(session, cfg)
+    return change
 
 
 def _move_lines(cfg: ClusterConfig, moves: dict[str, tuple[tuple[str, ...], tuple[str, ...]]]) -> list[str]:

@@ -11,6 +11,7 @@ that `gptoss diff`/`deploy` say before the change which node restarts which unit
 
 from __future__ import annotations
 
+import datetime as dt
 import hashlib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -23,6 +24,8 @@ from node_render.paths import MANIFEST, RESTARTS_FILE
 from node_render.userdata import node_files_in, unbundle
 
 Tree = dict[str, tuple[str, int]]
+# How far back `gptoss diff` looks for the measured restart times (CloudWatch keeps hourly points 455 days).
+MEASURED_DAYS = 30
 # Units a node serves without: their restart leaves its servers, router and proxy running.
 NOT_SERVING = frozenset({"gptoss-telemetry.service", "gptoss-signal.service", "gptoss-cache-save.service", "gptoss-group-health.service"})
 
@@ -77,6 +80,7 @@ class InPlace:
     restarts: dict[str, list[str]] = field(default_factory=dict)  # node -> the units it restarts ([] : files only)
     same: list[str] = field(default_factory=list)  # nodes whose software is the same: nothing happens on them
     unknown: str = ""  # why the deployed version could not be read (then each node's restarts are not known)
+    measured: dict[str, float] = field(default_factory=dict)  # role -> the longest restart in place measured lately, seconds
 
 
 def compare(old_version: str, new_version: str, old_asset: bytes | None, new_asset: bytes, nodes: list[str], *, unknown: str = "") -> InPlace:
@@ -120,11 +124,37 @@ def lines(cfg: ClusterConfig, change: InPlace) -> list[str]:
         lanes = cfg.rollout.lanes(total, False)
         batches = -(-len(names) // lanes)
         servers = any(u not in NOT_SERVING for n in names for u in change.restarts[n])
+        took = change.measured.get(role)
+        each = (f"{took / 60:.0f} min, the longest restart of a {role} node in place in the last {MEASURED_DAYS} days"
+                if took is not None else f"not measured yet; each at most {cfg.rollout.apply_timeout_s // 60} min")  # fmt: skip
+        about = f"about {batches * took / 60:.0f} min: " if took is not None else "about "
         out.append(f"  {role}: {batches} batch{'es' if batches != 1 else ''} of at most {lanes}, minimum serving {role} "
-                   f"{total - (lanes if servers else 0)}/{total}, about {batches} x a node's restart (each at most "
-                   f"{cfg.rollout.apply_timeout_s // 60} min)")  # fmt: skip
+                   f"{total - (lanes if servers else 0)}/{total}, {about}{batches} x a node's restart ({each})")  # fmt: skip
     if change.same:
         out.append(f"  same software, nothing restarted: {span(change.same)}")
+    return out
+
+
+def measured_restarts(session: Any, cfg: ClusterConfig, now: dt.datetime | None = None) -> dict[str, float]:
+    """Per role, the longest time a node took to serve again after an in-place change (gptoss-apply's
+    RESTART_METRIC) in the last MEASURED_DAYS days, in seconds; {} when CloudWatch has none or cannot say
+    (the estimate is advice: the deploy does not need it)."""
+    from node_render.telemetry import RESTART_METRIC, namespace
+
+    now = now or dt.datetime.now(dt.UTC)
+    out: dict[str, float] = {}
+    try:
+        cloudwatch = session.client("cloudwatch")
+        for role in dict.fromkeys(n.role for n in cfg.layout.nodes):
+            points = cloudwatch.get_metric_statistics(
+                Namespace=namespace(cfg), MetricName=RESTART_METRIC, StartTime=now - dt.timedelta(days=MEASURED_DAYS), EndTime=now,
+                Dimensions=[{"Name": "Cluster", "Value": cfg.cluster_name}, {"Name": "Role", "Value": role}],
+                Period=MEASURED_DAYS * 86400, Statistics=["Maximum"],
+            )["Datapoints"]  # fmt: skip
+            if points:
+                out[role] = max(float(p["Maximum"]) for p in points)
+    except Exception:  # advice before the deploy, like the deployed version's files
+        return {}
     return out
 
 

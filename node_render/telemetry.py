@@ -14,6 +14,9 @@ from clusterspec.config import ClusterConfig
 from clusterspec.layout import Node
 
 NAMESPACE_PREFIX = "GptOss"
+# Published by gptoss-apply once per in-place change that restarted a unit (dims Cluster, Role): how long
+# the node took to serve again. `gptoss diff`/`deploy` estimate the next change from it. Not the collector's.
+RESTART_METRIC = "InPlaceRestartSeconds"
 
 
 def namespace(cfg: ClusterConfig) -> str:
@@ -118,6 +121,7 @@ def node_config(cfg: ClusterConfig, node: Node, servers: list[dict[str, str]], u
         "units": units,
         "efa": cfg.serving.disaggregated,
         "metrics": [m.name for m in ALL_METRICS if (router_metrics_url or m not in ROUTER_METRICS) and (block or m not in BLOCK_METRICS)],
+        "restart_metric": RESTART_METRIC,
     }
     if router_metrics_url:
         doc["router_metrics_url"] = router_metrics_url

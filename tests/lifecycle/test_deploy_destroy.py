@@ -318,7 +318,7 @@ def test_single_instance_recipe_with_the_stacks_own_cache_bucket_deploys_and_is_
         # Every unit that reads the node's settings (cluster.env) restarts; the collector (telemetry.json) does not.
         assert ("  server-0: restart gptoss-nvme.service, gptoss-identity.service, gptoss-node-check.service, gptoss-stage.service, "
                 "gptoss-server.service") in changed, changed[-3000:]  # fmt: skip
-        assert "  server: 1 batch of at most 1, minimum serving server 0/1, about 1 x a node's restart (each at most 30 min)" in changed
+        assert "  server: 1 batch of at most 1, minimum serving server 0/1, about 1 x a node's restart (not measured yet; each at most 30 min)" in changed
         # A machine change (the root volume): the instance is replaced, with surge, and the reason said.
         machine = local_aws.gptoss("diff", *ctx, "-c", "root_volume_gb=700").stderr
         assert ("this deploy replaces the instances of 1 of the 1 running nodes, in batches (each replacement launched and "

@@ -115,7 +115,7 @@ def test_a_decode_flag_restarts_only_the_decode_servers(assembly: Callable[..., 
     lines = in_place.lines(load_config(PROD), change)
     assert lines[1:] == [
         "  decode-0..7: restart gptoss-decode.service",
-        "  decode: 8 batches of at most 1, minimum serving decode 7/8, about 8 x a node's restart (each at most 30 min)",
+        "  decode: 8 batches of at most 1, minimum serving decode 7/8, about 8 x a node's restart (not measured yet; each at most 30 min)",
         "  same software, nothing restarted: prefill-0..2",
     ]
     assert lines[0].startswith(f"software {change.old[:12]} -> {change.new[:12]}, in place (no instance replaced)")
@@ -213,6 +213,49 @@ def test_the_deployed_version_is_read_where_its_parameter_says_and_checked(moto_
     assert in_place.deployed_software(Endpoints(), "/gptoss/in-place-test/software", sha) == (None, f"the object at s3://assets-in-place/{sha}.xz is not version {sha[:12]}")
     got, why = in_place.deployed_software(Endpoints(), "/gptoss/in-place-test/nothing", sha)
     assert got is None and "ParameterNotFound" in why
+
+
+def test_the_estimate_is_the_longest_restart_measured_in_place_per_role(moto_url: str, assembly: Callable[..., Path]) -> None:
+    """gptoss-apply publishes how long its node took to serve again (InPlaceRestartSeconds, by cluster and role; moto's
+    CloudWatch here): the next decode change is estimated from the longest decode restart of the last 30 days; a
+    point older than that, another cluster's or another role's does not count."""
+    import datetime as dt
+
+    session = boto3.Session(aws_access_key_id="testing", aws_secret_access_key="testing", region_name="us-east-2")
+    cloudwatch = session.client("cloudwatch", endpoint_url=moto_url)
+    now = dt.datetime.now(dt.UTC)
+
+    def put(cluster: str, role: str, seconds: float, days_ago: float) -> None:
+        cloudwatch.put_metric_data(Namespace=f"GptOss/{cluster}", MetricData=[{
+            "MetricName": "InPlaceRestartSeconds", "Value": seconds, "Unit": "Seconds", "Timestamp": now - dt.timedelta(days=days_ago),
+            "Dimensions": [{"Name": "Cluster", "Value": cluster}, {"Name": "Role", "Value": role}]}])  # fmt: skip
+
+    cfg = load_config(PROD | {"cluster_name": "measured-restarts"})
+    put("measured-restarts", "decode", 420, 2)
+    put("measured-restarts", "decode", 540, 9)  # the longest of the last 30 days: 9 min
+    put("measured-restarts", "decode", 3000, 45)  # too old
+    put("measured-restarts-other", "prefill", 3000, 1)  # another cluster's
+    put("measured-restarts", "prefill", 60, 1)
+
+    class Endpoints:
+        region_name = "us-east-2"
+
+        def client(self, name: str) -> Any:
+            return {"cloudwatch": cloudwatch}[name]
+
+    assert in_place.measured_restarts(Endpoints(), cfg, now) == {"decode": 540.0, "prefill": 60.0}
+    change = _restarts(assembly, PROD, PROD | {"serving.decode.max_num_seqs": "4"})
+    change.measured = {"decode": 540.0, "prefill": 60.0}
+    assert in_place.lines(cfg, change)[2] == ("  decode: 8 batches of at most 1, minimum serving decode 7/8, about 72 min: 8 x a node's "
+                                              "restart (9 min, the longest restart of a decode node in place in the last 30 days)")  # fmt: skip
+
+    class Refused:
+        region_name = "us-east-2"
+
+        def client(self, name: str) -> Any:
+            raise RuntimeError("AccessDenied")
+
+    assert in_place.measured_restarts(Refused(), cfg, now) == {}, "advice: no estimate, no failure"
 
 
 # ---- the change replayed by State Manager's and CloudFormation's documented rules (tests/fakes/state_manager.py) ----

@@ -90,7 +90,8 @@ def node(tmp_path: Path, shipped: Shipped) -> Iterator[dict[str, Any]]:
     (fakes / "units").mkdir(parents=True)
     bin_dir = fakes / "bin"
     aws_log = tmp_path / "aws.log"
-    fake_command(bin_dir, "aws", f'echo "$*" >>"{aws_log}"\nif [ "$1" = ssm ]; then cat "{tmp_path}/parameter"; else cp "{s3}/${{4##*/}}" "${{*: -1}}"; fi\n')
+    fake_command(bin_dir, "aws", f'echo "$*" >>"{aws_log}"\ncase $1 in ssm) cat "{tmp_path}/parameter" ;; cloudwatch) ;; '
+                                 f'*) cp "{s3}/${{4##*/}}" "${{*: -1}}" ;; esac\n')  # fmt: skip
     for name, text in (("systemctl", SYSTEMCTL), ("journalctl", JOURNALCTL)):
         (bin_dir / name).write_text(text)
         (bin_dir / name).chmod(0o755)
@@ -111,7 +112,7 @@ def node(tmp_path: Path, shipped: Shipped) -> Iterator[dict[str, Any]]:
            "GPTOSS_DEPLOY_ENV": str(root / "etc/gptoss/deploy.env"), "GPTOSS_CLUSTER_ENV": str(root / "etc/gptoss/cluster.env"),
            "GPTOSS_ETC": str(root / "etc/gptoss"), "GPTOSS_STATE_DIR": str(root / "var/lib/gptoss"), "GPTOSS_RUN_DIR": str(root / "run/gptoss"),
            "GPTOSS_SYSTEMCTL": str(bin_dir / "systemctl"), "GPTOSS_JOURNALCTL": str(bin_dir / "journalctl"), "GPTOSS_SIGNAL_POLL_S": "0.2",
-           "GPTOSS_FETCH_TIMEOUT_S": "10"}  # fmt: skip
+           "GPTOSS_FETCH_TIMEOUT_S": "10", "GPTOSS_TELEMETRY_CONFIG": str(root / "etc/gptoss/telemetry.json")}  # fmt: skip
     # The boot of version A: the user data's deploy.env, the parameter naming A, the fetch installing it.
     (root / "etc/gptoss/deploy.env").write_text(f"AWS_REGION=us-east-2\nGPTOSS_NODE={NODE}\nGPTOSS_SOFTWARE_PARAMETER=/gptoss/gptoss-8k1k/software\n")
     a = version()
@@ -128,7 +129,7 @@ def node(tmp_path: Path, shipped: Shipped) -> Iterator[dict[str, Any]]:
 
     try:
         yield {"root": root, "a": a, "version": version, "apply": apply, "restarted": restarted, "env": env, "tmp": tmp_path,
-               "fetch": shipped("gptoss-fetch-scripts")}  # fmt: skip
+               "fetch": shipped("gptoss-fetch-scripts"), "aws_log": aws_log}  # fmt: skip
     finally:
         server.shutdown()
 
@@ -150,6 +151,11 @@ def test_a_decode_flag_restarts_the_decode_server_alone_and_records_the_version(
     assert sorted(p.name for p in (root / "var/lib/gptoss/versions").iterdir()) == sorted([sha_a, sha_b]), "the previous version is kept"
     assert f"gptoss-apply: {NODE}: serves with version {sha_b[:12]}" in res.stdout
     assert not (root / "run/gptoss/applying").exists(), "the health watch holds only while the change runs"
+    # How long it took, for the next change's estimate: once, in the cluster's namespace, by cluster and role.
+    took = res.stdout.split(f"serves with version {sha_b[:12]}, ")[1].split(" s after")[0]
+    published = [line for line in node["aws_log"].read_text().splitlines() if line.startswith("cloudwatch ")]
+    assert published == [f"cloudwatch put-metric-data --region us-east-2 --namespace GptOss/gptoss-8k1k --metric-name InPlaceRestartSeconds "
+                         f"--dimensions Cluster=gptoss-8k1k,Role=decode --value {took} --unit Seconds"]  # fmt: skip
 
 
 def test_a_collector_script_restarts_no_server(node: dict[str, Any], shipped: Shipped) -> None:
@@ -185,6 +191,7 @@ def test_a_failed_start_rolls_the_node_back_and_names_the_unit_and_its_log_line(
     assert node["restarted"]() == [["gptoss-decode.service"], ["gptoss-decode.service"]]
     assert "--bogus-flag" not in (root / "etc/systemd/system/gptoss-decode.service").read_text()
     assert _installed(root) == node["a"] + "\n"
+    assert "cloudwatch" not in node["aws_log"].read_text(), "a failed change is no measured restart"
 
 
 def test_the_running_version_again_changes_nothing(node: dict[str, Any]) -> None:
