@@ -558,6 +558,17 @@ def test_a_server_flag_and_a_script_change_are_applied_in_place_under_a_clients_
         assert vm.ssh("tail -n 1 /opt/gptoss/bin/gptoss-telemetry").stdout == EDIT, f"{node}: the collector's new script"
         assert vm.json("/opt/gptoss/bin/gptoss-status")["software"] == sha, f"{node}: reports the new version"
         assert vm.ssh("systemctl is-active gptoss-telemetry.service").stdout.strip() == "active"
+    # Each node published how long it took to serve again (gptoss diff's estimate of the next change), by role.
+    cloudwatch = cluster.aws.client("cloudwatch")
+    now = dt.datetime.now(dt.UTC)
+    measured = {}
+    for role in ("prefill", "decode"):
+        points = cloudwatch.get_metric_statistics(Namespace="GptOss/gptoss-8k1k", MetricName="InPlaceRestartSeconds", StartTime=now - dt.timedelta(hours=2),
+                                                  EndTime=now + dt.timedelta(minutes=5), Period=60, Statistics=["SampleCount", "Maximum"],
+                                                  Dimensions=[{"Name": "Cluster", "Value": "gptoss-8k1k"}, {"Name": "Role", "Value": role}])["Datapoints"]  # fmt: skip
+        measured[role] = (sum(p["SampleCount"] for p in points), max((p["Maximum"] for p in points), default=0.0))
+    assert measured["prefill"][0] == 1 and measured["decode"][0] == 2, measured
+    assert measured["decode"][1] <= max(results["decode-0"][1], results["decode-1"][1]), (measured, results)
     # By the time each request was sent: before the change, while the nodes restarted, once they served again.
     lines = [line.split() for line in decode.ssh("cat /var/lib/fakes/load.log").stdout.splitlines()]
     before = [c for t, _, c in lines if float(t) < began and c != "200"]
