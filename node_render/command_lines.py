@@ -15,7 +15,7 @@ from clusterspec.names import decode_node, host_var, node_order
 from clusterspec.sections.flags import json_arg
 from clusterspec.sections.servers import Decode, Prefill, Server
 from clusterspec.sections.serving import Serving
-from node_render.paths import EXAMPLES_DIR, MEMBERS_DOMAIN, member_host, router_venv
+from node_render.paths import DRAIN_MODULE, EXAMPLES_DIR, MEMBERS_DOMAIN, SERVERS_DRAINING, member_host, router_venv
 from node_render.quoting import Expand
 
 
@@ -87,6 +87,9 @@ def vllm_argv(cfg: ClusterConfig, role: str, *, port: str, additional_config: st
         }
         argv += ["--kv-transfer-config", json_arg(kv_transfer)]
     argv += ["--additional-config", additional_config or json_arg({"neuron_config": _neuron_config(s, role)})]
+    if drains(cfg, role):
+        # Its health route answers 503 while the node drains it out of the routers (gptoss_drain.py, gptoss-drain).
+        argv += ["--middleware", f"{DRAIN_MODULE}.Drain"]
     for flag in r.extra_flags:
         argv += [flag.name] + ([flag.value] if flag.value is not None else [])
     return argv
@@ -270,6 +273,20 @@ def decode_env(cfg: ClusterConfig) -> dict[str, str]:
     if d.megakernel:
         env["VLLM_NEURON_MEGA_DMA_ORDER_CONSTRAINTS_FILE"] = schedule_path(cfg)
     return env | {"VLLM_NIXL_SIDE_CHANNEL_PORT": str(d.side_channel_port)}
+
+
+def drains(cfg: ClusterConfig, role: str) -> bool:
+    """Whether a server of ROLE leaves its routers before an in-place restart: behind vLLM's router, which
+    health-checks it (the toy proxy checks nothing, and the references' command lines stay as tested)."""
+    return cfg.proxy_kind == "vllm-router" and role in ("prefill", "decode")
+
+
+def drain_env(cfg: ClusterConfig, role: str, bin_dir: str) -> dict[str, str]:
+    """What a draining server's middleware reads: where it is (vLLM imports it from BIN), the file that
+    drains it and the health route it then answers 503 (the routers' --health-check-endpoint)."""
+    if not drains(cfg, role):
+        return {}
+    return {"PYTHONPATH": bin_dir, "GPTOSS_DRAIN_FILE": SERVERS_DRAINING, "GPTOSS_DRAIN_HEALTH_PATH": cfg.serving.server_health_path}
 
 
 def prefill_env(cfg: ClusterConfig) -> dict[str, str]:

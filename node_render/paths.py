@@ -78,6 +78,12 @@ HOSTS_FILE = "/etc/hosts"
 # node's user data, so a router setting or a new member replaces no instance.
 ROUTER_FLEET = f"{RUN_DIR}/router-fleet"
 NIXL_ENV = f"{RUN_DIR}/nixl.env"
+# Behind vLLM's router, a node's servers leave the routers before gptoss-apply restarts them: while this
+# file exists, each answers its health route 503 (the middleware DRAIN_MODULE, which vLLM loads from BIN).
+SERVERS_DRAINING = f"{RUN_DIR}/servers-draining"
+DRAIN_MODULE = "gptoss_drain"
+# How gptoss-drain drains this node's servers (rendered on a server node behind the router only).
+DRAIN_ENV = f"{ETC}/drain.env"
 
 # Where `make setup` keeps the pinned router wheel the stack ships as an asset (not in git).
 WHEELS_DIR = Path(__file__).resolve().parent.parent / ".wheels"

@@ -20,6 +20,8 @@ from node_render import telemetry
 from node_render.command_lines import (
     bench_argv,
     decode_env,
+    drain_env,
+    drains,
     endpoint_port,
     health_url,
     model_dir,
@@ -38,6 +40,7 @@ from node_render.paths import (
     BIN,
     CLUSTER_ENV,
     DEPLOY_ENV,
+    DRAIN_ENV,
     ETC,
     EXAMPLES_DIR,
     HEALTH_FILE,
@@ -151,7 +154,7 @@ def _render_server(cfg: ClusterConfig, out: NodeRender, bin_dir: str, *, role: s
     """The decode server of a DI recipe, or the one server of a single-instance recipe."""
     s = cfg.serving
     name = "decode" if role == "decode" else "server"
-    env = decode_env(cfg) if role == "decode" else server_env(cfg)
+    env = decode_env(cfg) | drain_env(cfg, role, bin_dir) if role == "decode" else server_env(cfg)
     port = s.decode.http_port if role == "decode" else s.server.port
     out.files[f"{ETC}/{name}.env"] = (env_file(env), 0o644)
     schedule = role == "decode" and s.decode.megakernel
@@ -178,7 +181,7 @@ def _render_server(cfg: ClusterConfig, out: NodeRender, bin_dir: str, *, role: s
 def _render_prefill(cfg: ClusterConfig, node: Node, out: NodeRender, bin_dir: str) -> None:
     """One template unit; each replica differs only by its env file (cores, ports, config)."""
     s = cfg.serving
-    penv = prefill_env(cfg)
+    penv = prefill_env(cfg) | drain_env(cfg, "prefill", bin_dir)
     out.files[f"{ETC}/prefill.env"] = (env_file(penv), 0o644)
     first = node.replicas[0]
     gate = [
@@ -241,6 +244,25 @@ def _render_bench(cfg: ClusterConfig, out: NodeRender, bin_dir: str) -> None:
     )
     for (step, _, _), line in zip(legs, lines, strict=True):
         out.services.append(Service("gptoss-bench.service", bench_env, line[2:], step=step))
+
+
+def _render_drain(cfg: ClusterConfig, node: Node, out: NodeRender) -> None:
+    """DRAIN_ENV, for gptoss-drain on a server node behind vLLM's router: its servers' units and metrics
+    (what each holds), how long the routers' health checks take to see a 503 (interval x failures in a row
+    + one check's timeout + a second), and how long what a server holds may still take (the request timeout)."""
+    if not drains(cfg, node.role):
+        return
+    r = cfg.serving.proxy.router
+    ports = {"gptoss-decode.service": str(cfg.serving.decode.http_port)}
+    servers = [(svc.unit, svc.environment.get("GPTOSS_HTTP_PORT") or ports.get(svc.unit)) for svc in out.services]
+    servers = [(unit, port) for unit, port in servers if port]
+    env = {
+        "GPTOSS_DRAIN_UNITS": " ".join(unit for unit, _ in servers),
+        "GPTOSS_DRAIN_METRICS": " ".join(health_url("127.0.0.1", int(port), "/metrics") for _, port in servers),
+        "GPTOSS_DRAIN_HOLD_S": str(r.health_check_interval_s * r.health_failure_threshold + r.health_check_timeout_s + 1),
+        "GPTOSS_DRAIN_TIMEOUT_S": str(r.request_timeout_s),
+    }
+    out.files[DRAIN_ENV] = (env_file(env), 0o644)
 
 
 def _render_telemetry(cfg: ClusterConfig, node: Node, out: NodeRender, bin_dir: str) -> None:
@@ -320,6 +342,7 @@ def render_node(cfg: ClusterConfig, layout: Layout, node: Node, *, bin_dir: str 
         out.wants.append("gptoss-health-watch.timer")
     if cfg.observability.enabled:
         _render_telemetry(cfg, node, out, bin_dir)
+    _render_drain(cfg, node, out)
     out.files[f"{UNIT_DIR}/{NODE_TARGET}"] = unit_file(NODE_TARGET, node=node.name, wants=out.wants)
     out.files[HEALTH_FILE] = (health_file(cfg, out), 0o644)
     out.scripts = _needed_scripts(out.files, save_cache=cfg.compile_cache_enabled, in_place=cfg.rollout.software == "in-place")
@@ -333,11 +356,16 @@ def render_node(cfg: ClusterConfig, layout: Layout, node: Node, *, bin_dir: str 
     return out
 
 
+def _names(script: str, text: str) -> bool:
+    """Whether TEXT names a shipped script: by its file name, or a module (X.py) by its import path (X.)."""
+    return script in text or (script.endswith(".py") and f"{script[:-3]}." in text)
+
+
 @functools.cache
 def _script_references() -> dict[str, frozenset[str]]:
     """For each shipped script, the scripts its text names (once per process, not once per node)."""
     scripts = shipped_scripts()
-    return {n: frozenset(m for m in scripts if m in text) for n, text in scripts.items()}
+    return {n: frozenset(m for m in scripts if _names(m, text)) for n, text in scripts.items()}
 
 
 # Never restarted by a software change: the unit that installs the software (its files are the boot's),
@@ -362,7 +390,7 @@ def restarts_file(out: NodeRender, bin_dir: str = BIN) -> str:
         template, _, instance = unit.partition("@")
         unit_path = f"{UNIT_DIR}/{template}@.service" if instance else f"{UNIT_DIR}/{unit}"
         text = out.files[unit_path][0].replace("%i", instance.removesuffix(".service"))
-        named = {n for n in scripts if n in text}
+        named = {n for n in scripts if _names(n, text)}
         while True:
             more = named.union(*(refs[n] for n in named))
             if more == named:
@@ -380,7 +408,7 @@ def _needed_scripts(files: dict[str, tuple[str, int]], *, save_cache: bool, in_p
     wanted = set(NODE_SCRIPTS) | ({"gptoss-save-cache"} if save_cache else set()) | ({"gptoss-apply"} if in_place else set())
     # One search per script name over all of the node's files (a NUL cannot be part of a name).
     text = "\0".join(t for t, _ in files.values())
-    found = {name for name in shipped_scripts() if name in text} | wanted
+    found = {name for name in shipped_scripts() if _names(name, text)} | wanted
     refs = _script_references()
     while found != wanted:
         wanted = found

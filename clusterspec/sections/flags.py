@@ -103,6 +103,10 @@ DERIVED_ENV = frozenset(
         "NEURON_VISIBLE_DEVICES",
         "VLLM_NIXL_SIDE_CHANNEL_PORT",
         "VLLM_NEURON_MEGA_DMA_ORDER_CONSTRAINTS_FILE",
+        # Behind vLLM's router: the drain middleware's module path and its files (node_render.command_lines.drain_env).
+        "PYTHONPATH",
+        "GPTOSS_DRAIN_FILE",
+        "GPTOSS_DRAIN_HEALTH_PATH",
     }
 )
 
@@ -142,7 +146,7 @@ def check_env(field: str, env: dict[str, EnvSetting]) -> None:
         raise rule_error(
             field,
             derived,
-            "these variables are derived from typed fields (lnc, ports, layout, schedule path)",
+            "these variables are derived from typed fields (lnc, ports, layout, schedule path, the drain middleware behind the router)",
             "remove them from the env table and set the typed field instead",
         )
 

@@ -83,7 +83,7 @@ DEFINED = {
     paths.ETC, paths.RUN_DIR, paths.STATE_DIR, paths.BIN, paths.ROUTER_VENV_ROOT, paths.EXAMPLES_DIR,
     paths.CLUSTER_ENV, paths.DEPLOY_ENV, paths.SIGNAL_ENV, paths.MANIFEST, paths.UNITS_FILE, paths.HEALTH_FILE,
     paths.TELEMETRY_CONFIG, paths.ROUTER_FLEET, paths.MEMBERS_ENV, paths.NIXL_ENV, paths.BUNDLE, paths.RESTARTS_FILE,
-    paths.SOFTWARE_DIR, paths.SOFTWARE_VERSION,
+    paths.SOFTWARE_DIR, paths.SOFTWARE_VERSION, paths.DRAIN_ENV, paths.SERVERS_DRAINING,
     haproxy.API_CONFIG, haproxy.API_MAP, haproxy.API_SOCKET,
 }  # fmt: skip
 
@@ -102,6 +102,9 @@ def test_every_node_path_a_script_names_is_the_one_python_defines() -> None:
         ("gptoss-health-watch", "GPTOSS_HEALTH_FILE"): paths.HEALTH_FILE,
         ("gptoss-telemetry", "GPTOSS_TELEMETRY_CONFIG"): paths.TELEMETRY_CONFIG,
         ("gptoss-status", "GPTOSS_HEALTH_FILE"): paths.HEALTH_FILE,
+        ("gptoss-drain", "GPTOSS_DRAIN_ENV"): paths.DRAIN_ENV,
+        ("gptoss-drain", "GPTOSS_DRAIN_FILE"): paths.SERVERS_DRAINING,
+        ("gptoss-apply", "GPTOSS_TELEMETRY_CONFIG"): paths.TELEMETRY_CONFIG,
     }
     for (script, var), want in defaults.items():
         text = (BIN / script).read_text()

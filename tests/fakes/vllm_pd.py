@@ -30,9 +30,14 @@ import hashlib
 import http.server
 import json
 import os
+import sys
 import threading
 import time
+from pathlib import Path
 from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import vllm_middleware
 
 
 def engine_id(host: str, port: int) -> str:
@@ -71,7 +76,10 @@ def main() -> None:
     p.add_argument("--hang-after-s", type=float, default=None)
     # decode: {engine id: [node address, side channel port]} of every prefill server.
     p.add_argument("--engines", default="{}")
+    # vLLM's --middleware: every request goes through these classes first (tests/fakes/vllm_middleware.py).
+    p.add_argument("--middleware", action="append", default=[])
     args = p.parse_args()
+    middlewares = vllm_middleware.load(args.middleware)
     engines = json.loads(args.engines)
     side_host = os.environ.get("VLLM_NIXL_SIDE_CHANNEL_HOST", "localhost")
     lock = threading.Lock()
@@ -104,7 +112,22 @@ def main() -> None:
                 stats["violations"].append(why)
             self._json({"error": why}, 400)
 
+        def _middleware(self) -> bool:
+            """True when a middleware answered the request itself."""
+            got = vllm_middleware.answer(middlewares, self.command, self.path)
+            if got is None:
+                return False
+            status, headers, body = got
+            self.send_response(status)
+            for k, v in headers:
+                self.send_header(k.decode(), v.decode())
+            self.end_headers()
+            self.wfile.write(body)
+            return True
+
         def do_GET(self) -> None:
+            if self._middleware():
+                return
             if self.path == "/health":
                 with event_loop:
                     pass
@@ -138,6 +161,8 @@ def main() -> None:
 
         def do_POST(self) -> None:
             body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
+            if self._middleware():
+                return
             if self.path != "/v1/completions":
                 return self._json({"error": "not found"}, 404)
             req = json.loads(body or b"{}")

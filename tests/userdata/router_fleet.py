@@ -81,6 +81,7 @@ class Fleet:
     routers: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
     gates: dict[str, Gate] = field(default_factory=dict)
     router_commands: dict[str, tuple[list[str], dict[str, str]]] = field(default_factory=dict)
+    drain_files: dict[str, Path] = field(default_factory=dict)  # a server's drain file (drain=True)
 
     def start(self, name: str) -> None:
         log = (self.tmp / f"{name.replace(':', '_')}.log").open("ab")
@@ -113,10 +114,11 @@ def _substitute(argv: list[str], names: dict[str, str]) -> list[str]:
 
 
 def _fleet(kind: str, tmp: Path, router_venv: Path | None, prefill_ms: float = PREFILL_MS, decode_ms: float = DECODE_MS, gate: bool = True,
-           overrides: dict[str, Any] | None = None, server_args: dict[str, list[str]] | None = None) -> Fleet:  # fmt: skip
+           overrides: dict[str, Any] | None = None, server_args: dict[str, list[str]] | None = None, drain: bool = False) -> Fleet:  # fmt: skip
     """Start the fake servers and the rendered proxies or routers of a 2-decode, 6-replica fleet (gate=False: each
     router bound to the endpoint itself, without its API gate: only `make bench-proxy` asks, to measure the gate's cost).
-    `overrides` change the spec (the benchmarks' policies); `server_args` add flags of the fake servers by role."""
+    `overrides` change the spec (the benchmarks' policies); `server_args` add flags of the fake servers by role;
+    `drain`: each server runs the plan's drain middleware (its --middleware and environment), with its own drain file."""
     cfg = _cfg(kind, overrides)
     extra = server_args or {}
     s = cfg.serving
@@ -142,6 +144,16 @@ def _fleet(kind: str, tmp: Path, router_venv: Path | None, prefill_ms: float = P
         fleet.commands[name] = [sys.executable, str(FAKES), "--role", "decode", "--host", names[n.name], "--port", str(s.decode.http_port),
                                 "--latency-ms", str(decode_ms), "--engines", json.dumps(engines), *extra.get("decode", [])]  # fmt: skip
         fleet.envs[name] = dict(os.environ)
+    if drain:
+        # As the plan runs every server behind the router (node_render.command_lines.drain_env), the module
+        # from the repository's userdata/bin; one drain file per server, as each server is a node's own.
+        plan = next(svc for r in renders for svc in r.services if svc.unit == "gptoss-decode.service")
+        middleware = plan.argv[plan.argv.index("--middleware") : plan.argv.index("--middleware") + 2]
+        for name in fleet.commands:
+            fleet.drain_files[name] = tmp / f"draining-{name.replace(':', '_')}"
+            fleet.commands[name] += middleware
+            fleet.envs[name] |= {"PYTHONPATH": str(ROOT / "userdata" / "bin"), "GPTOSS_DRAIN_FILE": str(fleet.drain_files[name]),
+                                 "GPTOSS_DRAIN_HEALTH_PATH": plan.environment["GPTOSS_DRAIN_HEALTH_PATH"]}  # fmt: skip
     for name in fleet.commands:
         host, port = name.split(":")
         assert _free(host, int(port)), f"{name} is taken on this machine"

@@ -14,8 +14,10 @@ from __future__ import annotations
 import hashlib
 import http.server
 import os
+import re
 import subprocess
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -62,14 +64,26 @@ print(journal.read_text() if journal.exists() else "", end="")
 
 
 class _Health(http.server.BaseHTTPRequestHandler):
-    """The decode server's /health: 200 while its (fake) unit is active."""
+    """The decode server's /health: 200 while its (fake) unit is active; its /metrics: the requests it holds
+    (the file `running`, 0 without it), each read noted with whether the node's drain file existed then."""
 
     state: Path
+    marker: Path
 
     def log_message(self, format: str, *args: Any) -> None:
         pass
 
     def do_GET(self) -> None:
+        if self.path == "/metrics":
+            running = (self.state / "running").read_text().strip() if (self.state / "running").exists() else "0"
+            with (self.state / "metrics.log").open("a") as log:
+                print(running, self.marker.exists(), file=log)
+            body = f'vllm:num_requests_running{{engine="0"}} {running}.0\nvllm:num_requests_waiting{{engine="0"}} 0.0\n'.encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+            return
         unit = self.state / "gptoss-decode.service"
         ok = not unit.exists() or unit.read_text() == "active"
         self.send_response(200 if ok else 503)
@@ -78,10 +92,13 @@ class _Health(http.server.BaseHTTPRequestHandler):
 
 
 @pytest.fixture
-def node(tmp_path: Path, shipped: Shipped) -> Iterator[dict[str, Any]]:
-    """decode-0 of the default layout, booted with version A (the spec as given), and a way to ship version B."""
+def node(request: pytest.FixtureRequest, tmp_path: Path, shipped: Shipped) -> Iterator[dict[str, Any]]:
+    """decode-0 of the default layout (or of the spec the test names: indirect parametrization), booted with
+    version A (the spec as given), and a way to ship version B."""
     port = free_port()
-    base = {"serving.decode.http_port": str(port)}
+    spec = dict(getattr(request, "param", {}))
+    node_name = spec.pop("node", NODE)
+    base = {"serving.decode.http_port": str(port)} | spec
     root = tmp_path / "root"
     (root / "etc/gptoss").mkdir(parents=True)
     s3 = tmp_path / "s3"
@@ -95,7 +112,7 @@ def node(tmp_path: Path, shipped: Shipped) -> Iterator[dict[str, Any]]:
     for name, text in (("systemctl", SYSTEMCTL), ("journalctl", JOURNALCTL)):
         (bin_dir / name).write_text(text)
         (bin_dir / name).chmod(0o755)
-    handler = type("Health", (_Health,), {"state": fakes / "units"})
+    handler = type("Health", (_Health,), {"state": fakes / "units", "marker": root / "run/gptoss/servers-draining"})
     server = http.server.ThreadingHTTPServer(("127.0.0.1", port), handler)
     threading.Thread(target=server.serve_forever, daemon=True).start()
 
@@ -106,15 +123,17 @@ def node(tmp_path: Path, shipped: Shipped) -> Iterator[dict[str, Any]]:
         (s3 / f"{sha}.xz").write_bytes(data)
         return f"s3://assets/{sha}.xz {sha}"
 
-    for script in ("gptoss-apply", "gptoss-fetch-scripts", "gptoss-bootstrap", "gptoss-signal", "gptoss-gate-failure"):
+    for script in ("gptoss-apply", "gptoss-fetch-scripts", "gptoss-bootstrap", "gptoss-signal", "gptoss-gate-failure", "gptoss-drain"):
         shipped(script)
     env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "GPTOSS_ROOT": str(root),
            "GPTOSS_DEPLOY_ENV": str(root / "etc/gptoss/deploy.env"), "GPTOSS_CLUSTER_ENV": str(root / "etc/gptoss/cluster.env"),
            "GPTOSS_ETC": str(root / "etc/gptoss"), "GPTOSS_STATE_DIR": str(root / "var/lib/gptoss"), "GPTOSS_RUN_DIR": str(root / "run/gptoss"),
            "GPTOSS_SYSTEMCTL": str(bin_dir / "systemctl"), "GPTOSS_JOURNALCTL": str(bin_dir / "journalctl"), "GPTOSS_SIGNAL_POLL_S": "0.2",
-           "GPTOSS_FETCH_TIMEOUT_S": "10", "GPTOSS_TELEMETRY_CONFIG": str(root / "etc/gptoss/telemetry.json")}  # fmt: skip
+           "GPTOSS_FETCH_TIMEOUT_S": "10", "GPTOSS_TELEMETRY_CONFIG": str(root / "etc/gptoss/telemetry.json"),
+           "GPTOSS_DRAIN_ENV": str(root / "etc/gptoss/drain.env"), "GPTOSS_DRAIN_FILE": str(root / "run/gptoss/servers-draining"),
+           "GPTOSS_DRAIN_POLL_S": "0.2"}  # fmt: skip
     # The boot of version A: the user data's deploy.env, the parameter naming A, the fetch installing it.
-    (root / "etc/gptoss/deploy.env").write_text(f"AWS_REGION=us-east-2\nGPTOSS_NODE={NODE}\nGPTOSS_SOFTWARE_PARAMETER=/gptoss/gptoss-8k1k/software\n")
+    (root / "etc/gptoss/deploy.env").write_text(f"AWS_REGION=us-east-2\nGPTOSS_NODE={node_name}\nGPTOSS_SOFTWARE_PARAMETER=/gptoss/gptoss-8k1k/software\n")
     a = version()
     (tmp_path / "parameter").write_text(a + "\n")
     boot = subprocess.run([str(shipped("gptoss-fetch-scripts"))], env=env, capture_output=True, text=True, timeout=60)
@@ -129,7 +148,7 @@ def node(tmp_path: Path, shipped: Shipped) -> Iterator[dict[str, Any]]:
 
     try:
         yield {"root": root, "a": a, "version": version, "apply": apply, "restarted": restarted, "env": env, "tmp": tmp_path,
-               "fetch": shipped("gptoss-fetch-scripts"), "aws_log": aws_log}  # fmt: skip
+               "fetch": shipped("gptoss-fetch-scripts"), "aws_log": aws_log, "units": fakes / "units"}  # fmt: skip
     finally:
         server.shutdown()
 
@@ -156,6 +175,43 @@ def test_a_decode_flag_restarts_the_decode_server_alone_and_records_the_version(
     published = [line for line in node["aws_log"].read_text().splitlines() if line.startswith("cloudwatch ")]
     assert published == [f"cloudwatch put-metric-data --region us-east-2 --namespace GptOss/gptoss-8k1k --metric-name InPlaceRestartSeconds "
                          f"--dimensions Cluster=gptoss-8k1k,Role=decode --value {took} --unit Seconds"]  # fmt: skip
+
+
+# decode-1 behind vLLM's router (decode-0 hosts the one router), its checks scaled down: a server leaves the
+# routers within 1 x 1 + 1 + 1 = 3 s.
+ROUTED = {"node": "decode-1", "decode_instances": "2", "prefill_per_decode": "3", "serving.proxy.kind": "vllm-router",
+          "serving.proxy.router.max_routers": "1", "serving.proxy.router.health_check_interval_s": "1",
+          "serving.proxy.router.health_failure_threshold": "1", "serving.proxy.router.health_check_timeout_s": "1"}  # fmt: skip
+
+
+@pytest.mark.parametrize("node", [ROUTED], indirect=True)
+def test_behind_the_router_a_server_leaves_the_routers_and_finishes_what_it_holds_before_its_restart(node: dict[str, Any]) -> None:
+    """A decode node behind vLLM's router: before its server restarts, the drain file exists (its health route answers
+    503: the routers take it out) for the routers' time to see it, then until the server holds no request (2
+    running, then none), and it is gone by the restart (the new process answers its health route again)."""
+    units, root = node["units"], node["root"]
+    b = node["version"](**{"serving.decode.max_num_seqs": "4"})
+    (units / "running").write_text("2")
+    marker = root / "run/gptoss/servers-draining"
+
+    def finish() -> None:
+        deadline = time.monotonic() + 30
+        while not marker.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(4.5)  # past the routers' 3 s: what the server held finishes then
+        (units / "running").write_text("0")
+
+    finisher = threading.Thread(target=finish)
+    finisher.start()
+    res = node["apply"](b, 30)
+    finisher.join()
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert node["restarted"]() == [["gptoss-decode.service"]]
+    assert "gptoss-drain: gptoss-decode.service leave the routers (their health route answers 503); the routers see it within 3s" in res.stderr
+    assert re.search(r"gptoss-drain: no request left on gptoss-decode\.service after [1-9]\d*s more", res.stderr), res.stderr
+    polls = [line.split() for line in (units / "metrics.log").read_text().splitlines()]
+    assert polls[0] == ["2", "True"] and polls[-1] == ["0", "True"], "polled while it drained, until it held nothing"
+    assert not marker.exists(), "the restarted server answers its health route: the routers take it back"
 
 
 def test_a_collector_script_restarts_no_server(node: dict[str, Any], shipped: Shipped) -> None:

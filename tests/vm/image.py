@@ -20,6 +20,8 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 GUEST = HERE / "guest"
 HUB_PY = HERE.parent / "fakes" / "hub.py"
+# vLLM's --middleware as the fake servers honour it (the loopback fakes use the same file).
+MIDDLEWARE_PY = HERE.parent / "fakes" / "vllm_middleware.py"
 SUITE = "trixie"
 MIRROR = "http://deb.debian.org/debian"
 PACKAGES = (
@@ -69,7 +71,7 @@ def image_key() -> str:
     h = hashlib.sha256()
     for part in (SUITE, MIRROR, PACKAGES, GUEST_HF_HUB, *GUEST_AWS, GUEST_PYTHON, ROOT_SIZE):
         h.update(part.encode() + b"\0")
-    for path in sorted([*GUEST.rglob("*"), HUB_PY, Path(__file__)]):
+    for path in sorted([*GUEST.rglob("*"), HUB_PY, MIDDLEWARE_PY, Path(__file__)]):
         if path.is_file():
             h.update(str(path.relative_to(HERE.parent)).encode() + b"\0" + path.read_bytes() + b"\0")
     return h.hexdigest()[:16]
@@ -118,7 +120,7 @@ def _build(key: str, final: Path, image: Image, progress: object) -> Image:
         log,
     )  # fmt: skip
     rootdir = work / "root"
-    env = {**os.environ, "GUEST_SRC": str(GUEST), "HUB_PY": str(HUB_PY), "WHEELS": str(wheels), "PUBKEY": str(work / "harness_key.pub")}
+    env = {**os.environ, "GUEST_SRC": str(GUEST), "HUB_PY": str(HUB_PY), "MIDDLEWARE_PY": str(MIDDLEWARE_PY), "WHEELS": str(wheels), "PUBKEY": str(work / "harness_key.pub")}
     _run(
         ["mmdebstrap", "--mode=root", "--variant=minbase", f"--include={PACKAGES}",
          f"--customize-hook=bash {GUEST / 'customize.sh'} \"$1\"", SUITE, str(rootdir), MIRROR],

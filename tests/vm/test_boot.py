@@ -516,9 +516,10 @@ def test_a_server_flag_and_a_script_change_are_applied_in_place_under_a_clients_
     """rollout.software=in-place (the default): decode's max_num_seqs and the telemetry collector's script change
     together. No launch template changes, so no instance is replaced; State Manager's association (here the
     harness: moto has no State Manager) runs gptoss-apply on each node, one at a time: each decode node restarts
-    its decode server and its collector, prefill-0 its collector alone, its six replicas untouched. A client
-    sending completions through decode-0's router all the while may see a failure only while a decode server
-    restarts (a request it held), none before and none once the nodes serve again."""
+    its decode server and its collector, prefill-0 its collector alone, its six replicas untouched. Each decode
+    server leaves the routers first (gptoss-drain: its health route answers 503, the routers take it out, what it
+    holds finishes) and comes back once it serves. A client sending completions through decode-0's router all the
+    while sees no failed request: before, during and after."""
     from node_render.node_scripts import shipped_scripts
 
     ids = dict(cluster.instance_ids)
@@ -581,7 +582,9 @@ def test_a_server_flag_and_a_script_change_are_applied_in_place_under_a_clients_
           f"{results['decode-1'][1]:.0f} s (each its decode server restarted, compile cache and checkpoint on its NVMe), "
           f"prefill-0 {results['prefill-0'][1]:.0f} s (its collector alone); "
           f"first boot, launch to serving: {first:.0f} s")  # fmt: skip
-    assert len(lines) >= 30 and before == [] and late == [], (before, late)
+    assert len(lines) >= 30 and before == [] and during == [] and late == [], (before, during, late)
+    for node in ("decode-0", "decode-1"):
+        assert "no request left on gptoss-decode.service" in results[node][2], results[node][2]
 
 
 # A client's load through decode-0's router: one completion at a time, a second apart, each one's

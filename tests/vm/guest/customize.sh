@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # mmdebstrap customize hook: turn the Debian root into the test guest. Runs on the host with
-# the root folder as $1; GUEST_SRC, HUB_PY, WHEELS and PUBKEY come from tests/vm/image.py.
+# the root folder as $1; GUEST_SRC, HUB_PY, MIDDLEWARE_PY, WHEELS and PUBKEY come from tests/vm/image.py.
 # Everything here is a fake for what cannot exist in a VM (Trainium, EC2, the Hub, GitHub);
 # the project's own files reach the guest only through the user data.
 set -euo pipefail
@@ -12,6 +12,7 @@ in_root() { chroot "$root" env -i PATH=/usr/sbin:/usr/bin:/sbin:/bin HOME=/root 
 
 cp -a "$GUEST_SRC/rootfs/." "$root/"
 cp "$HUB_PY" "$root/usr/local/lib/fakes/hub.py"
+cp "$MIDDLEWARE_PY" "$root/usr/local/lib/fakes/vllm_middleware.py"
 install -d -m 700 "$root/root/.ssh"
 install -m 600 "$PUBKEY" "$root/root/.ssh/authorized_keys"
 echo "/dev/vda / ext4 defaults 0 1" >"$root/etc/fstab"

@@ -3,7 +3,8 @@
 `vllm serve MODEL ... --port P`: refuses to start without a checkpoint at MODEL (as vLLM
 does), "compiles" for compile_s seconds when the compile cache under ~/.cache/neuron_libtorch
 has no graph for its role yet (writing one that later servers find), "loads" for load_s
-seconds, then answers GET /health, POST /v1/completions and GET /metrics on P until SIGINT.
+seconds, then answers GET /health, POST /v1/completions and GET /metrics on P until SIGINT, every
+request first through the classes --middleware names, as vLLM does (vllm_middleware.py).
 Every start, readiness and stop is recorded with argv and environment in
 /var/lib/fakes/vllm-P.jsonl. Settings (fw_cfg section "vllm"): compile_s, load_s,
 crash_ports (servers on these ports exit 1 after crash_after_s seconds), hold_compile (a compile
@@ -17,12 +18,14 @@ import json
 import os
 import signal
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, "/usr/local/lib/fakes")
 import fakectl
+import vllm_middleware
 
 
 def flag(argv: list[str], name: str, default: str | None = None) -> str | None:
@@ -65,7 +68,9 @@ def serve(argv: list[str]) -> None:
         compiled = True
     time.sleep(float(s.get("load_s", 0)))
 
-    served = {"requests": 0, "prompt": 0, "generated": 0, "ttft": 0.0}
+    served = {"requests": 0, "prompt": 0, "generated": 0, "ttft": 0.0, "running": 0}
+    counting = threading.Lock()  # requests in the server (running), as vLLM's gauge counts them
+    middlewares = vllm_middleware.load([argv[i + 1] for i, a in enumerate(argv[:-1]) if a == "--middleware"])
 
     class Handler(http.server.BaseHTTPRequestHandler):
         def log_message(self, format: str, *args: object) -> None:
@@ -79,7 +84,22 @@ def serve(argv: list[str]) -> None:
             self.end_headers()
             self.wfile.write(body)
 
+        def _middleware(self) -> bool:
+            """True when a middleware answered the request itself."""
+            got = vllm_middleware.answer(middlewares, self.command, self.path)
+            if got is None:
+                return False
+            status, headers, body = got
+            self.send_response(status)
+            for k, v in headers:
+                self.send_header(k.decode(), v.decode())
+            self.end_headers()
+            self.wfile.write(body)
+            return True
+
         def do_GET(self) -> None:
+            if self._middleware():
+                return
             if self.path == "/health":
                 return self._json({})
             if self.path == "/metrics":
@@ -89,7 +109,7 @@ def serve(argv: list[str]) -> None:
                 body = "".join(
                     f"vllm:{name}{labels} {value}\n"
                     for name, value in (
-                        ("num_requests_running", 0.0),
+                        ("num_requests_running", float(served["running"])),
                         ("num_requests_waiting", 0.0),
                         ("kv_cache_usage_perc", 0.05 if served["requests"] else 0.0),
                         ("prompt_tokens_total", float(served["prompt"])),
@@ -109,8 +129,19 @@ def serve(argv: list[str]) -> None:
         def do_POST(self) -> None:
             length = int(self.headers.get("Content-Length", 0))
             req = json.loads(self.rfile.read(length) or b"{}")
+            if self._middleware():
+                return
             if self.path != "/v1/completions":
                 return self._json({"error": "not found"}, 404)
+            with counting:
+                served["running"] += 1
+            try:
+                self._complete(req)
+            finally:
+                with counting:
+                    served["running"] -= 1
+
+        def _complete(self, req: dict[str, Any]) -> None:
             fakectl.record(log, {"event": "completion", "time": time.time(), "request": req})
             served["requests"] += 1
             served["prompt"] += 6
