@@ -29,7 +29,6 @@ class Shared:
     software_parameter: str
     software_parameter_arn: str
     software_document_arn: str | None
-    router_uri: str | None
     router_arn: str | None
     router_fleet_arn: str | None
     cache: CacheLocation | None
@@ -111,7 +110,6 @@ class NodeCell(NestedStack):
                     software_digest=node_version(render) if replace else None,
                     signal_url=gate.url if gate else None,
                     gate_id=gate.condition_id if gate else None,
-                    router_uri=shared.router_uri,
                     compile_cache_uri=shared.cache.uri if shared.cache else None,
                 ),
                 target_group_arns=[shared.target_group_arn] if shared.target_group_arn and node.name in shared.proxy_nodes else None,

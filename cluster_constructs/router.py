@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import hashlib
 
-from aws_cdk import Fn, Stack, Tags
+from aws_cdk import AssetHashType, Stack, Tags
 from aws_cdk import aws_s3_assets as s3_assets
 from aws_cdk import aws_ssm as ssm
 from constructs import Construct
@@ -12,7 +12,7 @@ from constructs import Construct
 from clusterspec.config import ClusterConfig
 from clusterspec.errors import SpecError
 from node_render.command_lines import router_fleet
-from node_render.paths import WHEELS_DIR, router_parameter
+from node_render.paths import WHEELS_DIR, router_object_key, router_parameter
 
 # Parameter Store's Standard tier holds 4 KB; past that, Advanced (8 KB, charged per month).
 STANDARD_PARAMETER_BYTES = 4096
@@ -32,8 +32,13 @@ class RouterWheel(Construct):
         if digest != r.sha256:
             raise SpecError([f"serving.proxy.router.sha256: .wheels/{r.wheel} has sha256 {digest}, the spec pins {r.sha256}. "
                              "Fix: delete the file and run `make setup`, or pin the sha256 of the release you mean to run."])  # fmt: skip
-        self.asset = s3_assets.Asset(self, "Asset", path=str(path))
-        self.uri = Fn.join("", ["s3://", self.asset.s3_bucket_name, "/", self.asset.s3_object_key])
+        # Its hash is the pinned sha256 (a new wheel, a new key): the nodes find it by router_object_key, in the
+        # bucket of the software asset, so no node's user data names it (a new wheel restarts the routers in place).
+        self.asset = s3_assets.Asset(self, "Asset", path=str(path), asset_hash=r.sha256, asset_hash_type=AssetHashType.CUSTOM)
+        if self.asset.s3_object_key != router_object_key(r.sha256):
+            raise SpecError([f"serving.proxy.router: CDK keys the router wheel {self.asset.s3_object_key}, the nodes look for "
+                             f"{router_object_key(r.sha256)}. Fix: use the pinned CDK (make setup), whose asset keys node_render.paths "
+                             "router_object_key follows."])  # fmt: skip
         self.object_arn = self.asset.bucket.arn_for_objects(self.asset.s3_object_key)
 
 

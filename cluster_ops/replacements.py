@@ -35,8 +35,8 @@ MACHINE = {
     "MetadataOptions": "the instance metadata settings",
     "IamInstanceProfile": "the instance profile",
 }
-# deploy.env values that are software: its own software's digest (rollout.software=replace), the router.
-SOFTWARE_VALUES = {"GPTOSS_SOFTWARE_DIGEST": "its software", "GPTOSS_ROUTER_URI": "the router wheel",
+# deploy.env values that are software: its own software's digest (rollout.software=replace).
+SOFTWARE_VALUES = {"GPTOSS_SOFTWARE_DIGEST": "its software",
                    "GPTOSS_COMPILE_CACHE_URI": "the compile cache location", "GPTOSS_SOFTWARE_PARAMETER": "where it reads its software version"}
 # What changes with the deploy gate itself (a consequence of a replacement, never its cause).
 GATE_VALUES = {"GPTOSS_SIGNAL_URL", "GPTOSS_GATE"}

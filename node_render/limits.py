@@ -129,7 +129,6 @@ def _user_data_bytes(cfg: ClusterConfig, layout: Layout, node: Node, *, compress
             software_digest="0" * 64 if replace else None,
             signal_url="x" * 60 if cfg.wait_for_ready else None,
             gate_id="x" * 48 if cfg.wait_for_ready else None,
-            router_uri=SCRIPTS_URI_PLACEHOLDER,
             compile_cache_uri=SCRIPTS_URI_PLACEHOLDER,
             compress=compress,
         ).encode()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 from pathlib import Path
 
 USERDATA_DIR = Path(__file__).resolve().parent.parent / "userdata"
@@ -87,6 +88,17 @@ DRAIN_ENV = f"{ETC}/drain.env"
 
 # Where `make setup` keeps the pinned router wheel the stack ships as an asset (not in git).
 WHEELS_DIR = Path(__file__).resolve().parent.parent / ".wheels"
+
+
+# The router's wheel and where it is (a router node's own settings: only its router unit reads them).
+ROUTER_ENV = f"{ETC}/router.env"
+
+
+def router_object_key(sha256: str) -> str:
+    """The wheel's key in the stack's asset bucket (the bucket of the software asset): the asset's hash is the
+    pinned sha256 (AssetHashType.CUSTOM), which CDK hashes once more into the key; cluster_constructs.router
+    checks at synth that the asset's key is this one. Known without CDK, so a node's software names it."""
+    return f"{hashlib.sha256(sha256.encode()).hexdigest()}.whl"
 
 
 def router_venv(version: str, sha256: str) -> str:

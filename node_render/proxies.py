@@ -19,8 +19,17 @@ from node_render.command_lines import (
 )
 from node_render.haproxy import API_CONFIG, api_gate_config, api_gate_unit, open_files
 from node_render.node_files import NodeRender, Service, exec_line, served, unit_file, unit_limits
-from node_render.paths import DEPLOY_ENV, MEMBERS_ENV, ROUTER_FLEET, UNIT_DIR, router_parameter, router_venv
-from node_render.quoting import Expand, expand
+from node_render.paths import (
+    DEPLOY_ENV,
+    MEMBERS_ENV,
+    ROUTER_ENV,
+    ROUTER_FLEET,
+    UNIT_DIR,
+    router_object_key,
+    router_parameter,
+    router_venv,
+)
+from node_render.quoting import Expand, env_file, expand
 from node_render.router_cli import check_router_argv
 
 
@@ -114,10 +123,14 @@ def render_router(cfg: ClusterConfig, node: Node, proxy: ProxyPlacement, out: No
         open_files=open_files(s.proxy),
         restart_sec=RESTART_SEC,
     )
+    # The wheel (its name, sha256 and key in the stack's asset bucket): software, so a new wheel restarts this unit in
+    # place on the router nodes alone (gptoss-apply), never a server, and no launch template changes.
+    out.files[ROUTER_ENV] = (env_file({"GPTOSS_ROUTER_WHEEL": r.wheel, "GPTOSS_ROUTER_SHA256": r.sha256,
+                                       "GPTOSS_ROUTER_KEY": router_object_key(r.sha256)}), 0o644)  # fmt: skip
     out.shared[API_CONFIG] = (api_gate_config(s.proxy, max_model_len=s.shape.max_model_len, bind=f"{s.proxy.bind_host}:{s.proxy.port}",
                                               router_port=r.internal_port), 0o644)  # fmt: skip
     out.files[f"{UNIT_DIR}/gptoss-api.service"] = unit_file("gptoss-api.service", **api_gate_unit(s.proxy, bin_dir=bin_dir, restart_sec=RESTART_SEC))
-    # Its environment: deploy.env (where the router's wheel is, and this node's own address).
+    # Its environment: deploy.env (this node's own address); gptoss-install-router reads router.env (its wheel).
     effective = [*served(argv), *router_settings(cfg), *pool_args]
     out.services.append(Service("gptoss-proxy.service", {host_var(node.name): f"<{node.name}>"}, effective, waits=("the router's venv",)))
     out.units += ["gptoss-proxy.service", "gptoss-api.service"]

@@ -136,8 +136,7 @@ def _members_env(cfg: ClusterConfig, node: Node) -> dict[str, str]:
         "GPTOSS_MEMBERS_RESTART": "" if routed else "gptoss-proxy.service gptoss-group-health.service",
     }
     if routed:
-        r = cfg.serving.proxy.router
-        env |= {"GPTOSS_ROUTER_WHEEL": r.wheel, "GPTOSS_ROUTER_SHA256": r.sha256, "GPTOSS_API_PORT": str(cfg.serving.proxy.port)}
+        env |= {"GPTOSS_API_PORT": str(cfg.serving.proxy.port)}
     return env
 
 

@@ -217,7 +217,6 @@ def user_data(
     software_digest: str | None = None,
     signal_url: str | None = None,
     gate_id: str | None = None,
-    router_uri: str | None = None,
     compile_cache_uri: str | None = None,
     compress: Compress = bundle,
 ) -> str:
@@ -229,7 +228,7 @@ def user_data(
     running nodes); with replace, `software_digest` (node_version) is here too, so a node whose own
     software changed gets a new launch template and a new instance.
 
-    `router_uri`, `compile_cache_uri` (the stack's bucket, or the configured location) and
+    `compile_cache_uri` (the stack's bucket, or the configured location) and
     `signal_url` (the deploy gate's wait condition handle) are CDK tokens at synth; CloudFormation
     fills them in. No other node's address is here: an instance of any node can be replaced at any
     time, and the nodes that need their peers read them from EC2 (gptoss-members). The signal URL
@@ -245,10 +244,6 @@ def user_data(
     values = [f"AWS_REGION={region}", f"GPTOSS_NODE={render.node.name}", f"GPTOSS_SOFTWARE_PARAMETER={software_parameter}"]
     if software_digest is not None:
         values.append(f"GPTOSS_SOFTWARE_DIGEST={software_digest}")
-    if "gptoss-install-router" in render.scripts:
-        if router_uri is None:
-            raise ValueError(f"{render.node.name}: runs vLLM's router but no router asset URI was given")
-        values.append(f"GPTOSS_ROUTER_URI={router_uri}")
     if "gptoss-save-cache" in render.scripts:
         if compile_cache_uri is None:
             raise ValueError(f"{render.node.name}: saves its compile cache but no compile cache location was given")

@@ -139,7 +139,6 @@ class GptOssClusterStack(Stack):
             software_parameter=software.parameter_name,
             software_parameter_arn=software.parameter_arn,
             software_document_arn=software.document_arn if software.in_place else None,
-            router_uri=router.uri if router else None,
             router_arn=router.object_arn if router else None,
             router_fleet_arn=router_fleet.arn if router_fleet else None,
             cache=cache,

@@ -220,7 +220,6 @@ ODD_VALUES = [
 ]
 
 SOFTWARE_PARAMETER = "/gptoss/gptoss-8k1k/software"
-ROUTER_URI = "s3://cdk-hnb659fds-assets-123456789012-us-east-2/router.whl"
 CACHE_URI = "s3://gptoss-8k1k-compilecachebucket-0123456789ab"
 
 
@@ -257,7 +256,7 @@ def node_user_data(render: Any) -> str:
     """A node's user data with the deploy-time values a test chooses (CloudFormation's at deploy)."""
     from node_render.userdata import user_data
 
-    return user_data(render, software_parameter=SOFTWARE_PARAMETER, router_uri=ROUTER_URI, compile_cache_uri=CACHE_URI)
+    return user_data(render, software_parameter=SOFTWARE_PARAMETER, compile_cache_uri=CACHE_URI)
 
 
 @pytest.fixture(scope="module")

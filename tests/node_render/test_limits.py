@@ -122,7 +122,7 @@ def test_the_user_data_limit_counts_the_gates_presigned_url_as_the_instance_gets
     gate = "Decode7Ready0123abcdCondition0A1B2C3D"
     largest = max(
         len(user_data(r, software_parameter=software_parameter(cfg.cluster_name), signal_url=url, gate_id=gate,
-                      router_uri=limits.SCRIPTS_URI_PLACEHOLDER, compile_cache_uri=limits.SCRIPTS_URI_PLACEHOLDER).encode())
+                      compile_cache_uri=limits.SCRIPTS_URI_PLACEHOLDER).encode())
         for r in render.render_cluster(cfg)
     )  # fmt: skip
     assert largest <= limits.estimate(cfg).largest_user_data

@@ -144,6 +144,31 @@ def test_deploy_asks_before_servers_restart_in_place_and_not_for_the_collector_a
     rollout.confirm(load_config(PROD), kept, yes=False, restarting=in_place.serving_restarts(collector))
 
 
+def test_a_new_router_wheel_is_software_the_router_nodes_restart_their_router_alone() -> None:
+    """A new wheel (another release, its own sha256) for 3 + 8 behind vLLM's router: every node's user data is the
+    same (no launch template changes: the wheel is found by its key in the software asset's bucket, which only
+    router.env names), and in place the router nodes restart gptoss-proxy (lame-duck first), nothing else; the
+    prefill nodes take nothing. Rendered, not synthesized: a synth needs the wheel file itself."""
+    from node_render.paths import router_object_key
+    from node_render.render import render_cluster
+    from node_render.userdata import software_asset, user_data
+
+    base = PROD | {"serving.proxy.kind": "vllm-router"}
+    new = base | {"serving.proxy.router.version": "0.1.18", "serving.proxy.router.wheel": "vllm_router-0.1.18-cp38-abi3-manylinux_2_28_x86_64.whl",
+                  "serving.proxy.router.sha256": "ab" * 32}  # fmt: skip
+    old_renders, new_renders = render_cluster(load_config(base)), render_cluster(load_config(new))
+    for a, b in zip(old_renders, new_renders, strict=True):
+        same = {"software_parameter": "/gptoss/p", "compile_cache_uri": "s3://cache"}
+        assert user_data(a, **same) == user_data(b, **same), a.node.name
+    old_asset, new_asset = software_asset(old_renders), software_asset(new_renders)
+    names = [r.node.name for r in old_renders]
+    change = in_place.compare(hashlib.sha256(old_asset).hexdigest(), hashlib.sha256(new_asset).hexdigest(), old_asset, new_asset, names)
+    assert change.restarts == {f"decode-{d}": ["gptoss-proxy.service"] for d in range(8)}
+    assert change.same == ["prefill-0", "prefill-1", "prefill-2"]
+    router_env = in_place.node_tree(new_asset, "decode-0")["/etc/gptoss/router.env"][0]
+    assert f"GPTOSS_ROUTER_KEY={router_object_key('ab' * 32)}" in router_env and router_object_key("ab" * 32).endswith(".whl")
+
+
 def test_a_collector_script_restarts_no_server(assembly: Callable[..., Path]) -> None:
     """gptoss-telemetry is the node's metrics and logs collector: its edit restarts it, never a server, a router or
     a proxy (nor the deploy gate's verdict, whose script names the collector: once per instance)."""

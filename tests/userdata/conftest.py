@@ -17,9 +17,9 @@ from typing import Any, ClassVar
 import boto3
 import pytest
 
-from node_render.paths import WHEELS_DIR
+from node_render.paths import ROUTER_ENV, SOFTWARE_VERSION, WHEELS_DIR, router_object_key
 from node_render.quoting import env_file as render_env_file
-from node_render.render import cluster_env
+from node_render.render import cluster_env, render_cluster
 from tests.api_gate import Gate
 from tests.conftest import fake_command, private_etc, real_aws_cli, with_etc
 from tests.userdata.api_gate_peers import Upstream, _gate
@@ -120,6 +120,20 @@ def signal_node(tmp_path: Path, peers: Any, shipped: Shipped) -> Callable[..., s
     return run
 
 
+def router_node(cfg: Any, root: Path, bucket: str) -> dict[str, str]:
+    """A router node's files that gptoss-install-router reads, as decode-0 renders them, under ROOT: cluster.env,
+    router.env and the software version it installed (in BUCKET, where the wheel is too); its environment."""
+    node = next(n for n in cfg.layout.nodes if n.name == "decode-0")
+    (root / "etc").mkdir(parents=True, exist_ok=True)
+    (root / "etc/cluster.env").write_text(render_env_file(cluster_env(cfg, node)))
+    files = next(r for r in render_cluster(cfg) if r.node.name == "decode-0").files
+    (root / "etc/router.env").write_text(files[ROUTER_ENV][0])
+    version = root / SOFTWARE_VERSION.lstrip("/")
+    version.parent.mkdir(parents=True, exist_ok=True)
+    version.write_text(f"s3://{bucket}/{'1' * 64}.xz {'1' * 64}\n")
+    return {"GPTOSS_CLUSTER_ENV": str(root / "etc/cluster.env"), "GPTOSS_ROUTER_ENV": str(root / "etc/router.env"), "GPTOSS_ROOT": str(root)}
+
+
 @pytest.fixture(scope="module")
 def router_venv(tmp_path_factory: pytest.TempPathFactory, shipped: Any, moto_url: str) -> Path:
     """The router's venv as a node builds it: the wheel from S3, checked, installed offline."""
@@ -131,15 +145,12 @@ def router_venv(tmp_path_factory: pytest.TempPathFactory, shipped: Any, moto_url
     url = moto_url
     s3 = boto3.client("s3", endpoint_url=url, region_name="us-east-2", **{k.lower(): v for k, v in CREDS.items() if k != "AWS_DEFAULT_REGION"})
     s3.create_bucket(Bucket="assets", CreateBucketConfiguration={"LocationConstraint": "us-east-2"})
-    s3.upload_file(str(wheel), "assets", "0e2d912c.whl")
+    # Where the stack's asset puts it: the key its pinned sha256 gives, in the software asset's bucket.
+    s3.upload_file(str(wheel), "assets", router_object_key(r.sha256))
     bindir = tmp / "bin"
     real_aws_cli(bindir)
-    env_file = tmp / "cluster.env"
-    node = next(n for n in cfg.layout.nodes if n.name == "decode-0")
-    env_file.write_text(render_env_file(cluster_env(cfg, node)))
     venv = tmp / "venv"
-    env = {**os.environ, **CREDS, "PATH": f"{bindir}{os.pathsep}{os.environ['PATH']}", "AWS_ENDPOINT_URL": url,
-           "GPTOSS_CLUSTER_ENV": str(env_file), "GPTOSS_ROUTER_URI": "s3://assets/0e2d912c.whl", "GPTOSS_ROOT": str(tmp)}  # fmt: skip
+    env = {**os.environ, **CREDS, "PATH": f"{bindir}{os.pathsep}{os.environ['PATH']}", "AWS_ENDPOINT_URL": url, **router_node(cfg, tmp, "assets")}
     res = subprocess.run([str(shipped("gptoss-install-router")), str(venv), "--", "true"], env=env, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stdout + res.stderr
     assert (venv / ".gptoss-wheel-sha256").read_text().strip() == r.sha256

@@ -275,7 +275,7 @@ def test_plan_and_user_data_agree(layout: str, tmp_path: Path, shipped: Callable
             inst = s.unit.split("@")[1].split(".")[0] if "@" in s.unit else None
             text = files[f"/etc/systemd/system/{template}"][0]
             env = _unit_env(files, deploy, text, inst, f"<{r.node.name}>", lambda n: f"<{n}>")
-            deploy_only = ("AWS_REGION", "GPTOSS_NODE", "GPTOSS_SOFTWARE_PARAMETER", "GPTOSS_ROUTER_URI", "GPTOSS_COMPILE_CACHE_URI")
+            deploy_only = ("AWS_REGION", "GPTOSS_NODE", "GPTOSS_SOFTWARE_PARAMETER", "GPTOSS_COMPILE_CACHE_URI")
             plan_env = {k: v for k, v in env.items() if k not in deploy_only or k in s.environment}
             assert plan_env == s.environment, f"{r.node.name} {s.unit}"
             lines = [shlex.split(line) for line in re.findall(r"^ExecStart=(.*)$", text, re.M)]

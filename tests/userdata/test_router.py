@@ -30,11 +30,13 @@ from typing import Any
 import pytest
 
 from clusterspec.loading import load_config
+from node_render.paths import router_object_key
 from node_render.quoting import env_file as render_env_file
 from node_render.render import cluster_env, render_cluster
 from tests.api_gate import start_gate
 from tests.conftest import ROOT, fake_command, private_etc, with_etc
 from tests.fakes.vllm_pd import engine_id
+from tests.userdata.conftest import router_node
 from tests.userdata.router_fleet import (
     CLIENTS,
     DECODE_MS,
@@ -63,14 +65,11 @@ def test_the_node_refuses_a_wheel_whose_sha256_is_not_the_pinned_one(tmp_path: P
     bad = tmp_path / "bad.whl"
     bad.write_bytes(b"not the router")
     fake_command(bindir, "aws", f'cp "{bad}" "$4"\n')  # aws s3 cp --only-show-errors SRC DST
-    env_file = tmp_path / "cluster.env"
-    node = next(n for n in cfg.layout.nodes if n.name == "decode-0")
-    env_file.write_text(render_env_file(cluster_env(cfg, node)))
-    env = {**os.environ, "PATH": f"{bindir}{os.pathsep}{os.environ['PATH']}", "GPTOSS_CLUSTER_ENV": str(env_file),
-           "GPTOSS_ROUTER_URI": "s3://assets/x.whl", "GPTOSS_ROOT": str(tmp_path), "GPTOSS_ROUTER_FETCH_S": "3"}  # fmt: skip
+    env = {**os.environ, "PATH": f"{bindir}{os.pathsep}{os.environ['PATH']}", "GPTOSS_ROUTER_FETCH_S": "3", **router_node(cfg, tmp_path, "assets")}
     res = subprocess.run([str(shipped("gptoss-install-router")), str(tmp_path / "venv"), "--", "true"], env=env, capture_output=True, text=True, timeout=60)
     assert res.returncode == 1
-    assert f"no intact copy of s3://assets/x.whl (sha256 {cfg.serving.proxy.router.sha256}) within 3s" in res.stderr
+    r = cfg.serving.proxy.router
+    assert f"no intact copy of s3://assets/{router_object_key(r.sha256)} (sha256 {r.sha256}) within 3s" in res.stderr
     assert not (tmp_path / "venv").exists()
 
 

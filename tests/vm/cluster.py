@@ -30,7 +30,7 @@ from clusterspec.loading import load_config
 from node_render import telemetry
 from node_render.command_lines import router_fleet
 from node_render.node_files import NodeRender
-from node_render.paths import WHEELS_DIR, router_parameter, software_parameter
+from node_render.paths import WHEELS_DIR, router_object_key, router_parameter, software_parameter
 from node_render.render import render_cluster
 from node_render.userdata import launch_inputs, node_digest, node_version, software_asset, user_data
 from tests.vm import profile
@@ -129,15 +129,14 @@ class VmCluster:
         # The stack's software parameter: the version every node reads at boot.
         self.aws.client("ssm").put_parameter(Name=software_parameter(self.cfg.cluster_name), Value=f"{uri} {sha}", Type="String", Overwrite=True)
         previous, self.software, self.version = self.software, data, f"{uri} {sha}"
-        router_uri = None
         if self.cfg.proxy_kind == "vllm-router":
             # The routers' settings and pool, the one SSM parameter the stack writes (read at run time).
             proxy = next(p for p in self.cfg.layout.proxies if p.kind == "vllm-router")
             self.aws.client("ssm").put_parameter(Name=router_parameter(self.cfg.cluster_name), Value=router_fleet(self.cfg, proxy),
                                                  Type="String", Overwrite=True)  # fmt: skip
-            wheel = self.cfg.serving.proxy.router.wheel
-            router_uri = f"s3://{ASSET_BUCKET}/router/{wheel}"
-            self.aws.put(router_uri, (WHEELS_DIR / wheel).read_bytes())
+            # The wheel where the stack's asset puts it: its key in the software asset's bucket.
+            r = self.cfg.serving.proxy.router
+            self.aws.put(f"s3://{ASSET_BUCKET}/{router_object_key(r.sha256)}", (WHEELS_DIR / r.wheel).read_bytes())
         self.aws.secret(HF_TOKEN_NAME, HF_TOKEN)
         self.aws.log_group(telemetry.log_group(self.cfg))
         self.deploys += 1
@@ -153,7 +152,7 @@ class VmCluster:
             signal = self.handles[name][1] if self.cfg.wait_for_ready else None
             self.user_data_text[name] = user_data(
                 r, software_parameter=software_parameter(self.cfg.cluster_name), software_digest=node_version(r) if replace else None,
-                signal_url=signal, router_uri=router_uri, compile_cache_uri=f"s3://{CACHE_BUCKET}",
+                signal_url=signal, compile_cache_uri=f"s3://{CACHE_BUCKET}",
             )  # fmt: skip
         self.pending = changed
         running = [n for n in self.renders if n in self.vms and n not in changed]
