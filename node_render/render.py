@@ -253,8 +253,7 @@ def _render_drain(cfg: ClusterConfig, node: Node, out: NodeRender) -> None:
         return
     r = cfg.serving.proxy.router
     ports = {"gptoss-decode.service": str(cfg.serving.decode.http_port)}
-    servers = [(svc.unit, svc.environment.get("GPTOSS_HTTP_PORT") or ports.get(svc.unit)) for svc in out.services]
-    servers = [(unit, port) for unit, port in servers if port]
+    servers = [(svc.unit, port) for svc in out.services if (port := svc.environment.get("GPTOSS_HTTP_PORT") or ports.get(svc.unit))]
     env = {
         "GPTOSS_DRAIN_UNITS": " ".join(unit for unit, _ in servers),
         "GPTOSS_DRAIN_METRICS": " ".join(health_url("127.0.0.1", int(port), "/metrics") for _, port in servers),
