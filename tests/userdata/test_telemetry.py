@@ -358,6 +358,9 @@ def test_a_capacity_blocks_hours_left_come_from_ec2_and_follow_an_extension(tmp_
     assert _values(c.collect(3100.0))["CapacityBlockHoursLeft"] == pytest.approx(1500 / 3600, abs=0.01)
     marker = Path(os.environ["GPTOSS_RUN_DIR"]) / "block-draining"
     assert marker.exists() and api_calls.read_text() == "drain 600\n", "the gate takes nothing new, answers 503 with Retry-After"
+    # Its servers leave every router until the reclaim (their health route answers 503 while this file holds).
+    until = float((Path(os.environ["GPTOSS_RUN_DIR"]) / "servers-draining").read_text())
+    assert until == pytest.approx(clock.time() + 1500, abs=60), "the servers' drain lasts until EC2 reclaims the block"
     c.collect(3800.0)
     assert api_calls.read_text() == "drain 600\n", "once"
     assert not (Path(os.environ["GPTOSS_RUN_DIR"]) / "block-stopped").exists(), "the servers serve while the routers' streams end"
@@ -409,6 +412,7 @@ def test_a_blocks_servers_stop_before_the_reclaim_so_that_the_routers_see_them_r
     assert stops.read_text().splitlines()[-1] == "start --no-block gptoss-prefill@0.service gptoss-prefill@1.service"
     assert api_calls.read_text() == "drain 600\nundrain\n"
     assert not (run_dir / "block-draining").exists() and not (run_dir / "block-stopped").exists(), "healing and ServersDown as before"
+    assert not (run_dir / "servers-draining").exists(), "the servers answer their health route: the routers take them back"
     reclaimed_in(3 * 3600)
     c.collect(1240.0)
     assert stops.read_text().count("start") == 1 and api_calls.read_text().count("undrain") == 1, "once"
