@@ -12,10 +12,11 @@ import re
 from node_render.paths import USERDATA_DIR
 
 # Scripts every node carries in its user data: the boot itself, fetching the others, the status
-# report and the deploy gate's failure answer (both must work when the fetch does not). The other
+# report and the deploy gate's failure answer (both must work when the fetch does not), and the
+# module the status report imports. The other
 # scripts are the same on every node: the stack ships them once, as a file asset in S3 (see
 # scripts_asset), which keeps each node's user data far below EC2's 16 KB.
-NODE_SCRIPTS = frozenset({"gptoss-bootstrap", "gptoss-fetch-scripts", "gptoss-gate-failure", "gptoss-status"})
+NODE_SCRIPTS = frozenset({"gptoss-bootstrap", "gptoss-fetch-scripts", "gptoss-gate-failure", "gptoss-status", "gptoss_node.py"})
 
 
 def strip_comments(name: str, text: str) -> str:

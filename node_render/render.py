@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import json
+import re
 from pathlib import PurePosixPath
 
 from clusterspec.config import ClusterConfig
@@ -355,8 +356,9 @@ def render_node(cfg: ClusterConfig, layout: Layout, node: Node, *, bin_dir: str 
 
 
 def _names(script: str, text: str) -> bool:
-    """Whether TEXT names a shipped script: by its file name, or a module (X.py) by its import path (X.)."""
-    return script in text or (script.endswith(".py") and f"{script[:-3]}." in text)
+    """Whether TEXT names a shipped script: by its file name, or a module (X.py) by its import name (`import X`,
+    `from X import`, `X.Class` as vLLM's --middleware takes it)."""
+    return script in text or (script.endswith(".py") and re.search(rf"\b{re.escape(script[:-3])}\b", text) is not None)
 
 
 @functools.cache

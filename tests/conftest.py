@@ -268,8 +268,13 @@ def shipped(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
 
     def write(name: str) -> Path:
         p = folder / name
-        p.write_text(node_script(name))
+        text = node_script(name)
+        p.write_text(text)
         p.chmod(0o755)
+        # The modules it imports, beside it as on the node (the scripts' folder is first on Python's path).
+        for module in ("gptoss_node", "gptoss_drain"):
+            if re.search(rf"^(from|import) {module}\b", text, re.M):
+                (folder / f"{module}.py").write_text(node_script(f"{module}.py"))
         return p
 
     return write
