@@ -275,6 +275,9 @@ def shipped(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
         for module in ("gptoss_node", "gptoss_drain"):
             if re.search(rf"^(from|import) {module}\b", text, re.M):
                 (folder / f"{module}.py").write_text(node_script(f"{module}.py"))
+        # The settings' prologue its bash sources, beside it as on the node.
+        if '/gptoss-env"' in text:
+            (folder / "gptoss-env").write_text(node_script("gptoss-env"))
         return p
 
     return write

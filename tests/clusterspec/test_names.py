@@ -98,7 +98,7 @@ def test_every_node_path_a_script_names_is_the_one_python_defines() -> None:
     # A default a script falls back to (${GPTOSS_X:-/path}) is the path the renderer writes.
     defaults = {
         ("gptoss-fetch-scripts", "GPTOSS_DEPLOY_ENV"): paths.DEPLOY_ENV,
-        ("gptoss-apply", "GPTOSS_CLUSTER_ENV"): paths.CLUSTER_ENV,
+        ("gptoss-env", "GPTOSS_CLUSTER_ENV"): paths.CLUSTER_ENV,
         ("gptoss-health-watch", "GPTOSS_HEALTH_FILE"): paths.HEALTH_FILE,
         ("gptoss-telemetry", "GPTOSS_TELEMETRY_CONFIG"): paths.TELEMETRY_CONFIG,
         ("gptoss-status", "GPTOSS_HEALTH_FILE"): paths.HEALTH_FILE,
