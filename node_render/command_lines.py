@@ -286,7 +286,9 @@ def drain_env(cfg: ClusterConfig, role: str, bin_dir: str) -> dict[str, str]:
     drains it and the health route it then answers 503 (the routers' --health-check-endpoint)."""
     if not drains(cfg, role):
         return {}
-    return {"PYTHONPATH": bin_dir, "GPTOSS_DRAIN_FILE": SERVERS_DRAINING, "GPTOSS_DRAIN_HEALTH_PATH": cfg.serving.server_health_path}
+    # No bytecode beside the module: the bin folder holds the shipped files alone (vLLM's own venv is compiled at install).
+    return {"PYTHONPATH": bin_dir, "PYTHONDONTWRITEBYTECODE": "1", "GPTOSS_DRAIN_FILE": SERVERS_DRAINING,
+            "GPTOSS_DRAIN_HEALTH_PATH": cfg.serving.server_health_path}
 
 
 def prefill_env(cfg: ClusterConfig) -> dict[str, str]:

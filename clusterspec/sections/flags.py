@@ -105,6 +105,7 @@ DERIVED_ENV = frozenset(
         "VLLM_NEURON_MEGA_DMA_ORDER_CONSTRAINTS_FILE",
         # Behind vLLM's router: the drain middleware's module path and its files (node_render.command_lines.drain_env).
         "PYTHONPATH",
+        "PYTHONDONTWRITEBYTECODE",
         "GPTOSS_DRAIN_FILE",
         "GPTOSS_DRAIN_HEALTH_PATH",
     }
