@@ -24,6 +24,7 @@ import io
 import json
 import re
 import subprocess
+import sys
 import tempfile
 import time as real_time
 import types
@@ -257,6 +258,9 @@ class _Clock:
 
 
 _SIGNAL_CODE = compile(SIGNAL_SCRIPT.read_text(), str(SIGNAL_SCRIPT), "exec")
+# The module it imports from its own folder (on a node, the folder Python runs it from is first on its path).
+if str(SIGNAL_SCRIPT.parent) not in sys.path:
+    sys.path.append(str(SIGNAL_SCRIPT.parent))
 EXPIRED_XML = b"<Error><Code>AccessDenied</Code><Message>Request has expired</Message></Error>"
 
 
