@@ -52,3 +52,18 @@ def answer(middlewares: list[Any], method: str, target: str) -> tuple[int, list[
     if reached:
         return None
     return sent["status"], sent["headers"], sent["body"]
+
+
+def respond(handler: Any, middlewares: list[Any]) -> bool:
+    """Send what the middlewares answer to an http.server handler's request; True when they answered it
+    themselves (the fake must not), False when they passed it on to the app."""
+    got = answer(middlewares, handler.command, handler.path)
+    if got is None:
+        return False
+    status, headers, body = got
+    handler.send_response(status)
+    for k, v in headers:
+        handler.send_header(k.decode(), v.decode())
+    handler.end_headers()
+    handler.wfile.write(body)
+    return True

@@ -114,16 +114,7 @@ def main() -> None:
 
         def _middleware(self) -> bool:
             """True when a middleware answered the request itself."""
-            got = vllm_middleware.answer(middlewares, self.command, self.path)
-            if got is None:
-                return False
-            status, headers, body = got
-            self.send_response(status)
-            for k, v in headers:
-                self.send_header(k.decode(), v.decode())
-            self.end_headers()
-            self.wfile.write(body)
-            return True
+            return vllm_middleware.respond(self, middlewares)
 
         def do_GET(self) -> None:
             if self._middleware():
