@@ -29,7 +29,8 @@ class Shared:
     software_parameter: str
     software_parameter_arn: str
     software_document_arn: str | None
-    router_arn: str | None
+    # The router wheel's and the API gate's pinned packages' objects (the stack's assets).
+    router_arns: tuple[str, ...]
     router_fleet_arn: str | None
     cache: CacheLocation | None
     target_group_arn: str | None
@@ -91,7 +92,7 @@ class NodeCell(NestedStack):
                 shared=policy,
                 cache=shared.cache,
                 reads_members=bool(config.layout.proxies_on(node.name)),
-                router_object_arn=shared.router_arn if "gptoss-install-router" in render.scripts else None,
+                router_object_arns=shared.router_arns if "gptoss-install-router" in render.scripts else (),
                 router_fleet_arn=shared.router_fleet_arn if "gptoss-install-router" in render.scripts else None,
             )
             holder = ClusterNode(

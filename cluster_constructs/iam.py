@@ -235,7 +235,7 @@ class NodeIdentityRole(Construct):
         shared: NodePolicy,
         cache: CacheLocation | None,
         reads_members: bool,
-        router_object_arn: str | None,
+        router_object_arns: tuple[str, ...],
         router_fleet_arn: str | None = None,
     ) -> None:
         super().__init__(scope, construct_id)
@@ -272,9 +272,9 @@ class NodeIdentityRole(Construct):
             statements.append(iam.PolicyStatement(actions=["ec2:DescribeTags"], resources=["*"]))
             statements.append(iam.PolicyStatement(actions=["cloudformation:DescribeStackResource", "cloudformation:SignalResource"],
                                                   resources=[Stack.of(self).stack_id]))  # fmt: skip
-        if router_object_arn:
-            # The router's pinned wheel (the stack's asset), by its exact ARN.
-            statements.append(in_account(iam.PolicyStatement(actions=["s3:GetObject"], resources=[router_object_arn])))
+        if router_object_arns:
+            # The router's pinned wheel and the API gate's pinned packages (the stack's assets), by their exact ARNs.
+            statements.append(in_account(iam.PolicyStatement(actions=["s3:GetObject"], resources=list(router_object_arns))))
         if router_fleet_arn:
             # The fleet's router settings and pool (gptoss-members): this one parameter, a String (no key to decrypt).
             statements.append(iam.PolicyStatement(actions=["ssm:GetParameter"], resources=[router_fleet_arn]))

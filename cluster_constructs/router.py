@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+from pathlib import Path
 
 from aws_cdk import AssetHashType, Stack, Tags
 from aws_cdk import aws_s3_assets as s3_assets
@@ -12,7 +13,7 @@ from constructs import Construct
 from clusterspec.config import ClusterConfig
 from clusterspec.errors import SpecError
 from node_render.command_lines import router_fleet
-from node_render.paths import WHEELS_DIR, router_object_key, router_parameter
+from node_render.paths import DEBS_DIR, WHEELS_DIR, package_object_key, router_object_key, router_parameter
 
 # Parameter Store's Standard tier holds 4 KB; past that, Advanced (8 KB, charged per month).
 STANDARD_PARAMETER_BYTES = 4096
@@ -39,7 +40,27 @@ class RouterWheel(Construct):
             raise SpecError([f"serving.proxy.router: CDK keys the router wheel {self.asset.s3_object_key}, the nodes look for "
                              f"{router_object_key(r.sha256)}. Fix: use the pinned CDK (make setup), whose asset keys node_render.paths "
                              "router_object_key follows."])  # fmt: skip
-        self.object_arn = self.asset.bucket.arn_for_objects(self.asset.s3_object_key)
+        self.object_arns = [self.asset.bucket.arn_for_objects(self.asset.s3_object_key)]
+        # The API gate's pinned packages (serving.proxy.gate.packages: nodes with no apt source), each by the same rules.
+        for n, pkg in enumerate(config.serving.proxy.gate.packages):
+            self.object_arns.append(_pinned_asset(self, f"Package{n}", DEBS_DIR / pkg.file, pkg.sha256, package_object_key(pkg.sha256),
+                                                  field=f"serving.proxy.gate.packages[{n}]"))  # fmt: skip
+
+
+def _pinned_asset(scope: Construct, construct_id: str, path: Path, sha256: str, key: str, *, field: str) -> str:
+    """A file the spec pins by sha256, shipped as an asset keyed by it (the nodes derive the key): its object's ARN."""
+    if not path.is_file():
+        raise SpecError([f"{field}: {path.name} is not in {path.parent.name}/. Fix: download that exact package file (on an "
+                         f"Ubuntu of the image's release: apt-get download <name>=<version>) into {path.parent.name}/, or remove it "
+                         "from the list."])  # fmt: skip
+    digest = hashlib.sha256(path.read_bytes()).hexdigest()
+    if digest != sha256:
+        raise SpecError([f"{field}.sha256: {path.parent.name}/{path.name} has sha256 {digest}, the spec pins {sha256}. Fix: put the "
+                         "pinned file there, or pin the sha256 of the file you mean to ship."])  # fmt: skip
+    asset = s3_assets.Asset(scope, construct_id, path=str(path), asset_hash=sha256, asset_hash_type=AssetHashType.CUSTOM)
+    if asset.s3_object_key != key:
+        raise SpecError([f"{field}: CDK keys {path.name} {asset.s3_object_key}, the nodes look for {key}. Fix: use the pinned CDK (make setup)."])
+    return asset.bucket.arn_for_objects(asset.s3_object_key)
 
 
 class RouterFleet(Construct):

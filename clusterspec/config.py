@@ -466,6 +466,16 @@ class ClusterConfig(Frozen):
                     "with network.egress='none' a node cannot reach PyPI to install the pinned NIXL",
                     "use a DLAMI whose vLLM venv has NIXL and unset nixl.requirements, or use network.egress='nat'",
                 )  # fmt: skip
+            gate = self.serving.proxy.gate
+            if self.proxy_kind == "vllm-router" and not gate.packages and not gate.from_image:
+                raise rule_error(
+                    "serving.proxy.gate.packages", [],
+                    f"with network.egress='none' a router node cannot reach an apt source to install HAProxy {gate.haproxy_version}, "
+                    "the API gate in front of its router",
+                    f"put the pinned haproxy_{gate.haproxy_version}.* package (and each dependency the image lacks) in .debs/ and "
+                    "name them in serving.proxy.gate.packages with their sha256, or set serving.proxy.gate.from_image=true for an "
+                    "image that carries it, or use network.egress='nat'",
+                )  # fmt: skip
             if self.network.ssm_endpoints is False and not self.network.existing:
                 raise rule_error(
                     "network.ssm_endpoints", False,

@@ -90,6 +90,15 @@ DRAIN_ENV = f"{ETC}/drain.env"
 WHEELS_DIR = Path(__file__).resolve().parent.parent / ".wheels"
 
 
+# The API gate's pinned HAProxy packages (a router node's own file when the spec names some; only
+# gptoss-install-haproxy reads it, so a new router wheel does not restart the gate, nor new packages the router).
+HAPROXY_ENV = f"{ETC}/haproxy.env"
+# Where a router node keeps the pinned HAProxy packages it fetched (gptoss-install-haproxy).
+HAPROXY_PACKAGES_DIR = f"{STATE_DIR}/haproxy-packages"
+# Where the operator puts the pinned HAProxy packages for nodes with no apt source (serving.proxy.gate.packages; not in git).
+DEBS_DIR = Path(__file__).resolve().parent.parent / ".debs"
+
+
 # The router's wheel and where it is (a router node's own settings: only its router unit reads them).
 ROUTER_ENV = f"{ETC}/router.env"
 
@@ -99,6 +108,11 @@ def router_object_key(sha256: str) -> str:
     pinned sha256 (AssetHashType.CUSTOM), which CDK hashes once more into the key; cluster_constructs.router
     checks at synth that the asset's key is this one. Known without CDK, so a node's software names it."""
     return f"{hashlib.sha256(sha256.encode()).hexdigest()}.whl"
+
+
+def package_object_key(sha256: str) -> str:
+    """A pinned package's key in the stack's asset bucket, by the same rule as the router wheel's."""
+    return f"{hashlib.sha256(sha256.encode()).hexdigest()}.deb"
 
 
 def router_venv(version: str, sha256: str) -> str:

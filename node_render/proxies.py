@@ -21,10 +21,12 @@ from node_render.haproxy import API_CONFIG, api_gate_config, api_gate_unit, open
 from node_render.node_files import NodeRender, Service, exec_line, served, unit_file, unit_limits
 from node_render.paths import (
     DEPLOY_ENV,
+    HAPROXY_ENV,
     MEMBERS_ENV,
     ROUTER_ENV,
     ROUTER_FLEET,
     UNIT_DIR,
+    package_object_key,
     router_object_key,
     router_parameter,
     router_venv,
@@ -127,6 +129,10 @@ def render_router(cfg: ClusterConfig, node: Node, proxy: ProxyPlacement, out: No
     # place on the router nodes alone (gptoss-apply), never a server, and no launch template changes.
     out.files[ROUTER_ENV] = (env_file({"GPTOSS_ROUTER_WHEEL": r.wheel, "GPTOSS_ROUTER_SHA256": r.sha256,
                                        "GPTOSS_ROUTER_KEY": router_object_key(r.sha256)}), 0o644)  # fmt: skip
+    # The API gate's pinned packages, if any (KEY:SHA256:FILE each, in the same bucket): gptoss-install-haproxy.
+    if s.proxy.gate.packages:
+        packages = " ".join(f"{package_object_key(p.sha256)}:{p.sha256}:{p.file}" for p in s.proxy.gate.packages)
+        out.files[HAPROXY_ENV] = (env_file({"GPTOSS_HAPROXY_PACKAGES": packages}), 0o644)
     out.shared[API_CONFIG] = (api_gate_config(s.proxy, max_model_len=s.shape.max_model_len, bind=f"{s.proxy.bind_host}:{s.proxy.port}",
                                               router_port=r.internal_port), 0o644)  # fmt: skip
     out.files[f"{UNIT_DIR}/gptoss-api.service"] = unit_file("gptoss-api.service", **api_gate_unit(s.proxy, bin_dir=bin_dir, restart_sec=RESTART_SEC))

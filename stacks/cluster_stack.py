@@ -139,7 +139,7 @@ class GptOssClusterStack(Stack):
             software_parameter=software.parameter_name,
             software_parameter_arn=software.parameter_arn,
             software_document_arn=software.document_arn if software.in_place else None,
-            router_arn=router.object_arn if router else None,
+            router_arns=tuple(router.object_arns) if router else (),
             router_fleet_arn=router_fleet.arn if router_fleet else None,
             cache=cache,
             target_group_arn=balancer.target_group.target_group_arn if balancer else None,

@@ -114,6 +114,16 @@ class Router(Frozen):
         return self
 
 
+class Package(Frozen):
+    """A pinned Debian package file the nodes install with dpkg (from the stack's assets, no apt source)."""
+
+    file: str = Field(
+        ..., pattern=r"^[a-z0-9][a-z0-9.+-]*_[A-Za-z0-9.+~-]+_(amd64|all)\.deb$",
+        description="The package file's own name (name_version_arch.deb), as it lies in .debs/ (not in git).",
+    )  # fmt: skip
+    sha256: str = Field(..., pattern=r"^[0-9a-f]{64}$", description="sha256 of the file: the synth refuses another file, a node another download.")
+
+
 class Gate(Frozen):
     """HAProxy in front of a router node's router: the endpoint clients and the load balancer reach.
 
@@ -127,6 +137,20 @@ class Gate(Frozen):
         "2.8", pattern=r"^[0-9]+\.[0-9]+$",
         description="The HAProxy release the node runs, major.minor: the image's own package (Ubuntu 24.04, the Neuron "
         "DLAMI's, ships 2.8); a node installs haproxy=<this>.* from its apt sources when the image lacks it, and refuses another.",
+    )  # fmt: skip
+    packages: tuple[Package, ...] = Field(
+        (),
+        description="For nodes with no apt source (network.egress='none') and an image without HAProxy: the pinned "
+        "haproxy_<haproxy_version>.* package file and each dependency the image lacks (Ubuntu 24.04's haproxy 2.8 needs "
+        "liblua5.4-0 besides what a server image has), put in .debs/ and named here with their sha256. The stack ships "
+        "them as assets; the router nodes run exactly these: a node whose haproxy package is another version fetches them "
+        "from S3, checks each sha256 and installs them with dpkg (a new pin is applied in place by a restart of the gate). "
+        "Empty: the image's package, else the node's apt sources.",
+    )  # fmt: skip
+    from_image: bool = Field(
+        False,
+        description="The image carries HAProxy <haproxy_version> (a custom AMI): with network.egress='none' no package "
+        "is needed; a node whose image lacks it after all fails its gate's start naming the version.",
     )  # fmt: skip
     max_connections: int = Field(
         4096, ge=64, le=100000,
@@ -164,6 +188,22 @@ class Gate(Frozen):
         description="Before its router restarts, the node answers /readiness 503 this long while it serves what it holds, "
         "so that the load balancer (2 failed checks 10 s apart) stops sending it new connections first.",
     )  # fmt: skip
+
+    @model_validator(mode="after")
+    def _package_rules(self) -> Gate:
+        if not self.packages:
+            return self
+        files = [p.file for p in self.packages]
+        for f in files:
+            if files.count(f) > 1:
+                raise rule_error("serving.proxy.gate.packages", f, "is given twice", "keep one")
+        if not [f for f in files if f.startswith(f"haproxy_{self.haproxy_version}.")]:
+            raise rule_error(
+                "serving.proxy.gate.packages", files, f"holds no haproxy_{self.haproxy_version}.* package (serving.proxy.gate.haproxy_version)",
+                f"add the haproxy_{self.haproxy_version}.<patch>-<release>_amd64.deb file of the image's release, or set "
+                "haproxy_version to the release the packages hold",
+            )  # fmt: skip
+        return self
 
 
 class Proxy(Frozen):

@@ -83,7 +83,7 @@ DEFINED = {
     paths.ETC, paths.RUN_DIR, paths.STATE_DIR, paths.BIN, paths.ROUTER_VENV_ROOT, paths.EXAMPLES_DIR,
     paths.CLUSTER_ENV, paths.DEPLOY_ENV, paths.SIGNAL_ENV, paths.MANIFEST, paths.UNITS_FILE, paths.HEALTH_FILE,
     paths.TELEMETRY_CONFIG, paths.ROUTER_FLEET, paths.MEMBERS_ENV, paths.NIXL_ENV, paths.BUNDLE, paths.RESTARTS_FILE,
-    paths.SOFTWARE_DIR, paths.SOFTWARE_VERSION, paths.DRAIN_ENV, paths.SERVERS_DRAINING, paths.ROUTER_ENV,
+    paths.SOFTWARE_DIR, paths.SOFTWARE_VERSION, paths.DRAIN_ENV, paths.SERVERS_DRAINING, paths.ROUTER_ENV, paths.HAPROXY_PACKAGES_DIR, paths.HAPROXY_ENV,
     haproxy.API_CONFIG, haproxy.API_MAP, haproxy.API_SOCKET,
 }  # fmt: skip
 

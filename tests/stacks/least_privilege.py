@@ -13,6 +13,7 @@ import json
 from typing import Any
 
 from clusterspec.config import ClusterConfig
+from node_render.paths import package_object_key
 
 ACCOUNT = "123456789012"
 ASSETS = f"cdk-hnb659fds-assets-{ACCOUNT}-us-east-2"
@@ -211,6 +212,8 @@ def expected(cfg: ClusterConfig, node: str, scripts_key: str, router_key: str | 
                 ("cloudformation:DescribeStackResource", OWN_STACK, none)}  # fmt: skip
     if router_key and any(p.kind == "vllm-router" for p in proxies):
         out.add(("s3:GetObject", f"arn:aws:s3:::{ASSETS}/{router_key}", _when(ASSETS)))
+        # The API gate's pinned packages (nodes with no apt source), each by its own key.
+        out |= {("s3:GetObject", f"arn:aws:s3:::{ASSETS}/{package_object_key(p.sha256)}", _when(ASSETS)) for p in cfg.serving.proxy.gate.packages}
         # The fleet's router settings and pool: this one parameter.
         out.add(("ssm:GetParameter", f"arn:aws:ssm:{cfg.region}:{ACCOUNT}:parameter/gptoss/{cfg.cluster_name}/router", none))
     return out
