@@ -8,13 +8,15 @@ number of concurrent clients (1, 32, 128; keep-alive connections, 6 s each):
 - requests per second through the proxy (both endpoints, as the NLB spreads them);
 - p50 and p99 latency end to end through the proxy: with servers that take no time, what the
   proxy adds plus the client's own cost, which is the same on both sides;
-- the router without its API gate (HAProxy; the router bound to the endpoint itself), to show what the gate costs;
+- what the API gate (HAProxy) costs: the same routers of the same fleet reached through their gates and at their
+  own listening ports, in alternating rounds (--rounds of --seconds each way), so that both sides of each ratio
+  ran under the same load of this machine; the median, lowest and highest of the rounds' ratios;
 - for reference, the p50 of a client that makes the two calls itself (prefill, then decode with
   the returned parameters) against the same servers: no proxy at all.
 
 Run it on an idle machine; it prints its conditions with the numbers.
 
-    python -m tests.bench.bench_proxy [--seconds S] [--clients 1,32,128]
+    python -m tests.bench.bench_proxy [--seconds S] [--clients 1,32,128] [--rounds N]
 """
 
 from __future__ import annotations
@@ -133,6 +135,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     ap.add_argument("--seconds", type=float, default=6.0)
     ap.add_argument("--clients", default="1,32,128")
+    ap.add_argument("--rounds", type=int, default=5, help="alternating rounds of the gate's cost, each --seconds / 2 a side")
     args = ap.parse_args()
     levels = [int(c) for c in args.clients.split(",")]
     with tempfile.TemporaryDirectory(prefix="bench-proxy-") as d:
@@ -140,11 +143,12 @@ def main() -> int:
         venv = _router_venv(tmp)
         rows: dict[str, dict[int, tuple[float, float, float]]] = {}
         direct: dict[int, tuple[float, list[float]]] = {}
-        for kind in ("vllm-router", "toy", "ungated"):
+        # The gate's cost, per level: one (gated, ungated) pair of (req/s, p50, p99) per round.
+        pairs: dict[int, list[tuple[tuple[float, float, float], tuple[float, float, float]]]] = {}
+        for kind in ("vllm-router", "toy"):
             run = tmp / kind
             run.mkdir()
-            proxy = "toy" if kind == "toy" else "vllm-router"
-            fleet = _fleet(proxy, run, None if kind == "toy" else venv, prefill_ms=0, decode_ms=0, gate=kind != "ungated")
+            fleet = _fleet(kind, run, None if kind == "toy" else venv, prefill_ms=0, decode_ms=0)
             try:
                 prefill = sorted((h, int(p)) for h, p in (n.split(":") for n in fleet.commands) if h.startswith(f"{NET}.1."))
                 decode = sorted((h, int(p)) for h, p in (n.split(":") for n in fleet.commands) if h.startswith(f"{NET}.2."))
@@ -152,8 +156,15 @@ def main() -> int:
                 for c in levels:
                     if c not in direct:
                         direct[c] = _drive(c, args.seconds, _direct(prefill, decode))
-                    rps, lat = _drive(c, args.seconds, _through(fleet.endpoints))
-                    rows[kind][c] = (rps, _percentile(lat, 0.5), _percentile(lat, 0.99))
+                    rows[kind][c] = _point(*_drive(c, args.seconds, _through(fleet.endpoints)))
+                    if kind == "vllm-router":
+                        # The same routers at their own port (each listens on its node's address, its gate in front).
+                        internal = _cfg("vllm-router").serving.proxy.router.internal_port
+                        routers = [(ip, internal) for ip, _ in fleet.endpoints]
+                        pairs[c] = []
+                        for _ in range(args.rounds):
+                            gated = _point(*_drive(c, args.seconds / 2, _through(fleet.endpoints)))
+                            pairs[c].append((gated, _point(*_drive(c, args.seconds / 2, _through(routers)))))
             finally:
                 fleet.stop()
     print(f"bench-proxy: {os.cpu_count()} CPUs ({platform.machine()}), loopback, fake servers that answer at once, 2 endpoints, "
@@ -164,12 +175,20 @@ def main() -> int:
         r, t = rows["vllm-router"][c], rows["toy"][c]
         print(f"{c:>7} | {r[0]:>12.0f} {t[0]:>6.0f} {r[0] / t[0]:>5.1f}x | {r[1]:>13.2f} {t[1]:>7.2f} | {r[2]:>13.2f} {t[2]:>7.2f} | {statistics.median(direct[c][1]):>10.2f}")
     print("direct: a client that makes the two calls itself (prefill, then decode), no proxy, same servers and concurrency.")
-    print("The API gate's cost (the router as shipped, behind its gate, vs the same router bound to the endpoint itself):")
-    print(f"{'clients':>7} | {'req/s gated':>11} {'ungated':>8} | {'p50 ms gated':>12} {'ungated':>8} | {'p99 ms gated':>12} {'ungated':>8}")
+    print(f"The API gate's cost: the same routers through their gates (HAProxy) and at their own port, {args.rounds} alternating "
+          f"rounds of {args.seconds / 2:g} s a side per level; medians of the rounds, and the gated/ungated req/s ratio's lowest and highest:")  # fmt: skip
+    print(f"{'clients':>7} | {'req/s gated':>11} {'ungated':>8} {'ratio':>6} {'lowest':>6} {'highest':>7} | {'p50 ms gated':>12} {'ungated':>8} | {'p99 ms gated':>12} {'ungated':>8}")
     for c in levels:
-        g, u = rows["vllm-router"][c], rows["ungated"][c]
-        print(f"{c:>7} | {g[0]:>11.0f} {u[0]:>8.0f} | {g[1]:>12.2f} {u[1]:>8.2f} | {g[2]:>12.2f} {u[2]:>8.2f}")
+        ratios = sorted(g[0] / u[0] for g, u in pairs[c])
+        med = [statistics.median(x[side][k] for x in pairs[c]) for side in (0, 1) for k in range(3)]
+        print(f"{c:>7} | {med[0]:>11.0f} {med[3]:>8.0f} {statistics.median(ratios):>6.2f} {ratios[0]:>6.2f} {ratios[-1]:>7.2f} | "
+              f"{med[1]:>12.2f} {med[4]:>8.2f} | {med[2]:>12.2f} {med[5]:>8.2f}")
     return 0
+
+
+def _point(rps: float, lat: list[float]) -> tuple[float, float, float]:
+    """(req/s, p50 ms, p99 ms) of one measurement."""
+    return rps, _percentile(lat, 0.5), _percentile(lat, 0.99)
 
 
 if __name__ == "__main__":

@@ -113,10 +113,10 @@ def _substitute(argv: list[str], names: dict[str, str]) -> list[str]:
     return out
 
 
-def _fleet(kind: str, tmp: Path, router_venv: Path | None, prefill_ms: float = PREFILL_MS, decode_ms: float = DECODE_MS, gate: bool = True,
+def _fleet(kind: str, tmp: Path, router_venv: Path | None, prefill_ms: float = PREFILL_MS, decode_ms: float = DECODE_MS,
            overrides: dict[str, Any] | None = None, server_args: dict[str, list[str]] | None = None, drain: bool = False) -> Fleet:  # fmt: skip
-    """Start the fake servers and the rendered proxies or routers of a 2-decode, 6-replica fleet (gate=False: each
-    router bound to the endpoint itself, without its API gate: only `make bench-proxy` asks, to measure the gate's cost).
+    """Start the fake servers and the rendered proxies or routers of a 2-decode, 6-replica fleet, each router behind its
+    node's API gate (clients reach the gate; the router listens on its node's address at its internal port).
     `overrides` change the spec (the benchmarks' policies); `server_args` add flags of the fake servers by role;
     `drain`: each server runs the plan's drain middleware (its --middleware and environment), with its own drain file."""
     cfg = _cfg(kind, overrides)
@@ -170,12 +170,9 @@ def _fleet(kind: str, tmp: Path, router_venv: Path | None, prefill_ms: float = P
             # the router's loopback its internal port, for every router of this machine at once).
             argv[argv.index("--host") + 1] = ip
             if kind == "vllm-router":
-                if gate:
-                    # The node's API gate: HAProxy with the rendered configuration, in front of the router.
-                    fleet.gates[r.node.name] = start_gate(tmp / f"gate-{r.node.name}", s.proxy, host=ip, port=s.proxy.port, router_host=ip,
-                                                          router_port=s.proxy.router.internal_port, max_model_len=s.shape.max_model_len)  # fmt: skip
-                else:
-                    argv[argv.index("--port") + 1] = str(s.proxy.port)
+                # The node's API gate: HAProxy with the rendered configuration, in front of the router.
+                fleet.gates[r.node.name] = start_gate(tmp / f"gate-{r.node.name}", s.proxy, host=ip, port=s.proxy.port, router_host=ip,
+                                                      router_port=s.proxy.router.internal_port, max_model_len=s.shape.max_model_len)  # fmt: skip
             env = dict(os.environ)
             if kind == "vllm-router":
                 assert argv[:2] == [f"{router_venv_path(cfg)}/bin/python", "/opt/gptoss/bin/gptoss-router"], argv[:2]
