@@ -20,6 +20,7 @@ from typing import Any
 from botocore.exceptions import ClientError
 
 from clusterspec.config import ClusterConfig
+from node_render.telemetry import block_drain_s, block_stop_s
 
 # EC2 "begins to terminate any instances that are still running in the Capacity Block" 30
 # minutes before the reservation ends (Capacity Blocks user guide).
@@ -198,6 +199,13 @@ def block_clock(cfg: ClusterConfig, ec2: Any, reservation_ids: list[str], *, now
                          "capacity.reservation_id")  # fmt: skip
             continue
         line = f"Capacity Block {rid}: {_hours(left)} left before EC2 reclaims its instances ({until:%Y-%m-%d %H:%M} UTC)"
+        drain, stop = dt.timedelta(seconds=block_drain_s(cfg)), dt.timedelta(seconds=block_stop_s(cfg))
+        if left <= drain:
+            held = by_block.get(rid, [])
+            nodes = f"its {', '.join(f'{roles.count(r)} {r}' for r in held)} nodes" if held else "its nodes"
+            line += (f"; DRAINING for the block's end since {until - drain:%H:%M} UTC: {nodes} take no new request (the load "
+                     f"balancer and the routers send them none; what they hold finishes), their servers stop at "
+                     f"{until - stop:%H:%M} UTC, and nothing replaces them (healing holds to the end; not a failure)")  # fmt: skip
         if left < dt.timedelta(hours=2) and cfg.compile_cache_s3_uri:
             line += "; save the compile cache now: gptoss save-cache"
         lines.append(line)

@@ -98,6 +98,12 @@ def log_group(cfg: ClusterConfig) -> str:
     return f"/gptoss/{cfg.cluster_name}"
 
 
+def block_drain_s(cfg: ClusterConfig) -> int:
+    """How long before EC2 reclaims a Capacity Block's instances their node drains (takes no new request): the
+    router's request timeout for what runs, and a minute."""
+    return cfg.serving.proxy.router.request_timeout_s + 60
+
+
 def block_stop_s(cfg: ClusterConfig) -> int:
     """How long before EC2 reclaims a Capacity Block's instances their servers stop: the collector looks once an
     interval, so two intervals and a minute ahead (the routers elsewhere then have the minute to take them out)."""
@@ -128,8 +134,8 @@ def node_config(cfg: ClusterConfig, node: Node, servers: list[dict[str, str]], u
     if gate_socket:
         doc["gate_socket"] = gate_socket
     if block:
-        # Drained before EC2 reclaims it: the router's request timeout for what runs, and a minute.
-        doc |= {"block": block, "block_drain_s": cfg.serving.proxy.router.request_timeout_s + 60, "block_retry_after_s": 600,
+        # Drained before EC2 reclaims it (block_drain_s).
+        doc |= {"block": block, "block_drain_s": block_drain_s(cfg), "block_retry_after_s": 600,
                 # Its servers stop before the reclaim, two of the collector's intervals and a minute ahead (it looks once an interval).
                 "block_stop_s": block_stop_s(cfg)}
     # Compact: the user data of a router node is near its budget (python3 -m json.tool shows it indented).

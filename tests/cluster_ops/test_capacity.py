@@ -177,6 +177,21 @@ def test_status_shows_the_time_a_block_has_left() -> None:
     ]
 
 
+def test_status_says_a_blocks_nodes_are_draining_for_its_end_and_when_their_servers_stop() -> None:
+    """Within the drain before the reclaim (the router's 1,800 s request timeout and a minute: 31 min), status says why
+    the nodes take no new request, so that nobody mistakes the planned drain for an outage; 32 min before, it does not."""
+    cfg = load_config(BLOCK)
+    ec2, _ = stubbed(([CR], [block(hours_left=0.75)]))
+    assert capacity.block_clock(cfg, ec2, [CR], now=NOW) == [
+        f"Capacity Block {CR}: 0 h 15 min left before EC2 reclaims its instances (2026-11-30 12:15 UTC); DRAINING for the "
+        "block's end since 11:44 UTC: its 1 prefill, 1 decode nodes take no new request (the load balancer and the routers "
+        "send them none; what they hold finishes), their servers stop at 12:12 UTC, and nothing replaces them (healing holds "
+        "to the end; not a failure)"
+    ]
+    ec2, _ = stubbed(([CR], [block(hours_left=1 + 2 / 60)]))
+    assert "DRAINING" not in capacity.block_clock(cfg, ec2, [CR], now=NOW)[0]
+
+
 def test_status_says_which_nodes_went_with_a_block_that_ended_and_how_they_come_back() -> None:
     """No node runs in the block any more (EC2 reclaimed them): the spec's block is asked about, and its end explains the gap."""
     cfg = load_config(BLOCK)
