@@ -272,7 +272,7 @@ def shipped(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
         p.write_text(text)
         p.chmod(0o755)
         # The modules it imports, beside it as on the node (the scripts' folder is first on Python's path).
-        for module in ("gptoss_node", "gptoss_drain"):
+        for module in ("gptoss_node", "gptoss_drain", "gptoss_fleet"):
             if re.search(rf"^(from|import) {module}\b", text, re.M):
                 (folder / f"{module}.py").write_text(node_script(f"{module}.py"))
         # The settings' prologue its bash sources, beside it as on the node.

@@ -5,8 +5,11 @@ names and paths the stack renders for them. Each parity test runs the script's o
 
 from __future__ import annotations
 
+import importlib.machinery
+import importlib.util
 import re
-import subprocess
+import sys
+from typing import Any
 
 import pytest
 
@@ -42,38 +45,48 @@ def test_the_layout_names_nodes_by_role_and_index() -> None:
         assert parse_node_name(node.name) == (node.role, node.index), node
 
 
-def _bash(script: str, **env: str) -> str:
-    return subprocess.run(["bash", "-c", script], capture_output=True, text=True, check=True, env={"PATH": "/usr/bin:/bin", **env}).stdout
-
-
-def _one(pattern: str, script: str) -> str:
-    found = re.findall(pattern, (BIN / script).read_text())
-    assert len(found) == 1, f"{script}: expected one match of {pattern!r}, found {found}"
-    return str(found[0])
+def _node_module(script: str) -> Any:
+    """A node script loaded as a module, from the scripts' folder (where the modules it imports are), without running it."""
+    name = f"node_{script.removesuffix('.py').replace('-', '_')}"
+    sys.path.insert(0, str(BIN))
+    bytecode, sys.dont_write_bytecode = sys.dont_write_bytecode, True  # nothing written into the scripts' folder
+    try:
+        loader = importlib.machinery.SourceFileLoader(name, str(BIN / script))
+        module = importlib.util.module_from_spec(importlib.util.spec_from_loader(name, loader))  # type: ignore[arg-type]
+        sys.modules[name] = module  # a dataclass looks up its module
+        loader.exec_module(module)
+        return module
+    finally:
+        sys.path.remove(str(BIN))
+        sys.dont_write_bytecode = bytecode
 
 
 @pytest.mark.parametrize("context", [PRODUCTION, LARGE], ids=["3+8", "56 decode"])
 def test_the_node_scripts_apply_the_same_naming_rules(context: dict[str, str]) -> None:
     cfg = load_config(context)
     names = [n.name for n in cfg.layout.nodes]
+    members = _node_module("gptoss-members")
     # The host variable of a member (gptoss-members' env form, what a toy proxy's unit reads).
-    tr = _one(r'GPTOSS_HOST_\$\((tr [^<]+)<<<"\$name"\)', "gptoss-members")
-    got = subprocess.run(["bash", "-c", f'while read -r name; do echo "GPTOSS_HOST_$({tr} <<<"$name")"; done'],
-                         input="\n".join(names) + "\n", capture_output=True, text=True, check=True).stdout.split()  # fmt: skip
-    assert got == [host_var(n) for n in names]
-    # A group's name, less the cluster's prefix, is the node's (gptoss-members reads EC2's groups).
-    prefix = _one(r'awk -v p="(\$GPTOSS_CLUSTER-)"', "gptoss-members")
-    assert all(holder_name(cfg.cluster_name, n) == prefix.replace("$GPTOSS_CLUSTER", cfg.cluster_name) + n for n in names)
+    assert [members.host_var(n) for n in names] == [host_var(n) for n in names]
+    # A group's name, less the cluster's prefix, is the node's (gptoss-members reads EC2's groups); another
+    # cluster's group, or a name of no node's form, is no member.
+    assert [members.node_of_group(holder_name(cfg.cluster_name, n), cfg.cluster_name) for n in names] == names
+    assert members.node_of_group(holder_name("other", names[0]), cfg.cluster_name) is None
+    assert members.node_of_group(f"{cfg.cluster_name}-decode-01", cfg.cluster_name) is None
     # A node's index (the roll's order: the next router waits for its predecessor).
-    index = _one(r"index=(\$\{GPTOSS_NODE##\*-\})", "gptoss-members")
-    assert [int(_bash(f"echo {index}", GPTOSS_NODE=n)) for n in names] == [parse_node_name(n)[1] for n in names]  # type: ignore[index]
-    # The router fleet document's pool lines, expanded to names as gptoss-members does for /etc/hosts.
+    assert [members.node_index(n) for n in names] == [parse_node_name(n)[1] for n in names]  # type: ignore[index]
+    # The router fleet document's pool, expanded to names by the node's one reader of it (gptoss_fleet.py).
     if cfg.proxy_kind == "vllm-router":
         proxy = next(p for p in cfg.layout.proxies if p.kind == "vllm-router")
-        program = _one(r"awk '(\$1 == \"pool\" \{[^']+)'", "gptoss-members")
-        expanded = subprocess.run(["awk", program], input=router_fleet(cfg, proxy), capture_output=True, text=True, check=True).stdout.split()
+        reader = _node_module("gptoss_fleet.py")
+        fleet = reader.parse(router_fleet(cfg, proxy), "the document")
         servers = sorted({r.node for r in proxy.replicas} | {decode_node(d) for d in proxy.decode_servers}, key=node_order)
-        assert sorted(expanded, key=node_order) == servers, expanded
+        assert sorted(fleet.members(), key=node_order) == servers
+        # Its restart gap is the document's, and the reader's default for a document without one is the spec's.
+        p = cfg.serving.proxy
+        assert fleet.restart_gap_s == p.gate.lame_duck_s + p.router.request_timeout_s + p.router.restart_gap_s
+        d = load_config({}).serving.proxy
+        assert d.gate.lame_duck_s + d.router.request_timeout_s + d.router.restart_gap_s == reader.DEFAULT_RESTART_GAP_S
 
 
 # Every node path a script names must be one of the Python definitions (a directory the renderer

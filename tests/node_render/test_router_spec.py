@@ -162,11 +162,17 @@ def test_the_fleets_router_document_is_a_few_lines_for_any_fleet_and_expands_to_
     assert urls[:2] == ["--prefill", "http://prefill-0.gptoss.internal:8100"] and urls[-2:] == ["--decode", "http://decode-8.gptoss.internal:8200"]
     assert urls[2 * 53 : 2 * 54] == ["--prefill", "http://prefill-3.gptoss.internal:8105"] and "http://prefill-3.gptoss.internal:8106" not in urls
     assert (tmp_path / "fleet.started").read_text() == doc, "what the running router started with, for gptoss-members to compare"
+    # A document that says its form (the next writer's `version 1`) is read the same; a newer form is refused by name.
+    (tmp_path / "fleet").write_text("version 1\n" + doc)
+    res = subprocess.run([str(shipped("gptoss-router-pool")), str(tmp_path / "fleet"), "--", "printf", "%s\\n", "router"],
+                         env={"PATH": "/usr/bin:/bin"}, capture_output=True, text=True, timeout=30, check=True)  # fmt: skip
+    assert res.stdout.split("\n")[:-1] == out
     # A malformed line: the router does not start with a hole in its pool.
     for bad, said in ((doc.replace("pool decode 0 8", "pool decode 0 8 ; rm"), "not pool ROLE FIRST LAST FIRST_PORT LAST_PORT"),
                       (doc.replace("domain gptoss.internal\n", ""), "names no members' domain"),
                       (doc.replace("restart_gap 1950", "restart_gap soon"), "not restart_gap SECONDS"),
                       ("\n".join(x for x in lines if not x.startswith("pool ")), "names no server"),
+                      ("version 2\n" + doc, "is a version 2 document; this node reads up to version 1"),
                       ("", "is missing or empty")):  # fmt: skip
         (tmp_path / "fleet").write_text(bad)
         res = subprocess.run([str(shipped("gptoss-router-pool")), str(tmp_path / "fleet"), "--", "true"], env={"PATH": "/usr/bin:/bin"},

@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
-"""What the node's Python scripts share (gptoss-status, gptoss-signal, gptoss-group-health; imported from the
-folder they run in): one way to run a command, one probe of a health route, and one reading of a unit's
-journal, so that the operator's `gptoss status` and the deploy gate name the same line for the same failure.
+"""What the node's Python scripts share (gptoss-status, gptoss-signal, gptoss-group-health, gptoss-members;
+imported from the folder they run in): one reading of an env file, one way to run a command, one probe of a
+health route, and one reading of a unit's journal, so that the operator's `gptoss status` and the deploy gate
+name the same line for the same failure.
 A boot file (gptoss-status, which imports it, must work when the software's fetch does not).
 """
 
@@ -9,8 +10,10 @@ from __future__ import annotations
 
 import os
 import re
+import shlex
 import subprocess
 import urllib.request
+from pathlib import Path
 
 JOURNALCTL = os.environ.get("GPTOSS_JOURNALCTL", "journalctl")
 # Words of a line that explains a failure (the tools' own error lines and this project's).
@@ -31,6 +34,16 @@ def run(*cmd: str, timeout: float = 20) -> str:
         return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout).stdout
     except (OSError, subprocess.TimeoutExpired):
         return ""
+
+
+def env_file(path: Path) -> dict[str, str]:
+    """The settings of an env file the node's renderer wrote (NAME=value, each value shell-quoted); {} when it is missing."""
+    out = {}
+    for line in path.read_text().splitlines() if path.exists() else []:
+        if "=" in line and not line.startswith("#"):
+            k, v = line.split("=", 1)
+            out[k] = shlex.split(v)[0] if v else ""
+    return out
 
 
 def answers(url: str, timeout: float = 5) -> bool:
