@@ -74,7 +74,8 @@ class TestNetwork:
             model={"source": "s3", "s3_uri": "s3://models-bucket/gpt-oss-120b"},
             examples={"s3_uri": "s3://examples-bucket/vllm-neuron"},
             results_s3_uri="s3://results-bucket/runs",
-            **{"serving.proxy.kind": "vllm-router"},
+            # The router's API gate: HAProxy from the image (no apt source without egress).
+            **{"serving.proxy.kind": "vllm-router", "serving.proxy.gate.from_image": "true"},
         )
         eps = {v["Properties"]["ServiceName"].rpartition(".")[2]: v["Properties"] for v in of_type(t, "AWS::EC2::VPCEndpoint").values()}
         account = {"StringEquals": {"aws:PrincipalAccount": {"Ref": "AWS::AccountId"}}}
