@@ -186,7 +186,7 @@ def test_a_draining_gate_answers_new_requests_503_with_retry_after_while_a_runni
 
 
 def test_the_node_scripts_defaults_are_the_paths_and_bounds_the_spec_renders() -> None:
-    """gptoss-api and gptoss-members run with defaults where their units set nothing: the gate's map and
+    """gptoss-api and the fleet document's reader run with defaults where their units set nothing: the gate's map and
     admin socket, the router's fleet document, and the roll's wait for a document without its line."""
     from node_render.haproxy import API_MAP, API_SOCKET
     from node_render.paths import ROUTER_FLEET
@@ -195,5 +195,5 @@ def test_the_node_scripts_defaults_are_the_paths_and_bounds_the_spec_renders() -
     assert f'"GPTOSS_API_SOCKET", "{API_SOCKET}"' in api and f'"GPTOSS_API_MAP", "{API_MAP}"' in api
     assert f'"GPTOSS_ROUTER_FLEET", "{ROUTER_FLEET}"' in api
     p = Proxy()
-    members = (ROOT / "userdata" / "bin" / "gptoss-members").read_text()
-    assert f"wait=${{wait:-{p.gate.lame_duck_s + p.router.request_timeout_s + p.router.restart_gap_s}}}" in members
+    reader = (ROOT / "userdata" / "bin" / "gptoss_fleet.py").read_text()  # the fleet document's one reader (gptoss-members')
+    assert f"DEFAULT_RESTART_GAP_S = {p.gate.lame_duck_s + p.router.request_timeout_s + p.router.restart_gap_s}\n" in reader
