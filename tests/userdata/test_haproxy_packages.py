@@ -68,6 +68,11 @@ def test_a_node_without_an_apt_source_installs_the_pinned_haproxy_packages_from_
     again = subprocess.run([str(shipped("gptoss-install-haproxy")), "2.8"], env=env | {"AWS_ENDPOINT_URL": "http://127.0.0.1:9"},
                            capture_output=True, text=True, timeout=60)  # fmt: skip
     assert again.returncode == 0 and "fetching" not in again.stdout and not (tmp_path / "dpkg.log").exists(), again
+    # dpkg names the installed version with its epoch, the file's name without: still the pinned one.
+    (tmp_path / "dpkg.status").write_text("1:2.8.5-1ubuntu3.3")
+    again = subprocess.run([str(shipped("gptoss-install-haproxy")), "2.8"], env=env | {"AWS_ENDPOINT_URL": "http://127.0.0.1:9"},
+                           capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert again.returncode == 0 and "fetching" not in again.stdout and not (tmp_path / "dpkg.log").exists(), again
     # A new pin (a security update of 2.8), applied in place: the gate's next start installs it over the old one.
     update = {"haproxy_2.8.5-1ubuntu3.4_amd64.deb": b"the updated haproxy package"}
     newer, _ = _node(tmp_path / "update", moto_url, "assets-update", update)
