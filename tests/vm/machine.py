@@ -39,15 +39,11 @@ MEMORY_MB = 1536
 # Where a guest reaches the cluster's AWS (the host's moto, through QEMU's guestfwd and socat).
 AWS_GUEST_ADDRESS = "10.0.2.100"
 # The guest kernel's options beyond root and console. tsc=reliable: no clocksource watchdog on the TSC,
-# so a guest starved of CPU (three or four guests on CI's two cores) never marks it unstable
+# so a guest starved of CPU (three or four guests of two vCPUs on CI's two cores) never marks it unstable
 # at run time, which flips sched_clock's static key by live text patching; under CI's nested KVM that
 # patching once ended in an int3 oops in sched_clock_cpu and a panic at 97 s of a boot. panic=-1 with
 # -no-reboot: a panicked guest's QEMU exits, so the harness sees it at once instead of waiting out a login.
 GUEST_KERNEL_ARGS = "tsc=reliable panic=-1"
-# One vCPU a guest: three or four guests share the host's two cores, and a guest of two emulated vCPUs whose
-# lock holder is descheduled spins its other vCPU on the host (lock-holder preemption) instead of yielding the
-# core to another guest. Nothing a node runs is sized by its CPU count.
-GUEST_CPUS = 1
 
 
 def _boots(img: Image, accel: str) -> bool:
@@ -176,7 +172,7 @@ class Vm:
         console = self.workdir / f"console-{self.boots}.log"
         accel = ["-accel", "kvm", "-cpu", "host"] if self.accel == "kvm" else ["-accel", "tcg,thread=multi", "-cpu", "max"]
         cmd = [
-            "qemu-system-x86_64", "-name", self.name, "-machine", "q35", *accel, "-smp", str(GUEST_CPUS), "-m", str(MEMORY_MB),
+            "qemu-system-x86_64", "-name", self.name, "-machine", "q35", *accel, "-smp", "2", "-m", str(MEMORY_MB),
             "-kernel", str(self.image.kernel), "-initrd", str(self.image.initrd),
             "-append", f"root=/dev/vda rw console=ttyS0,115200 quiet systemd.show_status=0 {GUEST_KERNEL_ARGS}",
             "-drive", f"file={self.root},if=virtio,format=qcow2,cache=unsafe",
