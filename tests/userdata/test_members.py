@@ -231,6 +231,16 @@ def test_a_new_router_setting_or_member_restarts_the_routers_one_node_at_a_time(
     res = _members(shipped, env0, "sync")
     assert "restarting this node's router with the fleet's new settings and pool; it goes lame-duck first" in res.stdout, res.stdout
     assert (tmp_path / "systemctl.log").read_text().count("try-restart") == 2
+    # A document of a newer form than this node's reader knows (one a later release writes): refused by name before
+    # it is copied, on decode-0 too, so no router restarts on it and each keeps what it runs.
+    subprocess.run([str(shipped("gptoss-router-pool")), str(doc), "--", "true"], check=True, timeout=30)
+    kept = doc.read_text()
+    ssm.put_parameter(Name="/gptoss/gptoss-8k1k/router", Value="version 2\n" + kept, Type="String", Overwrite=True)
+    res = _members(shipped, env0, "sync")
+    assert res.returncode != 0, res.stdout + res.stderr
+    assert "gptoss-members: error: /gptoss/gptoss-8k1k/router is a version 2 document; this node reads up to version 1: " in res.stderr
+    assert res.stderr.rstrip().endswith(f"; the router keeps {doc}"), res.stderr
+    assert doc.read_text() == kept and (tmp_path / "systemctl.log").read_text().count("try-restart") == 2, "nothing copied, nothing restarted"
 
 
 def test_the_toy_proxys_members_wait_for_its_group_and_restart_it_when_one_is_replaced(moto_url: str, tmp_path: Path, shipped: Any) -> None:

@@ -14,9 +14,11 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
-# The newest form of the document this reader knows. The writer (node_render.command_lines.router_fleet) may
-# write a `version` line only once every node that reads the parameter runs a reader that takes it: the
-# parameter changes at deploy time, a node's software in place after it.
+# The newest form of the document this reader knows. Version 1 is the document without a version line (what
+# node_render.command_lines.router_fleet writes, and the form the readers of earlier releases take); a later form
+# begins with `version N`. gptoss-members refuses a document this reader cannot use before it copies it, so a newer
+# form reaching a node before the node's new reader (the parameter changes at deploy time, a node's software in
+# place after it) restarts no router: the next members sync after the software update takes it.
 VERSION = 1
 # A document without restart_gap (none the stack writes): the spec's defaults, lame-duck 30 + request timeout
 # 1,800 + restart gap 120 (tests/clusterspec/test_names.py holds it to the spec).
