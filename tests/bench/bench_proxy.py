@@ -17,6 +17,10 @@ number of concurrent clients (1, 32, 128; keep-alive connections, 6 s each):
 Run it on an idle machine; it prints its conditions with the numbers.
 
     python -m tests.bench.bench_proxy [--seconds S] [--clients 1,32,128] [--rounds N]
+                                      [--gate-threads N] [--gate-bufsize BYTES]
+
+--gate-threads and --gate-bufsize measure a variant of the gate's configuration (HAProxy's nbthread, its
+tune.bufsize), not what a node runs; the output says so.
 """
 
 from __future__ import annotations
@@ -37,6 +41,29 @@ from typing import Any
 
 from node_render.paths import WHEELS_DIR
 from tests.userdata.router_fleet import NET, _cfg, _fleet
+
+
+def _gate_variant(threads: int | None, bufsize: int | None) -> str:
+    """Make the gates this process starts run a variant of the rendered configuration; say which ('' when none)."""
+    if threads is None and bufsize is None:
+        return ""
+    import re
+
+    from tests import api_gate
+
+    rendered = api_gate.api_gate_config
+
+    def variant(*args: Any, **kwargs: Any) -> str:
+        cfg = rendered(*args, **kwargs)
+        if threads is not None:
+            cfg = cfg.replace("global\n", f"global\n    nbthread {threads}\n", 1)
+        if bufsize is not None:
+            cfg = re.sub(r"tune\.bufsize \d+", f"tune.bufsize {bufsize}", cfg)
+        return cfg
+
+    api_gate.api_gate_config = variant  # type: ignore[assignment]
+    return (f"A VARIANT of the gate, not what a node runs: nbthread {threads if threads is not None else '(HAProxy default)'}, "
+            f"tune.bufsize {bufsize if bufsize is not None else '(rendered)'}.")  # fmt: skip
 
 
 def _router_venv(tmp: Path) -> Path:
@@ -136,7 +163,10 @@ def main() -> int:
     ap.add_argument("--seconds", type=float, default=6.0)
     ap.add_argument("--clients", default="1,32,128")
     ap.add_argument("--rounds", type=int, default=5, help="alternating rounds of the gate's cost, each --seconds / 2 a side")
+    ap.add_argument("--gate-threads", type=int, help="a variant: HAProxy's nbthread (a node runs HAProxy's default)")
+    ap.add_argument("--gate-bufsize", type=int, help="a variant: HAProxy's tune.bufsize (a node's holds the largest body whole)")
     args = ap.parse_args()
+    variant = _gate_variant(args.gate_threads, args.gate_bufsize)
     levels = [int(c) for c in args.clients.split(",")]
     with tempfile.TemporaryDirectory(prefix="bench-proxy-") as d:
         tmp = Path(d)
@@ -170,6 +200,8 @@ def main() -> int:
     print(f"bench-proxy: {os.cpu_count()} CPUs ({platform.machine()}), loopback, fake servers that answer at once, 2 endpoints, "
           f"6 prefill + 2 decode servers, {args.seconds:g} s per point. Latency is end to end through the proxy: with servers that "
           "take no time it is what the proxy adds, plus the client's own cost (the same on both sides).")  # fmt: skip
+    if variant:
+        print(variant)
     print(f"{'clients':>7} | {'req/s router':>12} {'toy':>6} {'ratio':>6} | {'p50 ms router':>13} {'toy':>7} | {'p99 ms router':>13} {'toy':>7} | {'direct p50':>10}")
     for c in levels:
         r, t = rows["vllm-router"][c], rows["toy"][c]
