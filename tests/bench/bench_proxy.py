@@ -30,6 +30,7 @@ import http.client
 import json
 import os
 import platform
+import re
 import statistics
 import subprocess
 import sys
@@ -47,8 +48,6 @@ def _gate_variant(threads: int | None, bufsize: int | None) -> str:
     """Make the gates this process starts run a variant of the rendered configuration; say which ('' when none)."""
     if threads is None and bufsize is None:
         return ""
-    import re
-
     from tests import api_gate
 
     rendered = api_gate.api_gate_config
