@@ -14,7 +14,7 @@ from cluster_ops.growth import fleet_growth
 from clusterspec.cells import cells
 from clusterspec.config import ClusterConfig
 from clusterspec.names import decode_node
-from node_render.haproxy import gate_summary
+from node_render.haproxy import body_cap, gate_summary, retried_body_bytes
 from node_render.node_files import NodeRender
 from node_render.render import plan_json
 
@@ -139,6 +139,8 @@ def summary(cfg: ClusterConfig, renders: list[NodeRender]) -> str:
         if cfg.proxy_kind == "vllm-router":
             g = s.proxy.gate
             lines.append(f"    gate: HAProxy {g.haproxy_version}, {g.retries} retries before the first byte (500/502/504, no reply)")
+            retried = f"retried up to {retried_body_bytes(s.proxy):,} B" if g.retries else "never retried"
+            lines.append(f"    bodies: {retried}, refused 413 over {body_cap(s.proxy, s.shape.max_model_len):,} B")
         lines += control_plane_lines(cfg)
     lines += pin_lines(cfg)
     lines.append(f"  idle cores: {sum(n.idle_cores for n in layout.nodes)}")
@@ -231,7 +233,7 @@ def plan_document(cfg: ClusterConfig, renders: list[NodeRender]) -> dict[str, An
             "prefill_replicas": len(layout.replicas), "proxies": len(layout.proxies), "idle_cores": sum(n.idle_cores for n in layout.nodes),
         },
         "proxy": {"kind": cfg.proxy_kind, "why": cfg.proxy_kind_reason, "nodes": [p.node for p in layout.proxies],
-                  "health_path": cfg.proxy_health_path} | ({"gate": gate_summary(cfg.serving.proxy)} if cfg.proxy_kind == "vllm-router" else {}),
+                  "health_path": cfg.proxy_health_path} | ({"gate": gate_summary(cfg.serving.proxy, cfg.serving.shape.max_model_len)} if cfg.proxy_kind == "vllm-router" else {}),
         "control_plane": control_plane(cfg),
         "rollout": rollout_plan(cfg),
         "load_balancer": {"internal_nlb": cfg.load_balanced, "port": cfg.serving.proxy.port if cfg.serving.disaggregated else cfg.serving.server.port},

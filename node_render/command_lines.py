@@ -15,6 +15,7 @@ from clusterspec.names import decode_node, host_var, node_order
 from clusterspec.sections.flags import json_arg
 from clusterspec.sections.servers import Decode, Prefill, Server
 from clusterspec.sections.serving import Serving
+from node_render.haproxy import body_cap
 from node_render.paths import DRAIN_MODULE, EXAMPLES_DIR, MEMBERS_DOMAIN, SERVERS_DRAINING, member_host, router_venv
 from node_render.quoting import Expand
 
@@ -145,6 +146,8 @@ def router_settings(cfg: ClusterConfig, *, extra_flags: bool = True) -> list[str
         "--health-failure-threshold", str(r.health_failure_threshold),
         "--health-success-threshold", str(r.health_success_threshold),
         "--request-timeout-secs", str(r.request_timeout_s),
+        # The body cap of any body, a chunked one included (the gate refuses a longer Content-Length first).
+        "--max-payload-size", str(body_cap(p, s.shape.max_model_len)),
         # Servers compile for hours; the router health-checks them meanwhile and serves with those that answer.
         "--worker-startup-timeout-secs", str(s.engine_ready_timeout_s),
         "--worker-startup-check-interval", str(r.worker_startup_check_interval_s),

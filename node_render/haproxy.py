@@ -2,10 +2,13 @@
 
 HAProxy (the image's package) listens on serving.proxy.port and passes on only the OpenAI API
 and the health routes to the router on 127.0.0.1 (its admin routes answer there alone). It
-buffers each request whole, so that a request answered 500/502/504 by the router (0.1.17 in PD
-mode answers 500 for a prefill server it could not reach and does not retry), or whose
-connection to the router failed, is sent again through the router before any byte of an
-answer went out; a retry budget stops retries while the node's requests are failing broadly.
+holds each request whose head and body fit its buffer (serving.proxy.gate.buffer_kib), so that
+one answered 500/502/504 by the router (0.1.17 in PD mode answers 500 for a prefill server it
+could not reach and does not retry), or whose connection to the router failed, is sent again
+through the router before any byte of an answer went out; a longer request passes through as it
+arrives and is not retried. A retry budget stops retries while the node's requests are failing
+broadly. The body cap is read from Content-Length here and enforced on any body by the router
+(--max-payload-size, node_render/command_lines.py).
 
 Its run-time state is one map file (API_MAP): `lame 1` makes /readiness answer 503 and every
 answer close its connection (a router about to restart, gptoss-api lame-duck); `drain 1` answers
@@ -31,8 +34,8 @@ API_CONFIG = f"{ETC}/haproxy.cfg"
 API_MAP = f"{RUN_DIR}/api.map"
 API_SOCKET = f"{RUN_DIR}/haproxy.sock"
 FLEET_HEADER = "X-Gptoss-Fleet"
-HEAD_BYTES = 64 * 1024  # request line and headers, and what HAProxy may add to them
 BODY_MARGIN = 64 * 1024
+MAX_REWRITE = 16 * 1024  # of each buffer, what HAProxy keeps free to add headers
 # What a retry is for (HAProxy's retry-on): a connection to the router that failed, no answer or a
 # malformed one, and the router's answers for a server it could not use. Never 429/503 (a full
 # queue), never a timeout (the request may still run); never after a byte went out (HAProxy's rule).
@@ -46,6 +49,11 @@ HAPROXY_ERRORS = (
 def body_cap(proxy: Proxy, max_model_len: int) -> int:
     """The largest request body a node takes: the model's context in bytes, with room for JSON and chat framing."""
     return max_model_len * proxy.gate.body_bytes_per_token + BODY_MARGIN
+
+
+def retried_body_bytes(proxy: Proxy) -> int:
+    """About the longest body HAProxy holds whole, so can retry: its buffer less the rewrite room and a typical head (1 KiB)."""
+    return proxy.gate.buffer_kib * 1024 - MAX_REWRITE - 1024
 
 
 def open_files(proxy: Proxy) -> int:
@@ -78,9 +86,10 @@ def api_gate_config(
         "global",
         f"    maxconn {g.max_connections + g.max_requests + 64}",
         f"    stats socket {socket} mode 600 level admin",
-        # A request is retried only if HAProxy holds it whole: the buffer takes the largest body and the head.
-        f"    tune.bufsize {cap + HEAD_BYTES}",
-        "    tune.maxrewrite 16384",
+        f"    nbthread {g.threads}",
+        # A request is retried only if HAProxy holds it whole: one whose head and body fit the buffer (less its rewrite room).
+        f"    tune.bufsize {g.buffer_kib * 1024}",
+        f"    tune.maxrewrite {MAX_REWRITE}",
         # A reload or stop lets the streams it holds end: the router's request timeout ends each (run-time
         # data, from the fleet's document), this only bounds it by the spec's longest.
         f"    hard-stop-after {REQUEST_TIMEOUT_MAX_S + 30}s",
@@ -121,7 +130,7 @@ def api_gate_config(
         "    http-request set-var(txn.readiness) bool(true) if readiness",
         f"    http-request return status 404 content-type application/json string '{_json(404, 'not served here (only the OpenAI API and the health routes)')}' if !known_path",
         f"    http-request return status 405 content-type application/json string '{_json(405, 'method not served on this path')}' if !{{ var(txn.api_route) -m bool }}",
-        f"    http-request return status 413 content-type application/json string '{_json(413, f'request body over {cap} bytes')}' if {{ req.body_len ge {cap} }}",
+        f"    http-request return status 413 content-type application/json string '{_json(413, f'request body over {cap} bytes')}' if {{ req.hdr_val(content-length) gt {cap} }}",
         # Draining before a Capacity Block's end: nothing new is taken (readiness included), what runs ends.
         f"    acl draining str(drain),map({api_map},0) -m str 1",
         f"    http-request return status 503 content-type application/json string '{_json(503, 'draining: this node leaves before its capacity ends; retry later')}' hdr Retry-After %[str(retry_after),map({api_map},600)] if draining",
@@ -134,6 +143,9 @@ def api_gate_config(
         "    http-after-response set-header Connection close if lame_duck || draining",
         "",
         "backend router",
+        # One server, the node's own router on loopback, with no state bound to a connection: every request may
+        # take an idle one (a client's first too). One the router had just closed fails before any byte: retried.
+        "    http-reuse always",
         f"    retries {g.retries}",
         *([f"    retry-on {' '.join(RETRY_ON)}"] if g.retries else []),
         # The budget: retries stop while more than retry_budget_percent of the last 10 s's requests failed (10 at least).
@@ -162,8 +174,9 @@ def api_gate_unit(proxy: Proxy, *, bin_dir: str, restart_sec: int) -> dict[str, 
     }  # fmt: skip
 
 
-def gate_summary(proxy: Proxy) -> dict[str, object]:
+def gate_summary(proxy: Proxy, max_model_len: int) -> dict[str, object]:
     """What `plan` says of a router node's API gate (and --json holds)."""
     g = proxy.gate
     return {"haproxy": g.haproxy_version, "retries": g.retries, "retry_on": list(RETRY_ON) if g.retries else [],
+            "retried_bodies_up_to": retried_body_bytes(proxy) if g.retries else 0, "body_cap": body_cap(proxy, max_model_len),
             "retry_budget_percent": g.retry_budget_percent, "max_requests": g.max_requests, "lame_duck_s": g.lame_duck_s}  # fmt: skip

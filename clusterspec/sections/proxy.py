@@ -178,10 +178,24 @@ class Gate(Frozen):
         description="The longest silence of an answer: before its first byte (a non-streamed completion is silent until it is "
         "done) and between two chunks of a stream. The router's request timeout bounds the whole request.",
     )  # fmt: skip
+    threads: int = Field(
+        1, ge=1, le=64,
+        description="HAProxy's threads (nbthread). One passes on far more requests a second than a node's router serves "
+        "(docs/benchmarks.md); each more costs CPU the router and the decode server share.",
+    )  # fmt: skip
+    buffer_kib: int = Field(
+        64, ge=32, le=4096,
+        description="HAProxy's buffer, per direction of each request. A request whose head and body fit in it, less the "
+        "16 KiB HAProxy keeps for rewrites, is held whole and can be retried (64 KiB: a body of about 48 KB, a prompt of "
+        "some 10,000 tokens); a longer one passes through as it arrives and is not retried. Each connection holds two: "
+        "a larger buffer retries longer prompts and costs memory and throughput (docs/benchmarks.md).",
+    )  # fmt: skip
     body_bytes_per_token: int = Field(
         16, ge=4, le=64,
         description="The request body cap is serving.shape.max_model_len x this + 64 KiB (a token is about 4 bytes of text; "
-        "JSON escapes and chat framing take the rest): a longer body could not fit the model's context anyway.",
+        "JSON escapes and chat framing take the rest): a longer body could not fit the model's context anyway. HAProxy "
+        "refuses a longer Content-Length before the router sees a byte; the router (--max-payload-size) refuses a chunked "
+        "body that grows past it.",
     )  # fmt: skip
     lame_duck_s: int = Field(
         30, ge=0, le=600,

@@ -55,13 +55,13 @@ def _gate_variant(threads: int | None, bufsize: int | None) -> str:
     def variant(*args: Any, **kwargs: Any) -> str:
         cfg = rendered(*args, **kwargs)
         if threads is not None:
-            cfg = cfg.replace("global\n", f"global\n    nbthread {threads}\n", 1)
+            cfg = re.sub(r"nbthread \d+", f"nbthread {threads}", cfg)
         if bufsize is not None:
             cfg = re.sub(r"tune\.bufsize \d+", f"tune.bufsize {bufsize}", cfg)
         return cfg
 
     api_gate.api_gate_config = variant  # type: ignore[assignment]
-    return (f"A VARIANT of the gate, not what a node runs: nbthread {threads if threads is not None else '(HAProxy default)'}, "
+    return (f"A VARIANT of the gate, not what a node runs: nbthread {threads if threads is not None else '(rendered)'}, "
             f"tune.bufsize {bufsize if bufsize is not None else '(rendered)'}.")  # fmt: skip
 
 
@@ -162,8 +162,8 @@ def main() -> int:
     ap.add_argument("--seconds", type=float, default=6.0)
     ap.add_argument("--clients", default="1,32,128")
     ap.add_argument("--rounds", type=int, default=5, help="alternating rounds of the gate's cost, each --seconds / 2 a side")
-    ap.add_argument("--gate-threads", type=int, help="a variant: HAProxy's nbthread (a node runs HAProxy's default)")
-    ap.add_argument("--gate-bufsize", type=int, help="a variant: HAProxy's tune.bufsize (a node's holds the largest body whole)")
+    ap.add_argument("--gate-threads", type=int, help="a variant: HAProxy's nbthread (a node runs serving.proxy.gate.threads)")
+    ap.add_argument("--gate-bufsize", type=int, help="a variant: HAProxy's tune.bufsize (a node runs serving.proxy.gate.buffer_kib)")
     args = ap.parse_args()
     variant = _gate_variant(args.gate_threads, args.gate_bufsize)
     levels = [int(c) for c in args.clients.split(",")]

@@ -59,11 +59,13 @@ def test_plan_says_which_proxy_runs_and_why() -> None:
 
     assert "proxy: the examples' toy proxy on prefill-0\n    why: one decode server, as the references test it" in plan()
     assert ("proxy: vLLM router 0.1.17 on decode-0..7\n    why: 8 decode servers: it health-checks them (serving.proxy.kind)\n"
-            "    gate: HAProxy 2.8, 2 retries before the first byte (500/502/504, no reply)\n") in plan("-c", "decode_instances=8")  # fmt: skip
+            "    gate: HAProxy 2.8, 2 retries before the first byte (500/502/504, no reply)\n"
+            "    bodies: retried up to 48,128 B, refused 413 over 229,376 B\n") in plan("-c", "decode_instances=8")  # fmt: skip
     doc = json.loads(plan("-c", "decode_instances=8", "--json"))
     assert doc["proxy"] == {"kind": "vllm-router", "why": "8 decode servers: it health-checks them",
                             "nodes": [f"decode-{d}" for d in range(8)], "health_path": "/readiness",
                             "gate": {"haproxy": "2.8", "retries": 2, "retry_on": ["conn-failure", "empty-response", "junk-response", "500", "502", "504"],
+                                     "retried_bodies_up_to": 48128, "body_cap": 229376,
                                      "retry_budget_percent": 10, "max_requests": 1024, "lame_duck_s": 30}}  # fmt: skip
     assert "gate:" not in plan(), "the toy proxy has no gate"
 
@@ -200,6 +202,8 @@ ROUTER_3P8D = [
     "--health-failure-threshold", "3",
     "--health-success-threshold", "2",
     "--request-timeout-secs", "1800",
+    # The body cap, 10,240 tokens x 16 B + 64 KiB: HAProxy reads it from Content-Length, the router holds a chunked body to it.
+    "--max-payload-size", "229376",
     "--worker-startup-timeout-secs", "14400",
     "--worker-startup-check-interval", "1",
     "--prometheus-host", "127.0.0.1",

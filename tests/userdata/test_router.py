@@ -18,6 +18,7 @@ import http.client
 import http.server
 import json
 import os
+import socket
 import subprocess
 import sys
 import threading
@@ -30,6 +31,7 @@ from typing import Any
 import pytest
 
 from clusterspec.loading import load_config
+from node_render.haproxy import body_cap
 from node_render.paths import router_object_key
 from node_render.quoting import env_file as render_env_file
 from node_render.render import cluster_env, render_cluster
@@ -302,6 +304,14 @@ def test_the_pinned_routers_admin_routes_answer_on_loopback_and_never_at_the_end
         prompt = json.dumps({"model": "m", "prompt": "through the gate " * 2000, "max_tokens": 4}).encode()
         req = urllib.request.Request(f"{endpoint}/v1/completions", prompt, {"Content-Type": "application/json"})
         assert json.loads(urllib.request.urlopen(req, timeout=30).read())["choices"][0]["text"] == " ok"
+        # A chunked body has no length for the gate to read: the router refuses it past the same cap (10,240 tokens x 16 B + 64 KiB).
+        assert body_cap(cfg.serving.proxy, cfg.serving.shape.max_model_len) == 229_376
+        piece = b"y" * 16384
+        with socket.create_connection((ips["decode-0"], cfg.serving.proxy.port), timeout=30) as conn:
+            conn.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: e\r\nContent-Type: application/json\r\nTransfer-Encoding: chunked\r\n"
+                         b"Connection: close\r\n\r\n" + b"".join(b"4000\r\n" + piece + b"\r\n" for _ in range(15)) + b"0\r\n\r\n")  # 245,760 B  # fmt: skip
+            answer = conn.recv(4096)
+        assert answer.startswith(b"HTTP/1.1 413 ") and b"gptoss_api_gate" not in answer and b"content-type: text/plain" in answer.lower(), answer[:300]  # the router's own
     finally:
         gate.stop()
         for p in procs:
