@@ -144,7 +144,8 @@ def api_gate_config(
         "",
         "backend router",
         # One server, the node's own router on loopback, with no state bound to a connection: every request may
-        # take an idle one (a client's first too). One the router had just closed fails before any byte: retried.
+        # take an idle one (a client's first too). One the router had just closed fails before any byte: retried if
+        # the request fits the buffer.
         "    http-reuse always",
         f"    retries {g.retries}",
         *([f"    retry-on {' '.join(RETRY_ON)}"] if g.retries else []),
