@@ -14,7 +14,7 @@ from cluster_ops.growth import fleet_growth
 from clusterspec.cells import cells
 from clusterspec.config import ClusterConfig
 from clusterspec.names import decode_node
-from node_render.haproxy import body_cap, gate_summary, retried_body_bytes
+from node_render.haproxy import gate_summary
 from node_render.node_files import NodeRender
 from node_render.render import plan_json
 
@@ -137,10 +137,10 @@ def summary(cfg: ClusterConfig, renders: list[NodeRender]) -> str:
         lines.append(f"  proxy: {what} on {_span(names) if len(names) > 1 else names[0]}")
         lines.append(f"    why: {cfg.proxy_kind_reason} (serving.proxy.kind)")
         if cfg.proxy_kind == "vllm-router":
-            g = s.proxy.gate
-            lines.append(f"    gate: HAProxy {g.haproxy_version}, {g.retries} retries before the first byte (500/502/504, no reply)")
-            retried = f"retried up to {retried_body_bytes(s.proxy):,} B" if g.retries else "never retried"
-            lines.append(f"    bodies: {retried}, refused 413 over {body_cap(s.proxy, s.shape.max_model_len):,} B")
+            g = gate_summary(s.proxy, s.shape.max_model_len)
+            lines.append(f"    gate: HAProxy {g['haproxy']}, {g['retries']} retries before the first byte (500/502/504, no reply)")
+            retried = f"retried up to {g['retried_bodies_up_to']:,} B" if g["retries"] else "never retried"
+            lines.append(f"    bodies: {retried}, refused 413 over {g['body_cap']:,} B")
         lines += control_plane_lines(cfg)
     lines += pin_lines(cfg)
     lines.append(f"  idle cores: {sum(n.idle_cores for n in layout.nodes)}")

@@ -306,11 +306,23 @@ def test_the_pinned_routers_admin_routes_answer_on_loopback_and_never_at_the_end
         assert json.loads(urllib.request.urlopen(req, timeout=30).read())["choices"][0]["text"] == " ok"
         # A chunked body has no length for the gate to read: the router refuses it past the same cap (10,240 tokens x 16 B + 64 KiB).
         assert body_cap(cfg.serving.proxy, cfg.serving.shape.max_model_len) == 229_376
-        piece = b"y" * 16384
-        with socket.create_connection((ips["decode-0"], cfg.serving.proxy.port), timeout=30) as conn:
-            conn.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: e\r\nContent-Type: application/json\r\nTransfer-Encoding: chunked\r\n"
-                         b"Connection: close\r\n\r\n" + b"".join(b"4000\r\n" + piece + b"\r\n" for _ in range(15)) + b"0\r\n\r\n")  # 245,760 B  # fmt: skip
-            answer = conn.recv(4096)
+
+        def chunked(body: bytes) -> bytes:
+            with socket.create_connection((ips["decode-0"], cfg.serving.proxy.port), timeout=30) as conn:
+                conn.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: e\r\nContent-Type: application/json\r\nTransfer-Encoding: chunked\r\n"
+                             b"Connection: close\r\n\r\n" + b"".join(b"%x\r\n%s\r\n" % (len(body[i:i + 16384]), body[i:i + 16384])
+                                                                     for i in range(0, len(body), 16384)) + b"0\r\n\r\n")  # fmt: skip
+                out = b""
+                while chunk := conn.recv(65536):
+                    out += chunk
+            return out
+
+        # Under the cap (200,000 B, longer than the gate's buffer) it is served; over it (245,760 B) the router answers 413.
+        under = json.dumps({"model": "m", "prompt": "y" * (200_000 - 45), "max_tokens": 4}).encode()
+        assert len(under) == 200_000, len(under)
+        answer = chunked(under)
+        assert answer.startswith(b"HTTP/1.1 200 ") and b'" ok"' in answer, answer[:300]
+        answer = chunked(b"y" * 245_760)
         assert answer.startswith(b"HTTP/1.1 413 ") and b"gptoss_api_gate" not in answer and b"content-type: text/plain" in answer.lower(), answer[:300]  # the router's own
     finally:
         gate.stop()
