@@ -152,7 +152,7 @@ PUT_METRIC_ALARM_TPS = 3
 def chain(alarms: list[cloudwatch.CfnAlarm], lanes: int = PUT_METRIC_ALARM_TPS) -> None:
     """Alarm i waits for alarm i - LANES: at most LANES of them are made at once."""
     for i in range(lanes, len(alarms)):
-        alarms[i].add_dependency(alarms[i - lanes])
+        alarms[i].add_resource_dependency(alarms[i - lanes])
 
 
 def node_silent_alarm(scope: Construct, construct_id: str, *, config: ClusterConfig, node: str, role: str, topic: str) -> cloudwatch.CfnAlarm:
