@@ -58,6 +58,7 @@ _FIXES = {
     "greater_than": "raise `{field}`",
     "greater_than_equal": "raise `{field}`",
     "less_than_equal": "lower `{field}`",
+    "string_too_long": "shorten `{field}` (docs/parameters.md says what it holds)",
     "dict_type": "give `{field}` as a mapping of settings",
     "model_type": "give `{field}` as a mapping of settings",
 }
@@ -95,6 +96,68 @@ def _section(annotation: Any) -> Any:
     return None
 
 
+def _annotation_at(model: Any, loc: tuple[Any, ...]) -> Any:
+    """The type of the setting at `loc` under `model` (an item's type where loc holds a list index); None if unknown."""
+    annotation: Any = model
+    for part in loc:
+        args = [a for a in typing.get_args(annotation) if a is not type(None) and a is not Ellipsis]
+        if typing.get_origin(annotation) in (tuple, list) and args:
+            annotation = args[0]
+            if isinstance(part, int):
+                continue
+        elif typing.get_origin(annotation) is dict and len(args) == 2:
+            annotation = args[1]
+            continue
+        elif args:  # Optional[X], Annotated[X, ...]
+            annotation = next((a for a in args if isinstance(a, type) and issubclass(a, BaseModel)), args[0])
+        fields = getattr(annotation, "model_fields", {}) if isinstance(annotation, type) else {}
+        if part not in fields:
+            return None
+        annotation = fields[part].annotation
+    return annotation
+
+
+def example(annotation: Any, given: Any = None) -> Any:
+    """A value of that type as a user writes it: a list of one item, a mapping of its required settings."""
+    args = [a for a in typing.get_args(annotation) if a is not type(None) and a is not Ellipsis]
+    if typing.get_origin(annotation) in (tuple, list):
+        return [example(args[0] if args else str, given)]
+    if typing.get_origin(annotation) is dict and len(args) == 2:
+        keys = typing.get_args(args[0]) if typing.get_origin(args[0]) is typing.Literal else ("NAME",)
+        return {str(keys[0]): example(args[1])}
+    if args:
+        return example(next((a for a in args if isinstance(a, type) and issubclass(a, BaseModel)), args[0]), given)
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        fields = annotation.model_fields
+        required = [k for k, f in fields.items() if f.is_required()]
+        if not required:  # every setting has a default: the first plain one, at its default
+            defaults = {k: f.get_default(call_default_factory=True) for k, f in fields.items()}
+            plain = [k for k, v in defaults.items() if isinstance(v, (str, int, float, bool))]
+            if plain:
+                return {plain[0]: defaults[plain[0]]}
+            return {next(iter(fields)): example(next(iter(fields.values())).annotation)}
+        return {k: example(fields[k].annotation, given if k == required[0] and isinstance(given, str) else None) for k in required}
+    if annotation is int:
+        return given if isinstance(given, int) else 1
+    if annotation is bool:
+        return True
+    return given if isinstance(given, str) else "..."
+
+
+def _shape_fix(field: str, model: Any, loc: tuple[Any, ...], value: Any) -> str | None:
+    """For a list or an object given in another form: the -c that gives it, with the user's value in it."""
+    annotation = _annotation_at(model, loc) if model is not None else None
+    if annotation is None:
+        return None
+    whole = example(annotation, value)
+    # An item of a list: the whole list, which is what a -c sets (its field without the item's index).
+    for part in reversed(loc):
+        if not isinstance(part, int):
+            break
+        field, whole = field.rpartition(".")[0], [whole]
+    return f"give it as JSON, e.g. -c '{field}={json.dumps(whole)}' (a config file takes the same as YAML)"
+
+
 def explain(exc: ValidationError, prefix: str = "", model: Any = None) -> SpecError:
     """Turn a pydantic ValidationError into messages with field, value, rule and fix (`model`: the
     class validated, for the nearest name of a misspelt setting)."""
@@ -113,6 +176,11 @@ def explain(exc: ValidationError, prefix: str = "", model: Any = None) -> SpecEr
             rule, fix = "is not a known setting", f"remove `{field}` or check its spelling ({hint})"
         elif err["type"] == "missing":
             rule, fix = "is required", f"set `{field}` in the config file or with -c"
+        elif err["type"] in ("tuple_type", "list_type", "model_type", "dict_type", "model_attributes_type") and (
+            shape := _shape_fix(field, model, tuple(p for p in err["loc"] if not str(p).startswith("function-")), value)
+        ):
+            kind = "a list" if err["type"] in ("tuple_type", "list_type") else "a mapping of settings"
+            rule, fix = f"must be {kind}", shape
         else:
             rule = err["msg"][0].lower() + err["msg"][1:]
             fix = _FIXES.get(err["type"], "set `{field}` to a value that satisfies this rule").format(field=field)

@@ -96,6 +96,9 @@ def positive_int_text(field: str, value: str, *, maximum: int) -> str:
     return value
 
 
+GIT_REF_MAX_BYTES = 255
+
+
 def git_ref(field: str, value: str) -> str:
     """A tag or a full commit id: never a branch, which moves under a running fleet."""
     if re.fullmatch(r"^[0-9a-f]{40}$", value):
@@ -106,6 +109,10 @@ def git_ref(field: str, value: str) -> str:
             "give the full 40-character commit id in lowercase (git rev-parse REF), or a tag",
         )  # fmt: skip
     name = value.removeprefix("refs/tags/")
+    # A tag is one file under .git/refs/tags/ on the node: one path component, 255 bytes at most on its file system.
+    if len(name.encode()) > GIT_REF_MAX_BYTES:
+        raise rule_error(field, value, f"is longer than a git tag can be ({GIT_REF_MAX_BYTES} bytes: a tag is one file name on the node)",
+                         "give the tag's real name, or a 40-character commit id")  # fmt: skip
     if value.startswith("refs/") and not value.startswith("refs/tags/"):
         raise rule_error(field, value, "names a branch or another moving ref", "pin a tag (release-...) or a 40-character commit id")
     if name.startswith("-") or not re.fullmatch(r"^[A-Za-z0-9][A-Za-z0-9._-]*$", name) or ".." in name or name.endswith((".", ".lock")):

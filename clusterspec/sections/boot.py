@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from clusterspec.base import TEXT_MAX_CHARS
+
 # gptoss-backoff's pauses before each automatic restart of a unit (staging, the servers):
 # BACKOFF_BASE_S, doubling up to BACKOFF_MAX_S; systemd waits RESTART_SEC before each restart.
 BACKOFF_BASE_S = 60
@@ -25,7 +27,7 @@ SIGNAL_MARGIN_S = 300
 class BootConfig(BaseModel):
     """Each boot step's retry budget: attempts and the longest their attempts and pauses may take."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = ConfigDict(frozen=True, extra="forbid", str_max_length=TEXT_MAX_CHARS)
 
     scripts_fetch_s: int = Field(
         600, ge=30, le=3600, description="gptoss-scripts: asks S3 for the node's scripts again (pauses doubling to 30 s) for this long."
