@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -32,6 +33,11 @@ CONFIG = "examples/local.yaml"
 STACK = "GptOssLocalStack"
 PARAMETER = "/gptoss/local/neuron-dlami"
 BUCKET = "gptoss-local-models"
+# The image the DLAMI parameter names locally: registered by `up` under a name that says what it is
+# (moto's own images are Windows and Amazon Linux ones, which a deploy would print as the node's image).
+IMAGE_NAME = "gptoss-local stand-in (moto: nothing boots from it)"
+# `local env` keeps here what this shell had before it, so that `local env --unset` gives it back.
+SAVED = "GPTOSS_LOCAL_SAVED_ENV"
 TOOLKIT = "CDKToolkit"
 # Resource types moto's CloudFormation (5.x) creates but does not delete: a destroy there leaves
 # them, and the VPC behind them. CloudFormation on AWS deletes them.
@@ -156,6 +162,7 @@ def inventory(client: Any) -> dict[str, list[str]]:
         "managed policies": [p["PolicyName"] for p in iam.list_policies(Scope="Local")["Policies"]],
         "S3 buckets": [b["Name"] for b in s3.list_buckets()["Buckets"]],
         "SSM parameters": [p["Name"] for p in client("ssm").describe_parameters()["Parameters"]],
+        "images": [i["ImageId"] for i in ec2.describe_images(Owners=["self"])["Images"]],
         "ECR repositories": [r["repositoryName"] for r in client("ecr").describe_repositories()["repositories"]],
         "log groups": [g["logGroupName"] for g in client("logs").describe_log_groups()["logGroups"]],
         "alarms": [a["AlarmName"] for a in client("cloudwatch").describe_alarms()["MetricAlarms"]],
@@ -174,11 +181,12 @@ def _run(cmd: list[str], url: str, *, quiet: bool = False) -> int:
 
 
 def seed(client: Any) -> str:
-    """What a real account has that the layout names: the DLAMI parameter (one of moto's images),
-    the bucket the checkpoint and caches come from. (moto has no placement groups: the layout's
-    group name is taken as given; on AWS it must exist.)"""
+    """What a real account has that the layout names: the DLAMI parameter (an image of the account's
+    own, named as the stand-in it is), the bucket the checkpoint and caches come from. (moto has no
+    placement groups: the layout's group name is taken as given; on AWS it must exist.)"""
     ec2 = client("ec2")
-    image = ec2.describe_images(Owners=["amazon"])["Images"][0]["ImageId"]
+    own = [i["ImageId"] for i in ec2.describe_images(Owners=["self"])["Images"] if i.get("Name") == IMAGE_NAME]
+    image = own[0] if own else ec2.register_image(Name=IMAGE_NAME, Description="the local lifecycle's DLAMI stand-in")["ImageId"]
     client("ssm").put_parameter(Name=PARAMETER, Value=image, Type="String", DataType="aws:ec2:image", Overwrite=True)
     s3 = client("s3")
     if BUCKET not in {b["Name"] for b in s3.list_buckets()["Buckets"]}:
@@ -249,6 +257,10 @@ def remove_bootstrap_and_seeds(client: Any) -> None:
         client("ssm").delete_parameter(Name=PARAMETER)
     except client("ssm").exceptions.ParameterNotFound:
         pass
+    ec2 = client("ec2")
+    for i in ec2.describe_images(Owners=["self"])["Images"]:
+        if i.get("Name") == IMAGE_NAME:
+            ec2.deregister_image(ImageId=i["ImageId"])
 
 
 def _check_account(client: Any, url: str) -> None:
@@ -283,12 +295,12 @@ def up(gptoss: str) -> int:
         baseline.parent.mkdir(parents=True, exist_ok=True)
         baseline.write_text(json.dumps({"endpoint": url, "inventory": inventory(client)}, indent=1) + "\n")
     image = seed(client)
-    print(f"seeded: SSM parameter {PARAMETER} = {image}, bucket s3://{BUCKET}", file=sys.stderr)
+    print(f"seeded: SSM parameter {PARAMETER} = {image} ({IMAGE_NAME!r}), bucket s3://{BUCKET}", file=sys.stderr)
     print("bootstrapping the CDK in the local account (about 20 s)", file=sys.stderr, flush=True)
     cdk = str(ROOT / "node_modules" / ".bin" / "cdk")
     if _run([cdk, "bootstrap", f"aws://{ACCOUNT}/{REGION}", "--no-notices"], url, quiet=True) != 0:
         raise CliError("cdk bootstrap failed against the local endpoint (its output is above).", 1)
-    print("deploying (about 1-2 min: the synth, the asset upload, CloudFormation in moto)", file=sys.stderr, flush=True)
+    print("deploying (seconds: the synth, the asset upload, CloudFormation in moto)", file=sys.stderr, flush=True)
     if _run([gptoss, "deploy", "-c", f"config={CONFIG}", "--require-approval", "never"], url) != 0:
         raise CliError("the local deploy failed (above). `make local-down` removes what it made.", 1)
     # moto's Run Command reaches no node: status shows each identity's instance, and that no unit answered.
@@ -350,10 +362,20 @@ def down(gptoss: str) -> int:
 
 
 def env(unset: bool = False) -> int:
-    """The exports that point the AWS clients of this shell at the local endpoint (--unset: the unsets that undo them)."""
+    """The exports that point the AWS clients of this shell at the local endpoint, keeping what the shell had
+    (--unset: what gives it back: the values it had before, and an unset of what it did not have)."""
+    keys = list(environment("").keys())
     if unset:
-        print("unset " + " ".join(environment("").keys()))
+        try:
+            before = json.loads(os.environ.get(SAVED) or "{}")
+        except ValueError:
+            before = {}
+        lines = [f"export {k}={shlex.quote(before[k])}" if isinstance(before.get(k), str) else f"unset {k}" for k in keys]
+        print("\n".join([*lines, f"unset {SAVED}"]))
         return 0
     url = endpoint()
-    print("\n".join(f"export {k}={v}" for k, v in environment(url).items()))
+    # Run twice in one shell, the first run's record stays: it holds what the shell had before either.
+    saved = os.environ.get(SAVED) or json.dumps({k: os.environ[k] for k in keys if k in os.environ}, sort_keys=True)
+    exports = {**environment(url), SAVED: saved}
+    print("\n".join(f"export {k}={shlex.quote(v)}" for k, v in exports.items()))
     return 0

@@ -26,7 +26,7 @@ def register(sub: Any) -> None:
                         description="up: start moto on localhost:5005 (GPTOSS_LOCAL_PORT; or use GPTOSS_LOCAL_ENDPOINT), seed it, "
                                     "bootstrap the CDK, deploy examples/local.yaml and show its status. down: destroy it, remove "
                                     "everything up made, list what is left, stop the server. env: the exports that point this "
-                                    "shell's AWS clients at it (env --unset: undo them).")  # fmt: skip
+                                    "shell's AWS clients at it (env --unset: give back what the shell had before).")  # fmt: skip
     lo.add_argument("action", choices=["up", "down", "env"], help="up, down or env")
-    lo.add_argument("--unset", action="store_true", help="env: print the unsets that point this shell back at AWS")
+    lo.add_argument("--unset", action="store_true", help="env: print what gives this shell back the AWS settings it had before `local env`")
     lo.set_defaults(func=run)

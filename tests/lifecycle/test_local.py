@@ -127,3 +127,23 @@ def test_a_moto_this_checkout_did_not_start_is_refused_by_up_and_down(tmp_path: 
         assert stacks == ["GptOssLocalStack"], "the other checkout's cluster is untouched"
     finally:
         other.stop()
+
+
+def test_local_env_unset_gives_the_shell_back_what_it_had(tmp_path: Path) -> None:
+    """A shell whose real region and keys were environment variables has them again after `--unset`, and
+    what it did not have is unset; `local env` run twice keeps the first record."""
+    script = "\n".join([
+        'eval "$(.venv/bin/gptoss local env)"',
+        'eval "$(.venv/bin/gptoss local env)"',
+        'echo "during: $AWS_REGION $AWS_ACCESS_KEY_ID $AWS_ENDPOINT_URL"',
+        'eval "$(.venv/bin/gptoss local env --unset)"',
+        'echo "after: ${AWS_REGION-unset} ${AWS_ACCESS_KEY_ID-unset} ${AWS_SECRET_ACCESS_KEY-unset} ${AWS_ENDPOINT_URL-unset}"',
+        'echo "record: ${GPTOSS_LOCAL_SAVED_ENV-unset}"',
+    ])  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("AWS_", "GPTOSS_LOCAL"))}
+    env |= {"AWS_REGION": "eu-west-1", "AWS_ACCESS_KEY_ID": "AKIA EXAMPLE'KEY", "GPTOSS_LOCAL_PORT": "5099"}
+    r = subprocess.run(["bash", "-c", script], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert "during: us-east-2 testing http://localhost:5099" in r.stdout, r.stdout
+    assert "after: eu-west-1 AKIA EXAMPLE'KEY unset unset" in r.stdout, r.stdout
+    assert "record: unset" in r.stdout, r.stdout
