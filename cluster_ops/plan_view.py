@@ -164,6 +164,7 @@ def summary(cfg: ClusterConfig, renders: list[NodeRender]) -> str:
     for b in billable[1:]:
         lines += textwrap.wrap(b, 78, initial_indent="    ", subsequent_indent="      ")
     lines.append("  prices: --cost (AWS credentials)   every unit: --details, --node NAME, --json")
+    lines.append("  what each line means: --explain")
     growth = fleet_growth(cfg)
     if growth:
         lines += textwrap.wrap(f"check the size: {growth}; gptoss deploy asks you to confirm it", 78, initial_indent="  ", subsequent_indent="    ")
@@ -304,3 +305,36 @@ def print_cost(cfg: ClusterConfig, rows: list[dict[str, Any]], console: Console)
                  + (f" without {', '.join(missing)} (not in the Price List here)" if missing else "")
                  + "; also by use: " + "; ".join(cost.usage_priced(cfg)))  # fmt: skip
     console.print(t)
+
+
+# What each term of the summary means, once (`gptoss plan --explain`); each within 80 columns.
+LEGEND = (
+    ("replicas", "prefill vLLM servers (TP4 each); a decode node runs one decode server"),
+    ("endpoint", "where clients connect: an internal NLB, or a node reached by SSM port forward"),
+    ("proxy, why", "what routes a request to a prefill replica, then a decode server, and why"),
+    ("gate", "HAProxy on each router node: passes only the OpenAI API, retries before the first byte"),
+    ("bodies", "a request body up to this size is retried; over the cap it is refused 413"),
+    ("control plane", "health checks: every router checks every server each interval"),
+    ("AWS calls/s", "members: each proxy node lists its peers (EC2, SSM) every healing.members_poll_s;"
+                    " metrics: PutMetricData, one per node per observability.interval_s"),
+    ("model, examples", "what a node downloads, and whether it is pinned to a commit"),
+    ("NIXL", "the KV-transfer library: the image's, or a pinned install (nixl.requirements)"),
+    ("idle cores", "NeuronCores the layout leaves unused (0: every core serves)"),
+    ("cells", "nested CloudFormation stacks, each holding up to that many nodes of one role"),
+    ("a change of every node", "how a change that replaces every instance rolls: batches per role"),
+    ("spare instances", "instances a surge runs beside the fleet while it rolls (preflight counts them)"),
+    ("cores", "NeuronCores in use / on the instance"),
+    ("feeds", "which decode servers a prefill node's replicas hand their KV caches to"),
+    ("billed by the hour", "what costs money while the stack exists; --cost prices it"),
+)
+
+
+def legend(width: int = 78) -> str:
+    """The summary's terms, one entry each, wrapped to the plan's 80 columns."""
+    import textwrap
+
+    lines = ["terms:"]
+    for term, meaning in LEGEND:
+        lines += textwrap.wrap(f"{term}: {meaning}", width, initial_indent="  ", subsequent_indent="      ")
+    return "\n".join(lines)
+

@@ -40,6 +40,8 @@ def run(args: argparse.Namespace) -> int:
             plan_view.detail_lists(renders_shown, console.width)
     else:
         print(plan_view.summary(cfg, renders))
+        if args.explain:
+            print("\n" + plan_view.legend())
     if args.cost:
         plan_view.print_cost(cfg, cost.price_rows(cfg, common.pricing(cfg)), common.console(args))
     if args.diagram:
@@ -57,6 +59,7 @@ def register(sub: Any) -> None:
     plan.add_argument("--node", help="the detail of one node")
     plan.add_argument("--json", action="store_true", help="machine-readable plan (everything the tables show)")
     plan.add_argument("--cost", action="store_true", help="prices per hour from the AWS Price List API (needs credentials)")
+    plan.add_argument("--explain", action="store_true", help="after the summary, what each of its terms means")
     plan.add_argument("--diagram", metavar="FILE", help="also draw the layout (PNG or SVG by extension)")
     common.add_width_arguments(plan)
     plan.set_defaults(func=run)

@@ -244,3 +244,20 @@ def test_plan_says_how_a_change_of_every_node_rolls_and_what_spare_instances_it_
                                             "decode": {"nodes": 8, "at_once": 2, "batches": 4, "spare_instances": 4}}}  # fmt: skip
     off = plan("--decode-instances", "8", "-c", "rollout.surge=off", "-c", "rollout.max_unavailable=25%").stdout
     assert "  a change of every node: prefill 3 batches of 1, decode 4 batches of 2\n    (in place, rollout.max_unavailable)\n" in off
+
+
+def test_explain_says_what_each_term_of_the_summary_means_once() -> None:
+    """Every term a user asked about (idle cores, AWS calls/s, spare instances) is explained, each once, within
+    80 columns; each explained term is one the 3+8 summary shows (no legend of lines that are not there)."""
+    r = plan("--decode-instances", "8", "--explain")
+    assert r.returncode == 0, r.stderr
+    summary, _, terms = r.stdout.partition("\nterms:\n")
+    assert "what each line means: --explain" in summary
+    assert max(map(len, r.stdout.splitlines())) <= 80, r.stdout
+    explained = [line.strip().split(": ", 1)[0] for line in terms.splitlines() if line.startswith("  ") and not line.startswith("      ")]
+    for term in ("idle cores", "AWS calls/s", "spare instances", "control plane", "cells", "feeds", "gate", "bodies"):
+        assert explained.count(term) == 1, (term, explained)
+    for term in explained:
+        for word in term.split(", "):
+            assert word in summary, f"--explain explains {word!r}, which the summary does not show"
+    assert "\nterms:\n" not in plan("--decode-instances", "8").stdout, "the legend only when asked"
