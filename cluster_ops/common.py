@@ -78,9 +78,10 @@ def context_args(args: argparse.Namespace) -> list[str]:
 
             by_stack = {r.stack_name: r.name for r in RECIPES.values()}
             if args.stack not in by_stack:
-                known = ", ".join(sorted(deployed())) or "none recorded"
-                raise SpecError([f"--stack {args.stack}: no stack of that name was deployed from this checkout (recorded: {known}). "
-                                 "Fix: name its parameters instead (-c config=FILE or -c KEY=VALUE)."])  # fmt: skip
+                known = ", ".join(sorted(deployed()))
+                mine = f"this checkout deployed ({known})" if known else "this checkout deployed (it has deployed none)"
+                raise SpecError([f"--stack {args.stack}: neither a stack {mine} nor a recipe's stack ({', '.join(sorted(by_stack))}). "
+                                 "Fix: one of those names, or name its parameters instead (-c config=FILE or -c KEY=VALUE)."])  # fmt: skip
             items = [f"recipe={by_stack[args.stack]}", *items]
         else:
             items = [*recorded["context"], *items]

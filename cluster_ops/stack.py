@@ -23,7 +23,14 @@ def cdk(verb: str, cfg: ClusterConfig, context: list[str], extra: list[str]) -> 
     env = {**os.environ, "PATH": f"{common.ROOT / 'node_modules' / '.bin'}{os.pathsep}{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
     env.setdefault("AWS_REGION", cfg.region)
     env.setdefault("CDK_DISABLE_CLI_TELEMETRY", "true")
-    return subprocess.run(cmd, cwd=common.checkout(), env=env).returncode
+    if verb != "synth":
+        return subprocess.run(cmd, cwd=common.checkout(), env=env).returncode
+    # The diff or deploy that reads this assembly prints its warnings (the CLI validates every assembly it
+    # reads): a synth's own output is shown only when it fails, so that each warning is printed once.
+    r = subprocess.run(cmd, cwd=common.checkout(), env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    if r.returncode != 0:
+        print(r.stdout, end="", file=sys.stderr)
+    return r.returncode
 
 
 def operation_events(cfn: Any, stack: str) -> list[dict[str, Any]]:
@@ -90,7 +97,7 @@ def deployed_status(cfg: ClusterConfig) -> str | None:
 def others_deployed(cfg: ClusterConfig) -> str:
     """The other stacks this checkout deployed, as the --stack arguments that name them."""
     others = sorted(k for k in common.deployed() if k != cfg.stack_name)
-    return ", ".join(f"--stack {k}" for k in others) or "none recorded"
+    return ", ".join(f"--stack {k}" for k in others) or "none"
 
 
 def not_deployed(cfg: ClusterConfig) -> common.CliError:

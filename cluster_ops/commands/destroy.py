@@ -13,7 +13,7 @@ from clusterspec.config import ClusterConfig
 def run(args: argparse.Namespace, extra: list[str]) -> int:
     """Delete the named stack after confirmation (or --yes); never the default one by omission."""
     if not (args.context or args.config or args.stack):
-        recorded = ", ".join(f"--stack {k}" for k in sorted(common.deployed())) or "none recorded"
+        recorded = ", ".join(f"--stack {k}" for k in sorted(common.deployed())) or "none"
         raise common.CliError("destroy deletes a cluster: name it (-c config=FILE, -c KEY=VALUE or --stack NAME; "
                               f"deployed from this checkout: {recorded}). Nothing was deleted.")  # fmt: skip
     cfg = common.load(args)

@@ -225,7 +225,9 @@ def test_deploy_names_the_stack_records_it_and_later_commands_find_it(checkout: 
     out, err = capsys.readouterr()
     assert json.loads(out)["totals"]["nodes"] == 11 and err.startswith("stack GptOss8k1kProd")
     assert cli.main(["plan", "--stack", "GptOssNope"]) == 2
-    assert "--stack GptOssNope: no stack of that name was deployed from this checkout (recorded: GptOss8k1kProd)" in capsys.readouterr().err
+    err = " ".join(capsys.readouterr().err.split())
+    assert "--stack GptOssNope: neither a stack this checkout deployed (GptOss8k1kProd) nor a recipe's stack (GptOss120bDiStack," in err, err
+    assert "Fix: one of those names, or name its parameters instead" in err
 
 
 def test_a_fleet_many_times_the_expected_size_is_confirmed_before_it_bills(checkout: Path, account: None, monkeypatch: pytest.MonkeyPatch, capsys: Any) -> None:
