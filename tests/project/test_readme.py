@@ -50,8 +50,10 @@ def run(command: str, tmp: Path) -> subprocess.CompletedProcess[str]:
     return subprocess.run(["bash", "-c", command], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
 
 
-OFFLINE = [c for b in blocks("bash") for c in b]
-ONLINE = [c for b in blocks("console") for c in b]
+# The README and the operations page it sends a user to: every command either shows works as written.
+RUNBOOKS = [README, (ROOT / "docs" / "operations.md").read_text()]
+OFFLINE = list(dict.fromkeys(c for text in RUNBOOKS for b in blocks("bash", text) for c in b))
+ONLINE = list(dict.fromkeys(c for text in RUNBOOKS for b in blocks("console", text) for c in b))
 
 
 def test_the_readme_shows_commands_of_both_kinds() -> None:
@@ -94,6 +96,12 @@ def test_commands_that_need_aws_exist_as_written(command: str, tmp_path: Path) -
         from tests.lifecycle.test_cdk_as_typed import readme_cdk_lines
 
         assert command in readme_cdk_lines(), command
+    elif words[0] == "aws":
+        # The AWS CLI reads an output of the default stack: one the synthesized template has (its snapshot).
+        snapshot = json.loads((ROOT / "tests" / "stacks" / "__snapshots__" / "test_template" / "test_template_snapshot.json").read_text())
+        (key,) = re.findall(r"OutputKey=='(\w+)'", command)
+        assert words[1:3] == ["cloudformation", "describe-stacks"] and key in snapshot["Outputs"], (command, sorted(snapshot["Outputs"]))
+        assert f"--stack-name {snapshot.get('StackName', 'GptOss8k1kStack')}" in command, command
     else:
         assert words[0] == "make", command
         r = run(shlex.join(["make", "-n", *words[1:]]), tmp_path)
@@ -153,3 +161,33 @@ def test_every_pointer_from_the_code_to_a_section_of_the_docs_names_one() -> Non
     for doc, title in sorted(pointers):
         text = (ROOT / ("README.md" if doc == "README" else doc)).read_text()
         assert re.search(rf"^#+ {re.escape(title)}$|^\*\*{re.escape(title)}\.\*\*", text, re.M), f"{doc} has no section '{title}'"
+
+
+def _numbers(text: str) -> set[str]:
+    """The numbers a text states in its prose: fenced blocks, inline code and link targets left out."""
+    prose = re.sub(r"```.*?```", " ", text, flags=re.S)
+    prose = re.sub(r"`[^`]*`", " ", prose)
+    prose = re.sub(r"\]\([^)]*\)", "]", prose)
+    return {n.rstrip(",") for n in re.findall(r"(?<![\w.])\d[\d,]*(?:\.\d+)?(?![\d])", prose)}
+
+
+def test_every_number_the_readme_states_is_one_the_docs_hold() -> None:
+    """The README quotes no measurement of its own: a number in its prose is one docs/ states too (where it has its
+    date and conditions), so the two cannot drift apart."""
+    docs = " ".join(p.read_text() for p in sorted((ROOT / "docs").glob("*.md")))
+    held = _numbers(docs) | set(re.findall(r"\d[\d,.]*\d|\d", docs))
+    missing = sorted(n for n in _numbers(README) if n not in held)
+    assert missing == [], f"README.md states {missing}, which no document of docs/ holds: link to the document instead"
+
+
+def test_the_number_check_catches_a_number_docs_do_not_hold() -> None:
+    assert {"4,505", "0.92", "517"} <= _numbers("CI took 4,505 s; the gate 0.92x; served again after 517 s (`make 999`).")
+    assert "999" not in _numbers("`make 999`")
+
+
+def test_the_readme_is_a_door_of_at_most_150_lines() -> None:
+    """What it is, the two commands, deploy, the first request, change and destroy, the documents: no more."""
+    assert len(README.splitlines()) <= 150, "move detail to docs/ (operations.md, benchmarks.md, verification.md)"
+    headings = re.findall(r"^## (.+)$", README, re.M)
+    for h in ("Two commands", "Deploy to AWS", "Send your first request", "Change and destroy", "Documents"):
+        assert h in headings, (h, headings)

@@ -18,6 +18,7 @@ import http.client
 import http.server
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -31,6 +32,7 @@ from typing import Any
 import pytest
 
 from clusterspec.loading import load_config
+from node_render.command_lines import model_dir
 from node_render.haproxy import body_cap
 from node_render.paths import router_object_key
 from node_render.quoting import env_file as render_env_file
@@ -75,6 +77,42 @@ def test_the_node_refuses_a_wheel_whose_sha256_is_not_the_pinned_one(tmp_path: P
     assert not (tmp_path / "venv").exists()
 
 
+
+
+def readme_first_request() -> str:
+    """The README's first-request block (its ```sh block), as written."""
+    section = (ROOT / "README.md").read_text().split("## Send your first request", 1)[1].split("\n## ", 1)[0]
+    (body,) = re.findall(r"```sh\n(.*?)```", section, re.S)
+    return str(body)
+
+
+def test_the_readmes_first_request_is_answered_through_the_router_and_its_gate(router_venv: Path, tmp_path: Path) -> None:
+    """The README's curl lines and its OpenAI-client script, as written, with the port forward's localhost:8000
+    standing for the endpoint: through the API gate (HAProxy) and vLLM's router to the fake servers, a
+    completion, a stream of events and the client's text and chunks; the model they name is the one the
+    default stack's servers serve (its path on the nodes)."""
+    fleet = _fleet("vllm-router", tmp_path, router_venv, server_args={"decode": ["--stream-ms-per-token", "1"]})
+    try:
+        host, port = fleet.endpoints[0]
+        block = readme_first_request()
+        assert block.count("http://localhost:8000") == 3, block
+        env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
+        r = subprocess.run(["bash", "-euo", "pipefail", "-c", block.replace("http://localhost:8000", f"http://{host}:{port}")],
+                           env=env, capture_output=True, text=True, timeout=120)  # fmt: skip
+    finally:
+        fleet.stop()
+    assert r.returncode == 0, r.stdout + r.stderr
+    out = r.stdout.splitlines()
+    # curl: one JSON completion, from the decode server, for the model the default stack serves.
+    answer = json.loads(out[0])
+    model = model_dir(load_config({}))
+    assert answer["choices"][0]["text"] == " ok" and answer["model"] == model, answer
+    assert re.findall(rf"model[\"']?:?\s*=?\s*[\"']{re.escape(model)}[\"']", block), f"the README names another model than {model}"
+    # curl -N: server-sent events, 32 tokens, then [DONE].
+    events = [line for line in out if line.startswith("data: ")]
+    assert len(events) == 33 and events[-1] == "data: [DONE]", out
+    # The OpenAI client: the text, then the streamed chunks on one line.
+    assert out[-2:] == [" ok", "".join(f" t{i}" for i in range(32))], out[-2:]
 
 
 def test_a_router_restart_goes_lame_duck_first_and_cuts_no_stream(router_venv: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
