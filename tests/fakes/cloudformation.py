@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from node_render.quoting import parse_env_file
-from node_render.userdata import node_files_in, parse_user_data
+from node_render.userdata import NODES_PREFIX, parse_user_data, unbundle
 
 # The software assets of the assemblies replayed here, by sha256 (what S3 holds at the key a version
 # names): a node's instance reads its version's files there, as gptoss-fetch-scripts does.
@@ -51,6 +51,23 @@ def register_assembly(assembly: Path) -> None:
     for path in assembly.glob("asset.*.xz"):
         data = path.read_bytes()
         SOFTWARE[hashlib.sha256(data).hexdigest()] = data
+
+
+# What a node reads of a version: unpacked once per version and node (a replay of 56 nodes reads the
+# same asset hundreds of times; each unpacking is a whole fleet's files).
+_UNPACKED: dict[str, dict[str, tuple[str, int]]] = {}
+_NODE_ENV: dict[tuple[str, str], dict[str, str]] = {}
+# The node a launch template's user data names (its text with the deploy-time tokens blanked).
+_NODE_OF: dict[str, str] = {}
+
+
+def version_env(sha: str, node: str) -> dict[str, str]:
+    """A node's cluster.env as the software version SHA holds it (the asset is content-addressed: it never changes)."""
+    if (sha, node) not in _NODE_ENV:
+        if sha not in _UNPACKED:
+            _UNPACKED[sha] = unbundle(SOFTWARE[sha])
+        _NODE_ENV[sha, node] = parse_env_file(_UNPACKED[sha][f"/{NODES_PREFIX}/{node}/etc/gptoss/cluster.env"][0])
+    return dict(_NODE_ENV[sha, node])
 
 ROOT = Path(__file__).resolve().parent.parent.parent
 SIGNAL_SCRIPT = ROOT / "userdata" / "bin" / "gptoss-signal"
@@ -181,9 +198,9 @@ class Stack:
         join = data["Fn::Base64"]
         parts = join["Fn::Join"][1] if isinstance(join, dict) else [join]
         text = "".join(p if isinstance(p, str) else "TOKEN" for p in parts)
-        _files, deploy, _doc = parse_user_data(text)
-        sha = self.software_version()
-        return parse_env_file(node_files_in(SOFTWARE[sha], deploy["GPTOSS_NODE"])["/etc/gptoss/cluster.env"][0])
+        if text not in _NODE_OF:
+            _NODE_OF[text] = parse_user_data(text)[1]["GPTOSS_NODE"]
+        return version_env(self.software_version(), _NODE_OF[text])
 
     def software_version(self) -> str:
         """The sha256 the stack's software parameter names (its value: the asset's URI, then the sha256)."""
@@ -480,6 +497,10 @@ class Replay:
         """Replay the update (and its rollback, if it fails) to its end."""
         for lid in self.after.res:
             self.state[lid] = "pending" if self.change[lid] != "same" else "done"
+        # Each nested stack's resources (a cell's update completes when they all have), looked up once.
+        self.children: dict[str, list[str]] = {}
+        for lid in self.state:
+            self.children.setdefault(scope_of(lid), []).append(lid)
         self._advance()
         while self.queue and not self._finished():
             t, _, fn = heapq.heappop(self.queue)
@@ -507,29 +528,26 @@ class Replay:
         if self.phase == "rollback":
             self._rollback_ready()
 
-    def _scope_started(self, lid: str, states: Mapping[str, str]) -> bool:
-        scope = scope_of(lid)
-        return not scope or states.get(scope) in ("running", "done")
-
     def _start_ready(self) -> None:
         """DEPENDS_ON: a resource is created or updated once everything it depends on is; those that do
         not depend on each other go in parallel. NESTED_STACKS: a cell's resources once its stack's update starts."""
         moved = True
         while moved and self.phase == "forward":
             moved = False
-            for lid, st in self.state.items():
-                if st != "pending" or not self._scope_started(lid, self.state):
+            # By scope (the parent, then each cell, in template order): a cell whose update has not started holds all of its own.
+            for scope, lids in self.children.items():
+                if scope and self.state.get(scope) not in ("running", "done"):
                     continue
-                if all(self.state.get(d) == "done" for d in self.after.deps(lid)):
-                    self.state[lid] = "running"
-                    self._start(lid)
-                    moved = True
-            for lid, st in self.state.items():
-                if st == "running" and self.after.res[lid].get("Type") == "AWS::CloudFormation::Stack":
-                    children = [c for c in self.state if scope_of(c) == lid]
-                    if all(self.state[c] == "done" for c in children):
-                        self.state[lid] = "done"
+                for lid in lids:
+                    if self.state[lid] == "pending" and all(self.state.get(d) == "done" for d in self.after.deps(lid)):
+                        self.state[lid] = "running"
+                        self._start(lid)
                         moved = True
+            for lid, st in self.state.items():
+                if (st == "running" and self.after.res[lid].get("Type") == "AWS::CloudFormation::Stack"
+                        and all(self.state[c] == "done" for c in self.children.get(lid, []))):  # fmt: skip
+                    self.state[lid] = "done"
+                    moved = True
 
     def _done(self, lid: str) -> None:
         if self.phase == "forward" and self.state.get(lid) == "running":
@@ -817,6 +835,10 @@ class Deploy:
         return self.updates[-1][1]
 
 
+# Flattened template sets by the id of the set (held with it, so the id stays its own).
+_FLAT: dict[int, tuple[Any, Any]] = {}
+
+
 def replay_deploy(
     deployed: dict[str, Template],
     synth: Callable[[dict[str, str]], dict[str, Template]],
@@ -831,14 +853,20 @@ def replay_deploy(
     from cluster_ops.rollout import compare, flatten_templates
     from clusterspec.loading import load_config
 
+    def flat(templates: dict[str, Template]) -> Template:
+        """Each template set flattened once: the synth's sets are shared (cached) and never changed."""
+        if id(templates) not in _FLAT:
+            _FLAT[id(templates)] = (templates, flatten_templates(templates))
+        return _FLAT[id(templates)][1]
+
     cfg = load_config(context)
     target = synth(dict(context))
     why = ""
     moves: dict[str, Any] = {}
-    if compare(flatten_templates(deployed), flatten_templates(target)).replaced:
-        image = image_changes(flatten_templates(deployed), flatten_templates(target))
+    if compare(flat(deployed), flat(target)).replaced:
+        image = image_changes(flat(deployed), flat(target))
         why = surge_off_because(cfg, ready_min=max(minutes.values()), image_changed=image)
-        moves = capacity_moves(flatten_templates(deployed), flatten_templates(target))
+        moves = capacity_moves(flat(deployed), flat(target))
     surge = surge_for(cfg, why, moves)
     ctx = dict(context) | ({"rollout.surge": surge} if surge else {})
     if surge:
@@ -846,12 +874,12 @@ def replay_deploy(
     times = NodeTimes({role: m * 60 for role, m in minutes.items()}, fails)
     drain = float(load_config(ctx).rollout.drain_s)
     state, done = deployed, []
-    before = flatten_templates(state)
+    before = flat(state)
     for name, templates in updates(deployed, target):
-        before = flatten_templates(state)
-        outcome = replay(before, flatten_templates(templates), times, drain_s=drain)
+        before = flat(state)
+        outcome = replay(before, flat(templates), times, drain_s=drain)
         done.append((name, outcome))
         if outcome.state != "UPDATE_COMPLETE":
             break
         state = templates
-    return Deploy(ctx, why, done, before, flatten_templates(target))
+    return Deploy(ctx, why, done, before, flat(target))
