@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import atexit
+import fcntl
+import hashlib
 import http.server
 import json
 import os
@@ -124,13 +126,44 @@ def _scripts_write_under_the_tests_own_directories(tmp_path_factory: pytest.Temp
 
 
 @pytest.fixture(scope="session")
-def cli_synth(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Synth]:
-    """`cdk synth GptOss8k1kStack -c ...` through the pinned CLI, once per context."""
+def run_shared(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A directory the workers of this run share (pytest-xdist's: the parent of each worker's base
+    directory), and only this run: what one worker synthesized, the others read instead of synthesizing it again."""
+    base = tmp_path_factory.getbasetemp()
+    shared = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "shared"
+    shared.mkdir(exist_ok=True)
+    return shared
+
+
+def once(shared: Path, key: str, make: Callable[[Path], None]) -> Path:
+    """MAKE(directory) once for KEY among the run's workers (the first takes the key's lock, the others wait
+    for it and read what it wrote); the directory is returned. A MAKE that failed is run again by the next."""
+    folder = shared / hashlib.sha256(key.encode()).hexdigest()[:20]
+    with (shared / f"{folder.name}.lock").open("w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (folder / ".done").exists():
+            shutil.rmtree(folder, ignore_errors=True)
+            folder.mkdir()
+            make(folder)
+            (folder / ".done").touch()
+    return folder
+
+
+@pytest.fixture(scope="session")
+def cli_synth(run_shared: Path) -> Callable[..., Synth]:
+    """`cdk synth GptOss8k1kStack -c ...` through the pinned CLI, once per context in the whole run."""
     cache: dict[tuple[str, ...], Synth] = {}
+
+    def make(folder: Path, context: tuple[str, ...]) -> None:
+        synth = run_cli_synth(folder / "cdk.out", *context)
+        (folder / "result.json").write_text(json.dumps({"args": synth.result.args, "returncode": synth.result.returncode,
+                                                        "stdout": synth.result.stdout, "stderr": synth.result.stderr}))  # fmt: skip
 
     def get(*context: str) -> Synth:
         if context not in cache:
-            cache[context] = run_cli_synth(tmp_path_factory.mktemp("cdk.out"), *context)
+            folder = once(run_shared, json.dumps(["cli", *context]), lambda f: make(f, context))
+            r = json.loads((folder / "result.json").read_text())
+            cache[context] = Synth(folder / "cdk.out", subprocess.CompletedProcess(r["args"], r["returncode"], r["stdout"], r["stderr"]))
         return cache[context]
 
     return get
@@ -148,25 +181,31 @@ def fleet_synth(cli_synth: Callable[..., Synth]) -> Synth:
     return cli_synth("decode_instances=8")
 
 
-@pytest.fixture(scope="session")
-def synth_variant() -> Callable[..., dict[str, Any]]:
-    """In-process template of a parameter variant (one jsii runtime for all of them)."""
+def _variant(context: dict[str, Any]) -> dict[str, Any]:
+    """The flattened template of a parameter variant, synthesized in this process (its jsii runtime)."""
     import aws_cdk as cdk
     from aws_cdk.assertions import Template
 
     from clusterspec.loading import load_config
     from stacks.cluster_stack import GptOssClusterStack
 
+    # The feature flags of cdk.json, as the CLI passes them (policy minimization among them).
+    app = cdk.App(context=json.loads((ROOT / "cdk.json").read_text())["context"])
+    stack = GptOssClusterStack(app, STACK, config=load_config(context))
+    by_lid = {stack.get_logical_id(c.nested_stack_resource): c for c in (*stack.cells.values(), *stack.alarm_cells.values())}  # type: ignore[arg-type]
+    return flatten(dict(Template.from_stack(stack).to_json()), lambda lid, res: dict(Template.from_stack(by_lid[lid]).to_json()))
+
+
+@pytest.fixture(scope="session")
+def synth_variant(run_shared: Path) -> Callable[..., dict[str, Any]]:
+    """In-process template of a parameter variant, once per variant in the whole run (a worker reads what another made)."""
     cache: dict[str, dict[str, Any]] = {}
 
     def get(**context: Any) -> dict[str, Any]:
         key = json.dumps(context, sort_keys=True)
         if key not in cache:
-            # The feature flags of cdk.json, as the CLI passes them (policy minimization among them).
-            app = cdk.App(context=json.loads((ROOT / "cdk.json").read_text())["context"])
-            stack = GptOssClusterStack(app, STACK, config=load_config(context))
-            by_lid = {stack.get_logical_id(c.nested_stack_resource): c for c in (*stack.cells.values(), *stack.alarm_cells.values())}  # type: ignore[arg-type]
-            cache[key] = flatten(dict(Template.from_stack(stack).to_json()), lambda lid, res: dict(Template.from_stack(by_lid[lid]).to_json()))
+            folder = once(run_shared, "variant " + key, lambda f: (f / "template.json").write_text(json.dumps(_variant(context))))
+            cache[key] = json.loads((folder / "template.json").read_text())
         return cache[key]
 
     return get
