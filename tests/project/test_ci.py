@@ -76,3 +76,26 @@ def test_make_test_vm_without_root_exits_non_zero_with_one_line() -> None:
     assert res.returncode != 0
     assert out[0] == "make test-vm: the VM scenarios need root (the guest image is built with mmdebstrap --mode=root); run it as root"
     assert all(line.startswith("make") for line in out), out
+
+
+GUARD = [sys.executable, str(ROOT / "scripts" / "cpu_guard.py")]
+
+
+def test_make_test_prints_its_cpu_time_and_fails_past_the_ceiling() -> None:
+    """The guard around pytest: a run within the target says so; one past the ceiling fails even though the
+    command passed; a failing command keeps its own exit code. make test runs pytest through it."""
+    spin = [sys.executable, "-c", "import time; t = time.process_time()\nwhile time.process_time() - t < 0.3: pass"]
+    ok = subprocess.run([*GUARD, "--label", "make test", "--target", "60", "--fail-above", "120", "--", *spin], capture_output=True, text=True)
+    assert ok.returncode == 0 and "make test: 0.3 s of CPU" in ok.stdout and "within the 60 s target" in ok.stdout, ok.stdout
+    over = subprocess.run([*GUARD, "--label", "make test", "--target", "0.05", "--fail-above", "0.1", "--", *spin], capture_output=True, text=True)
+    assert over.returncode == 1 and "FAILED, over the 0.1 s ceiling" in over.stdout, over.stdout
+    failing = subprocess.run([*GUARD, "--target", "60", "--fail-above", "120", "--", sys.executable, "-c", "raise SystemExit(3)"],
+                             capture_output=True, text=True)  # fmt: skip
+    assert failing.returncode == 3
+    recipe = subprocess.run(["make", "-n", "test"], cwd=ROOT, capture_output=True, text=True).stdout
+    assert "scripts/cpu_guard.py --label \"make test\" --target 600 --fail-above" in recipe and "-m pytest" in recipe, recipe
+
+
+def test_ci_prints_the_wall_time_of_each_part() -> None:
+    ci = (ROOT / ".ci" / "run").read_text()
+    assert 'part "make test (with set-up)"' in ci and 'part "make test-vm"' in ci and "all of .ci/run" in ci
