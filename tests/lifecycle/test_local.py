@@ -57,6 +57,11 @@ def test_the_readme_local_lifecycle_runs_as_written_and_leaves_nothing(moto: str
         said = re.search(r"# exits (\d+)", line)
         assert codes[i] == (int(said.group(1)) if said else 0), f"{line!r} exited {codes[i]}\n{out[-4000:]}"
     assert "Traceback" not in out
+    # No warning of the project's own making (CDK's deprecations), and each synth warning once per command
+    # that reads an assembly: up's deploy and diff (their synths' own output is not repeated).
+    assert "is deprecated" not in out, [line for line in out.splitlines() if "deprecated" in line]
+    warnings = re.findall(r"Acknowledge with '(Annotation::[\w:-]+)'", out)
+    assert warnings and all(warnings.count(w) == 2 for w in warnings), sorted(set((w, warnings.count(w)) for w in warnings))
     assert "::endpoint none" in r.stdout, "the shell's AWS clients point at AWS again"
     # up: the stack deployed through gptoss deploy, both identities shown with their instances, the cause named.
     assert "stack GptOssLocalStack · region us-east-2 · cluster tag gptoss:cluster=gptoss-local" in out
