@@ -193,6 +193,36 @@ def test_a_head_or_body_that_stops_arriving_is_answered_408_within_the_head_time
     assert upstream.seen == [], "the router never saw half a request"
 
 
+def test_two_thousand_connections_that_send_nothing_are_closed_at_the_head_timeout_while_a_completion_is_served(gate: Any) -> None:
+    """Idle sockets cannot hold the gate's connection slots: each connection that never sends a byte is answered
+    408 and closed within the head timeout (2 s here), while a client that does send is served meanwhile."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < 4096:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (min(hard, 8192), hard))
+    upstream, port, _ = gate
+    idle = [socket.create_connection(("127.0.0.1", port), timeout=10) for _ in range(2000)]
+    try:
+        t = time.monotonic()
+        status, doc = completion(port, id="while-idle")
+        assert status == 200 and doc == completion_doc(upstream, "while-idle"), (status, doc)
+        answered = []
+        for s in idle:
+            s.settimeout(max(0.1, t + 6 - time.monotonic()))
+            try:
+                answered.append(s.recv(64))
+            except TimeoutError:
+                answered.append(b"still open")
+        took = time.monotonic() - t
+    finally:
+        for s in idle:
+            s.close()
+    assert sum(a.startswith(b"HTTP/1.1 408 ") for a in answered) == 2000, sorted(set(a[:20] for a in answered))
+    assert took < 6, took
+    assert [r for r in upstream.seen if r[1] != "/v1/completions"] == [], "nothing of the idle connections reached the router"
+
+
 def test_an_answer_silent_longer_than_the_idle_timeout_is_cut_504(gate: Any) -> None:
     _, port, _ = gate
     t = time.monotonic()
