@@ -9,13 +9,17 @@ by seconds without anything being wrong. Three scenarios per setting, SECONDS ea
   nothing dies. Every ejection is a false one; a flap is an ejection followed by readmission;
 - dead: 16 clients of short prompts; one prefill replica killed at 3 s. "out after" is when both
   routers had taken it out of rotation; failed requests are what the clients saw;
+- dead-decode: the same with one of the two decode servers killed at 3 s (what the gate's retries
+  cannot always hide: a request whose three picks all land on it before the routers take it out);
 - hung: 16 clients of short prompts; one prefill replica's engine stops finishing requests at 3 s
   while its /health answers. The routers cannot see it (nothing of theirs looks past /health);
   the node's engine watch (gptoss-engine-watch, from vLLM's own /metrics) is what finds it.
 
 Ejections are read from each router's /readiness (healthy servers), polled every 0.1 s.
 
-    python -m tests.bench.bench_health [--seconds S] [--clients N]
+    python -m tests.bench.bench_health [--seconds S] [--clients N] [--thresholds 1,2,3]
+
+--thresholds compares the shipped settings at each failure threshold instead of the old and new settings.
 """
 
 from __future__ import annotations
@@ -54,7 +58,8 @@ def _scenario(kind: str, settings: dict[str, int], venv: Path, tmp: Path, client
     servers: dict[str, list[str]] = {"prefill": ["--loop-ms-per-word", "5"], "decode": ["--loop-ms-per-word", "0.5"]}
     fleet = _fleet("vllm-router", tmp, venv, prefill_ms=30, decode_ms=60, server_args=servers,
                    overrides={f"serving.proxy.router.{k}": v for k, v in settings.items()})  # fmt: skip
-    victim = sorted(n for n in fleet.procs if not n.endswith(f":{PORTS['serving.decode.http_port']}"))[0]
+    decode_port = f":{PORTS['serving.decode.http_port']}"
+    victim = sorted(n for n in fleet.procs if (n.endswith(decode_port) if kind == "dead-decode" else not n.endswith(decode_port)))[0]
     internal = [(host, PORTS["serving.proxy.router.internal_port"]) for host, _ in fleet.endpoints]
     try:
         if kind == "hung":
@@ -102,7 +107,7 @@ def _scenario(kind: str, settings: dict[str, int], venv: Path, tmp: Path, client
         for th in threads:
             th.start()
         killed_at = None
-        if kind == "dead":
+        if kind in ("dead", "dead-decode"):
             time.sleep(max(0.0, t0 + 3 - time.monotonic()))
             fleet.procs[victim].send_signal(signal.SIGKILL)
             killed_at = time.monotonic() - t0
@@ -123,7 +128,7 @@ def _scenario(kind: str, settings: dict[str, int], venv: Path, tmp: Path, client
                 gone = [t for t, h in samples if t >= killed_at and h < total]
                 out_at.append((gone[0] - killed_at) if gone else float("nan"))
         row: dict[str, Any] = {"ok": ok[0], "failed": len(failed), "ejections": ejections, "flaps": flaps}
-        if kind == "dead":
+        if kind in ("dead", "dead-decode"):
             row["out_after_s"] = max(out_at) if out_at else float("nan")
             row["failed_after_out"] = sum(1 for t in failed if killed_at is not None and t > killed_at + row["out_after_s"] + 1)
         return row
@@ -135,13 +140,16 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seconds", type=float, default=20.0)
     ap.add_argument("--clients", type=int, default=32)
+    ap.add_argument("--thresholds", help="comma-separated failure thresholds to compare, the rest as shipped")
     a = ap.parse_args()
     settings = {"old": OLD, "new": _new()}
+    if a.thresholds:
+        settings = {f"out@{n}": _new() | {"health_failure_threshold": int(n)} for n in a.thresholds.split(",")}
     rows: dict[tuple[str, str], dict[str, Any]] = {}
     with tempfile.TemporaryDirectory(prefix="bench-health-") as d:
         venv = _router_venv(Path(d))
         for name, s in settings.items():
-            for kind in ("saturated", "dead", "hung"):
+            for kind in ("saturated", "dead", "dead-decode", "hung"):
                 tmp = Path(d) / f"{name}-{kind}"
                 tmp.mkdir()
                 rows[(name, kind)] = _scenario(kind, s, venv, tmp, a.clients, a.seconds)
@@ -150,11 +158,11 @@ def main() -> int:
     for name, s in settings.items():
         print(f"  {name}: every {s['health_check_interval_s']} s, timeout {s['health_check_timeout_s']} s, out after "
               f"{s['health_failure_threshold']} failures, back after {s['health_success_threshold']} passes")  # fmt: skip
-    print(f"{'settings':<9}{'scenario':<11}{'ok':>7}{'failed':>8}{'ejections':>11}{'readmitted':>12}{'out after':>11}{'failed after out':>18}")
+    print(f"{'settings':<9}{'scenario':<12}{'ok':>7}{'failed':>8}{'ejections':>11}{'readmitted':>12}{'out after':>11}{'failed after out':>18}")
     for (name, kind), r in rows.items():
         out = f"{r['out_after_s']:.1f} s" if "out_after_s" in r else "-"
         after = str(r["failed_after_out"]) if "failed_after_out" in r else "-"
-        print(f"{name:<9}{kind:<11}{r['ok']:>7}{r['failed']:>8}{r['ejections']:>11}{r['flaps']:>12}{out:>11}{after:>18}")
+        print(f"{name:<9}{kind:<12}{r['ok']:>7}{r['failed']:>8}{r['ejections']:>11}{r['flaps']:>12}{out:>11}{after:>18}")
     return 0
 
 
