@@ -199,7 +199,7 @@ ROUTER_3P8D = [
     "--health-check-interval-secs", "1",
     # vLLM's /health waits for its tokenizing event loop: 10 s, 3 failures, 2 passes (make bench-health).
     "--health-check-timeout-secs", "10",
-    "--health-failure-threshold", "3",
+    "--health-failure-threshold", "1",
     "--health-success-threshold", "2",
     "--request-timeout-secs", "1800",
     # The body cap, 10,240 tokens x 16 B + 64 KiB: HAProxy reads it from Content-Length, the router holds a chunked body to it.
