@@ -117,16 +117,16 @@ def _annotation_at(model: Any, loc: tuple[Any, ...]) -> Any:
     return annotation
 
 
-def example(annotation: Any, given: Any = None) -> Any:
+def _example(annotation: Any, given: Any = None) -> Any:
     """A value of that type as a user writes it: a list of one item, a mapping of its required settings."""
     args = [a for a in typing.get_args(annotation) if a is not type(None) and a is not Ellipsis]
     if typing.get_origin(annotation) in (tuple, list):
-        return [example(args[0] if args else str, given)]
+        return [_example(args[0] if args else str, given)]
     if typing.get_origin(annotation) is dict and len(args) == 2:
         keys = typing.get_args(args[0]) if typing.get_origin(args[0]) is typing.Literal else ("NAME",)
-        return {str(keys[0]): example(args[1])}
+        return {str(keys[0]): _example(args[1])}
     if args:
-        return example(next((a for a in args if isinstance(a, type) and issubclass(a, BaseModel)), args[0]), given)
+        return _example(next((a for a in args if isinstance(a, type) and issubclass(a, BaseModel)), args[0]), given)
     if isinstance(annotation, type) and issubclass(annotation, BaseModel):
         fields = annotation.model_fields
         required = [k for k, f in fields.items() if f.is_required()]
@@ -135,8 +135,8 @@ def example(annotation: Any, given: Any = None) -> Any:
             plain = [k for k, v in defaults.items() if isinstance(v, (str, int, float, bool))]
             if plain:
                 return {plain[0]: defaults[plain[0]]}
-            return {next(iter(fields)): example(next(iter(fields.values())).annotation)}
-        return {k: example(fields[k].annotation, given if k == required[0] and isinstance(given, str) else None) for k in required}
+            return {next(iter(fields)): _example(next(iter(fields.values())).annotation)}
+        return {k: _example(fields[k].annotation, given if k == required[0] and isinstance(given, str) else None) for k in required}
     if annotation is int:
         return given if isinstance(given, int) else 1
     if annotation is bool:
@@ -149,7 +149,7 @@ def _shape_fix(field: str, model: Any, loc: tuple[Any, ...], value: Any) -> str 
     annotation = _annotation_at(model, loc) if model is not None else None
     if annotation is None:
         return None
-    whole = example(annotation, value)
+    whole = _example(annotation, value)
     # An item of a list: the whole list, which is what a -c sets (its field without the item's index).
     for part in reversed(loc):
         if not isinstance(part, int):
