@@ -853,14 +853,19 @@ def replay_deploy(
     from cluster_ops.rollout import compare, flatten_templates
     from clusterspec.loading import load_config
 
+    local: dict[int, tuple[Any, Any]] = {}
+
     def flat(templates: dict[str, Template]) -> Template:
-        """Each template set flattened once: the synth's sets are shared (cached) and never changed."""
-        if id(templates) not in _FLAT:
-            _FLAT[id(templates)] = (templates, flatten_templates(templates))
-        return _FLAT[id(templates)][1]
+        """Each template set flattened once. The deployed and synthesized sets are the synth's own (cached by it,
+        never changed) and stay flattened for the session; the sets this deploy's updates make, for this call only."""
+        memo = _FLAT if any(templates is t for t in kept) else local
+        if id(templates) not in memo:
+            memo[id(templates)] = (templates, flatten_templates(templates))
+        return memo[id(templates)][1]
 
     cfg = load_config(context)
     target = synth(dict(context))
+    kept = [deployed, target]
     why = ""
     moves: dict[str, Any] = {}
     if compare(flat(deployed), flat(target)).replaced:
@@ -871,6 +876,7 @@ def replay_deploy(
     ctx = dict(context) | ({"rollout.surge": surge} if surge else {})
     if surge:
         target = synth(ctx)
+        kept.append(target)
     times = NodeTimes({role: m * 60 for role, m in minutes.items()}, fails)
     drain = float(load_config(ctx).rollout.drain_s)
     state, done = deployed, []
