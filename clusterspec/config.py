@@ -18,7 +18,7 @@ from clusterspec.layout import Layout, compute_layout
 from clusterspec.sections.boot import SIGNAL_MARGIN_S, BootConfig
 from clusterspec.sections.capacity import CapacityConfig
 from clusterspec.sections.healing import HealingConfig
-from clusterspec.sections.network import NetworkConfig
+from clusterspec.sections.network import NetworkConfig, interface_endpoints
 from clusterspec.sections.observability import ObservabilityConfig
 from clusterspec.sections.proxy import ProxyKind
 from clusterspec.sections.rollout import RolloutConfig
@@ -215,6 +215,11 @@ class ClusterConfig(Frozen):
         if not self.serving.disaggregated:
             return None
         return self.serving.proxy.kind or ("vllm-router" if self.decode_instances > 1 else "toy")
+
+    @property
+    def endpoint_auth(self) -> str:
+        """Whether a /v1/ request needs an API key: serving.endpoint.auth, else keys wherever the API gate runs."""
+        return self.serving.endpoint.auth_for(self.proxy_kind)
 
     @property
     def proxy_kind_reason(self) -> str:
@@ -446,6 +451,8 @@ class ClusterConfig(Frozen):
                 "give the operator network as a CIDR or a prefix list, not both",
                 "unset one of proxy_ingress_cidr and proxy_ingress_prefix_list_id",
             )
+        e = self.serving.endpoint  # the layout's own errors come later: only TLS and PrivateLink ask for it here
+        e.check(gate=self.proxy_kind, recipe=self.recipe, load_balanced=bool(e.certificate_arn or e.allowed_principals) and self.load_balanced, region=self.region, partition=partition, plain_port=self.serving.proxy.port)  # fmt: skip
         if self.network.egress == "none":
             for field, ok in (
                 ("model.source", self.model.source == "s3"),
@@ -535,15 +542,3 @@ def _check_subnet_size(cfg: ClusterConfig) -> None:
             f"use a /{min(prefix, 28)} or larger subnet",
         )  # fmt: skip
 
-
-def interface_endpoints(cfg: ClusterConfig) -> tuple[str, ...]:
-    """The interface endpoints the stack makes without egress (one ENI each in the subnet): SSM, EC2 and Auto Scaling
-    for the members and self-reports, CloudFormation for a node's signal to its group, CloudWatch for telemetry."""
-    if not cfg.network.wants_ssm_endpoints:
-        return ()
-    # ec2: the members (and a node's own tags, for its signal); autoscaling: a node's report, the members' leaving instance.
-    members = ("ec2",) if any(cfg.layout.proxies) or cfg.wait_for_ready else ()
-    healing = ("autoscaling",) if cfg.healing.report_unhealthy or any(cfg.layout.proxies) else ()
-    # cloudformation: a node's verdict to its group (a surge's or a rollback's update waits for it), whatever the policy.
-    signal = ("cloudformation",) if cfg.wait_for_ready else ()
-    return ("ssm", "ssmmessages", "ec2messages", *members, *healing, *signal) + (("logs", "monitoring") if cfg.observability.enabled else ())

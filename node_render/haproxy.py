@@ -20,6 +20,9 @@ roll waits for it). gptoss-api changes both through the admin socket (API_SOCKET
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+from clusterspec.sections.endpoint import Endpoint
 from clusterspec.sections.proxy import REQUEST_TIMEOUT_MAX_S, Proxy
 from node_render.paths import ETC, RUN_DIR
 
@@ -34,6 +37,33 @@ API_CONFIG = f"{ETC}/haproxy.cfg"
 API_MAP = f"{RUN_DIR}/api.map"
 API_SOCKET = f"{RUN_DIR}/haproxy.sock"
 FLEET_HEADER = "X-Gptoss-Fleet"
+# The API keys (serving.endpoint.auth=keys), written by gptoss-keys from the cluster's secret: the sha256 of each valid
+# key (upper-case hex, HAProxy's `hex`) to its name, and the limits of the keys that have their own.
+KEYS_MAP = f"{RUN_DIR}/api-keys.map"
+KEY_RATE_MAP = f"{RUN_DIR}/api-key-rate.map"
+KEY_CONCURRENCY_MAP = f"{RUN_DIR}/api-key-concurrency.map"
+KEYS_STATE = f"{RUN_DIR}/api-keys.state"  # gptoss-keys: the digest of what it gave the gate last
+PER_KEY_TABLE = "per_key"
+# HAProxy's own HTTP log format (option httplog), with the key's name (never the key) before the request line.
+LOG_FORMAT = "%ci:%cp [%tr] %ft %b/%s %TR/%Tw/%Tc/%Tr/%Ta %ST %B %CC %CS %tsc %ac/%fc/%bc/%sc/%rc %sq/%bq key=%[var(txn.key_name)] %{+Q}r"
+
+
+@dataclass(frozen=True)
+class KeyCheck:
+    """What the gate checks of each /v1/ request: a valid key (401), its rate and its concurrency (429)."""
+
+    requests_per_s: int
+    concurrency: int
+    keys_map: str = KEYS_MAP
+    rate_map: str = KEY_RATE_MAP
+    concurrency_map: str = KEY_CONCURRENCY_MAP
+
+    @classmethod
+    def of(cls, endpoint: Endpoint) -> KeyCheck:
+        return cls(requests_per_s=endpoint.key_requests_per_s, concurrency=endpoint.key_concurrency)
+
+    def files(self) -> tuple[str, str, str]:
+        return self.keys_map, self.rate_map, self.concurrency_map
 BODY_MARGIN = 64 * 1024
 MAX_REWRITE = 16 * 1024  # of each buffer, what HAProxy keeps free to add headers
 # What a retry is for (HAProxy's retry-on): a connection to the router that failed, no answer or a
@@ -74,8 +104,10 @@ def api_gate_config(
     router_host: str = "127.0.0.1",
     api_map: str = API_MAP,
     socket: str = API_SOCKET,
+    keys: KeyCheck | None = None,
 ) -> str:
-    """haproxy.cfg of a router node: `bind` HOST:PORT for clients, the router at router_host:router_port (loopback on a node)."""
+    """haproxy.cfg of a router node: `bind` HOST:PORT for clients, the router at router_host:router_port (loopback on a
+    node); with `keys`, every /v1/ request needs a valid API key and stays within its key's limits."""
     g = proxy.gate
     cap = body_cap(proxy, max_model_len)
     paths = sorted({p for _, p in API_ROUTES})
@@ -98,10 +130,13 @@ def api_gate_config(
         "defaults",
         "    mode http",
         "    log global",
-        "    option httplog",
+        # With keys, HAProxy's own HTTP log format and each request's key name (LOG_FORMAT).
+        *([f'    log-format "{LOG_FORMAT}"'] if keys else ["    option httplog"]),
         "    option dontlognull",
         # Only what went wrong (an error, a retry, a timeout, a refusal) is logged: a line per request costs CPU the router needs.
         "    option dontlog-normal",
+        # ... at the level err, which the log's notice level lets through (HAProxy logs traffic at info otherwise, and drops it here).
+        "    option log-separate-errors",
         f"    timeout http-request {g.head_timeout_s}s",
         "    timeout http-keep-alive 60s",
         f"    timeout client {g.idle_timeout_s}s",
@@ -118,6 +153,7 @@ def api_gate_config(
         "backend retry_budget",
         "    stick-table type integer size 1 expire 60s store http_req_rate(10s),http_fail_rate(10s)",
         "",
+        *(_key_table() if keys else []),
         "frontend api",
         f"    bind {bind}",
         f"    maxconn {g.max_connections}",
@@ -130,6 +166,7 @@ def api_gate_config(
         "    http-request set-var(txn.readiness) bool(true) if readiness",
         f"    http-request return status 404 content-type application/json string '{_json(404, 'not served here (only the OpenAI API and the health routes)')}' if !known_path",
         f"    http-request return status 405 content-type application/json string '{_json(405, 'method not served on this path')}' if !{{ var(txn.api_route) -m bool }}",
+        *(_key_rules(keys) if keys else []),
         f"    http-request return status 413 content-type application/json string '{_json(413, f'request body over {cap} bytes')}' if {{ req.hdr_val(content-length) gt {cap} }}",
         # Draining before a Capacity Block's end: nothing new is taken (readiness included), what runs ends.
         f"    acl draining str(drain),map({api_map},0) -m str 1",
@@ -161,9 +198,40 @@ def api_gate_config(
     return "\n".join(lines)
 
 
-def api_gate_unit(proxy: Proxy, *, bin_dir: str, restart_sec: int) -> dict[str, object]:
+def _key_table() -> list[str]:
+    """One entry per key name: its rate and concurrency (the limits), its counts (gptoss-telemetry publishes them)."""
+    return [
+        f"backend {PER_KEY_TABLE}",
+        "    stick-table type string len 64 size 10k expire 24h store http_req_rate(1s),conn_cur,http_req_cnt,http_fail_cnt,bytes_out_cnt,gpc0",
+        "",
+    ]
+
+
+def _key_rules(k: KeyCheck) -> list[str]:
+    """A /v1/ request without `Authorization: Bearer <a valid key>` is answered 401 (WWW-Authenticate: Bearer) here; one
+    over its key's rate or concurrency 429 with Retry-After: 1. The key never goes further than the gate: the router and
+    the logs see its name alone."""
+    bearer = "{ req.fhdr(authorization),word(1,' ') -m str -i bearer }"
+    return [
+        "    acl api_call path_beg /v1/",
+        f"    http-request set-var(txn.key_name) req.fhdr(authorization),word(2,' '),sha2(256),hex,map({k.keys_map}) if api_call {bearer}",
+        f"    http-request return status 401 content-type application/json string '{_json(401, 'a valid API key is required: Authorization: Bearer <key>')}' hdr WWW-Authenticate Bearer if api_call !{{ var(txn.key_name) -m found }}",
+        f"    http-request track-sc1 var(txn.key_name) table {PER_KEY_TABLE} if api_call",
+        f"    http-request set-var(txn.key_rate) var(txn.key_name),map_str_int({k.rate_map},{k.requests_per_s}) if api_call",
+        f"    http-request set-var(txn.key_concurrency) var(txn.key_name),map_str_int({k.concurrency_map},{k.concurrency}) if api_call",
+        "    acl key_over_rate sc_http_req_rate(1),sub(txn.key_rate) gt 0",
+        "    acl key_over_concurrency sc_conn_cur(1),sub(txn.key_concurrency) gt 0",
+        # Each refusal counted in the key's gpc0 (its Limited count, published with its requests).
+        "    http-request sc-inc-gpc0(1) if api_call key_over_rate || api_call key_over_concurrency",
+        f"    http-request return status 429 content-type application/json string '{_json(429, 'over this API key requests per second; retry')}' hdr Retry-After 1 if api_call key_over_rate",
+        f"    http-request return status 429 content-type application/json string '{_json(429, 'over this API key concurrent requests; retry')}' hdr Retry-After 1 if api_call key_over_concurrency",
+        "    http-request del-header Authorization",
+    ]
+
+
+def api_gate_unit(proxy: Proxy, *, bin_dir: str, restart_sec: int, keys: bool = False) -> dict[str, object]:
     """The values of gptoss-api.service's template (userdata/units)."""
-    return {
+    return {"keys": keys,
         "bin": bin_dir, "version": proxy.gate.haproxy_version, "port": proxy.port, "router_port": proxy.router.internal_port,
         "config": API_CONFIG, "open_files": open_files(proxy),
         "backoff_s": proxy.restart_backoff_s, "backoff_max_s": proxy.restart_backoff_max_s,

@@ -78,6 +78,8 @@ HOSTS_FILE = "/etc/hosts"
 # stack's one SSM parameter (router_parameter), copied here by gptoss-members. Neither is in a
 # node's user data, so a router setting or a new member replaces no instance.
 ROUTER_FLEET = f"{RUN_DIR}/router-fleet"
+# Which secret a router node reads its API keys from (gptoss-keys).
+KEYS_ENV = f"{ETC}/keys.env"
 NIXL_ENV = f"{RUN_DIR}/nixl.env"
 # Behind vLLM's router, a node's servers leave the routers before gptoss-apply restarts them: while this
 # file exists, each answers its health route 503 (the middleware DRAIN_MODULE, which vLLM loads from BIN).

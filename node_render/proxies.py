@@ -7,6 +7,7 @@ from clusterspec.config import ClusterConfig
 from clusterspec.layout import Node, ProxyPlacement
 from clusterspec.names import decode_node, host_var
 from clusterspec.sections.boot import RESTART_SEC
+from clusterspec.sections.endpoint import keys_secret_name
 from clusterspec.sections.proxy import REQUEST_TIMEOUT_MAX_S
 from node_render.command_lines import (
     health_url,
@@ -17,11 +18,13 @@ from node_render.command_lines import (
     router_program,
     router_settings,
 )
-from node_render.haproxy import API_CONFIG, api_gate_config, api_gate_unit, open_files
+from node_render.haproxy import API_CONFIG, KeyCheck, api_gate_config, api_gate_unit, open_files
 from node_render.node_files import NodeRender, Service, exec_line, served, unit_file, unit_limits
 from node_render.paths import (
+    CLUSTER_ENV,
     DEPLOY_ENV,
     HAPROXY_ENV,
+    KEYS_ENV,
     MEMBERS_ENV,
     ROUTER_ENV,
     ROUTER_FLEET,
@@ -133,9 +136,21 @@ def render_router(cfg: ClusterConfig, node: Node, proxy: ProxyPlacement, out: No
     if s.proxy.gate.packages:
         packages = " ".join(f"{package_object_key(p.sha256)}:{p.sha256}:{p.file}" for p in s.proxy.gate.packages)
         out.files[HAPROXY_ENV] = (env_file({"GPTOSS_HAPROXY_PACKAGES": packages}), 0o644)
+    keys = KeyCheck.of(s.endpoint) if cfg.endpoint_auth == "keys" else None
     out.shared[API_CONFIG] = (api_gate_config(s.proxy, max_model_len=s.shape.max_model_len, bind=f"{s.proxy.bind_host}:{s.proxy.port}",
-                                              router_port=r.internal_port), 0o644)  # fmt: skip
-    out.files[f"{UNIT_DIR}/gptoss-api.service"] = unit_file("gptoss-api.service", **api_gate_unit(s.proxy, bin_dir=bin_dir, restart_sec=RESTART_SEC))
+                                              router_port=r.internal_port, keys=keys), 0o644)  # fmt: skip
+    out.files[f"{UNIT_DIR}/gptoss-api.service"] = unit_file(
+        "gptoss-api.service", **api_gate_unit(s.proxy, bin_dir=bin_dir, restart_sec=RESTART_SEC, keys=keys is not None)
+    )
+    if keys:
+        # The API keys: this secret, read again every keys_refresh_s (gptoss-keys.timer).
+        secret = s.endpoint.keys_secret_arn or keys_secret_name(cfg.cluster_name)
+        # The same on every router node: shipped with the gate's configuration, not in each node's user data.
+        out.shared[KEYS_ENV] = (env_file({"GPTOSS_KEYS_SECRET": secret}), 0o644)
+        out.shared[f"{UNIT_DIR}/gptoss-keys.service"] = unit_file("gptoss-keys.service", bin=bin_dir, secret=secret, cluster_env=CLUSTER_ENV, keys_env=KEYS_ENV)
+        out.shared[f"{UNIT_DIR}/gptoss-keys.timer"] = unit_file("gptoss-keys.timer", refresh_s=s.endpoint.keys_refresh_s)
+        out.units.append("gptoss-keys.timer")
+        out.wants.append("gptoss-keys.timer")
     # Its environment: deploy.env (this node's own address); gptoss-install-router reads router.env (its wheel).
     effective = [*served(argv), *router_settings(cfg), *pool_args]
     out.services.append(Service("gptoss-proxy.service", {host_var(node.name): f"<{node.name}>"}, effective, waits=("the router's venv",)))

@@ -344,7 +344,7 @@ def render_node(cfg: ClusterConfig, layout: Layout, node: Node, *, bin_dir: str 
     _render_drain(cfg, node, out)
     out.files[f"{UNIT_DIR}/{NODE_TARGET}"] = unit_file(NODE_TARGET, node=node.name, wants=out.wants)
     out.files[HEALTH_FILE] = (health_file(cfg, out), 0o644)
-    out.scripts = _needed_scripts(out.files, save_cache=cfg.compile_cache_enabled, in_place=cfg.rollout.software == "in-place")
+    out.scripts = _needed_scripts(out.files | out.shared, save_cache=cfg.compile_cache_enabled, in_place=cfg.rollout.software == "in-place")
     scripts = shipped_scripts()
     for name in sorted(out.scripts & NODE_SCRIPTS):
         out.files[f"{bin_dir}/{name}"] = (scripts[name], 0o755)

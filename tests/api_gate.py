@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from clusterspec.sections.proxy import Proxy
-from node_render.haproxy import api_gate_config
+from node_render.haproxy import KeyCheck, api_gate_config
 from tests.conftest import ROOT
 
 API_CTL = ROOT / "userdata" / "bin" / "gptoss-api"
@@ -70,16 +70,19 @@ def start_gate(
     router_port: int,
     router_host: str = "127.0.0.1",
     max_model_len: int = 10240,
+    keys: KeyCheck | None = None,
 ) -> Gate:
     """HAProxy in the foreground (-db) with the rendered configuration; returns once it accepts connections."""
     folder.mkdir(parents=True, exist_ok=True)
     socket_dir = Path(tempfile.mkdtemp(prefix="gptoss-gate-", dir="/tmp"))
     cfg = api_gate_config(proxy, max_model_len=max_model_len, bind=f"{host}:{port}", router_port=router_port, router_host=router_host,
-                          api_map=str(folder / "api.map"), socket=str(socket_dir / "haproxy.sock"))  # fmt: skip
+                          api_map=str(folder / "api.map"), socket=str(socket_dir / "haproxy.sock"), keys=keys)  # fmt: skip
     (folder / "haproxy.cfg").write_text(cfg)
     if not (folder / "api.map").exists():
         # As the unit's ExecStartPre makes it: the node's own script.
         env = {**os.environ, "GPTOSS_API_MAP": str(folder / "api.map"), "GPTOSS_API_SOCKET": str(socket_dir / "haproxy.sock")}
+        if keys:
+            env |= {"GPTOSS_KEYS_MAP": keys.keys_map, "GPTOSS_KEY_RATE_MAP": keys.rate_map, "GPTOSS_KEY_CONCURRENCY_MAP": keys.concurrency_map}
         subprocess.run(["python3", str(API_CTL), "init"], env=env, check=True, timeout=30)
     log = (folder / "haproxy.log").open("ab")
     proc = subprocess.Popen([haproxy(), "-db", "-f", str(folder / "haproxy.cfg")], stdout=log, stderr=subprocess.STDOUT)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import ipaddress
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import Field, ValidationInfo, field_validator, model_validator
 
@@ -126,3 +126,17 @@ class NetworkConfig(Frozen):
                     "pick disjoint blocks",
                 )
         return self
+
+
+def interface_endpoints(cfg: Any) -> tuple[str, ...]:  # a ClusterConfig (which imports this module)
+    """The interface endpoints the stack makes without egress (one ENI each in the subnet): SSM, EC2 and Auto Scaling
+    for the members and self-reports, CloudFormation for a node's signal to its group, CloudWatch for telemetry."""
+    if not cfg.network.wants_ssm_endpoints:
+        return ()
+    # ec2: the members (and a node's own tags, for its signal); autoscaling: a node's report, the members' leaving instance.
+    members = ("ec2",) if any(cfg.layout.proxies) or cfg.wait_for_ready else ()
+    healing = ("autoscaling",) if cfg.healing.report_unhealthy or any(cfg.layout.proxies) else ()
+    # cloudformation: a node's verdict to its group (a surge's or a rollback's update waits for it), whatever the policy.
+    signal = ("cloudformation",) if cfg.wait_for_ready else ()
+    keys = ("secretsmanager",) if cfg.endpoint_auth == "keys" else ()  # the router nodes read the API keys
+    return ("ssm", "ssmmessages", "ec2messages", *members, *healing, *signal, *keys) + (("logs", "monitoring") if cfg.observability.enabled else ())

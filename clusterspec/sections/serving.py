@@ -10,6 +10,7 @@ from pydantic import Field, ValidationInfo, field_validator, model_validator
 from clusterspec import validate
 from clusterspec.base import Frozen
 from clusterspec.errors import rule_error
+from clusterspec.sections.endpoint import Endpoint
 from clusterspec.sections.flags import COMMON_ENV, EnvSetting, check_env, drop_removed, repo_path, route_path
 from clusterspec.sections.proxy import Proxy
 from clusterspec.sections.servers import Decode, Prefill, Server, Shape
@@ -74,6 +75,7 @@ class Serving(Frozen):
     server: Server = Field(default_factory=Server)
     common_env: dict[str, EnvSetting] = Field(default_factory=lambda: dict(COMMON_ENV))
     proxy: Proxy = Field(default_factory=Proxy)
+    endpoint: Endpoint = Field(default_factory=Endpoint)
     bench: Bench = Field(default_factory=Bench)
 
     _common_env = field_validator("common_env", mode="before")(classmethod(lambda cls, v: drop_removed(v)))

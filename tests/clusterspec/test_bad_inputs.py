@@ -344,6 +344,21 @@ BAD_INPUTS: list[tuple[str, dict[str, Any], list[str]]] = [
         "set rollout.drain_s to 70 or more, or lower healing.members_poll_s"),
     row("surge mode misspelled", {"rollout.surge": "yes"}, "rollout.surge='yes'", "'auto', 'on' or 'off'", "rollout.surge"),
     row("20B checkpoint in the 120B recipe", {"serving": {"model_id": "acme/GPT-OSS-20B-tuned"}}, "serving.model_id='acme/GPT-OSS-20B-tuned'", "sized for 120B", "or a checkpoint of the recipe's size"),
+    # -- who may call the model (serving.endpoint)
+    row("keys where no gate runs", {"serving.endpoint.auth": "keys"}, "serving.endpoint.auth='keys'", "the toy proxy has no API gate to check keys", "set serving.proxy.kind=vllm-router, or serving.endpoint.auth=none"),
+    row("keys on a single-instance recipe", {"recipe": "gptoss-20b-single", "serving.endpoint.auth": "keys"}, "serving.endpoint.auth='keys'", "single server has no API gate", "serving.endpoint.auth=none"),
+    row("a keys secret no key is checked against", {"serving.endpoint.keys_secret_arn": "arn:aws:secretsmanager:us-east-2:123456789012:secret:keys"}, "serving.endpoint.keys_secret_arn=", "no key is checked", "remove keys_secret_arn"),
+    row("a keys secret of another region", {"serving.proxy.kind": "vllm-router", "serving.endpoint.keys_secret_arn": "arn:aws:secretsmanager:eu-west-1:123456789012:secret:keys"}, "serving.endpoint.keys_secret_arn=", "uses Secrets Manager in us-east-2", "replicate it in us-east-2"),
+    row("a certificate without a load balancer", {"serving.endpoint.certificate_arn": "arn:aws:acm:us-east-2:123456789012:certificate/11111111-2222-3333-4444-555555555555"}, "serving.endpoint.certificate_arn=", "this cluster has none", "set proxy_load_balancer=true"),
+    row("a certificate of another region", {"decode_instances": "8", "serving.endpoint.certificate_arn": "arn:aws:acm:us-west-2:123456789012:certificate/11111111-2222-3333-4444-555555555555"}, "serving.endpoint.certificate_arn=", "uses ACM in us-east-2", "give that ARN"),
+    row("a certificate that is not an ACM ARN", {"serving.endpoint.certificate_arn": "arn:aws:iam::123456789012:server-certificate/x"}, "serving.endpoint.certificate_arn=", "should match pattern", "set `serving.endpoint.certificate_arn`"),
+    row("a TLS policy that offers TLS 1.0", {"serving.endpoint.tls_policy": "ELBSecurityPolicy-2016-08"}, "serving.endpoint.tls_policy='ELBSecurityPolicy-2016-08'", "is not a TLS 1.3/1.2-only policy", "use one of ELBSecurityPolicy-TLS13-1-2-2021-06"),
+    row("the TLS port on the plain port", {"decode_instances": "8", "serving.endpoint.certificate_arn": "arn:aws:acm:us-east-2:123456789012:certificate/11111111-2222-3333-4444-555555555555", "serving.endpoint.tls_port": "8000"}, "serving.endpoint.tls_port=8000", "is the plain port", "a port of its own (443)"),
+    row("no listener at all", {"serving.endpoint.plain_port": "false"}, "serving.endpoint.plain_port=false", "the only listener", "set serving.endpoint.certificate_arn"),
+    row("any account, unasked", {"serving.endpoint.allowed_principals": '["*"]', "serving.endpoint.acceptance_required": "false"}, "serving.endpoint.acceptance_required=false", "any AWS account could connect", "keep acceptance_required=true"),
+    row("a principal that is not an IAM ARN", {"serving.endpoint.allowed_principals": '["210987654321"]'}, "serving.endpoint.allowed_principals='210987654321'", "is not an IAM principal ARN", "give arn:aws:iam::<account>:root"),
+    row("PrivateLink without a load balancer", {"serving.endpoint.allowed_principals": '["arn:aws:iam::210987654321:root"]'}, "serving.endpoint.allowed_principals=", "this cluster has none", "set proxy_load_balancer=true"),
+    row("a refresh slower than a minute", {"serving.endpoint.keys_refresh_s": "300"}, "serving.endpoint.keys_refresh_s='300'", "less than or equal to 60", "lower `serving.endpoint.keys_refresh_s`"),
 ]
 
 

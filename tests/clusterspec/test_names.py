@@ -97,7 +97,8 @@ DEFINED = {
     paths.CLUSTER_ENV, paths.DEPLOY_ENV, paths.SIGNAL_ENV, paths.MANIFEST, paths.UNITS_FILE, paths.HEALTH_FILE,
     paths.TELEMETRY_CONFIG, paths.ROUTER_FLEET, paths.MEMBERS_ENV, paths.NIXL_ENV, paths.BUNDLE, paths.RESTARTS_FILE,
     paths.SOFTWARE_DIR, paths.SOFTWARE_VERSION, paths.DRAIN_ENV, paths.SERVERS_DRAINING, paths.ROUTER_ENV, paths.HAPROXY_PACKAGES_DIR, paths.HAPROXY_ENV,
-    haproxy.API_CONFIG, haproxy.API_MAP, haproxy.API_SOCKET,
+    haproxy.API_CONFIG, haproxy.API_MAP, haproxy.API_SOCKET, haproxy.KEYS_MAP, haproxy.KEY_RATE_MAP, haproxy.KEY_CONCURRENCY_MAP,
+    haproxy.KEYS_STATE,
 }  # fmt: skip
 
 
@@ -118,6 +119,13 @@ def test_every_node_path_a_script_names_is_the_one_python_defines() -> None:
         ("gptoss-drain", "GPTOSS_DRAIN_ENV"): paths.DRAIN_ENV,
         ("gptoss-drain", "GPTOSS_DRAIN_FILE"): paths.SERVERS_DRAINING,
         ("gptoss-apply", "GPTOSS_TELEMETRY_CONFIG"): paths.TELEMETRY_CONFIG,
+        ("gptoss-keys", "GPTOSS_KEYS_MAP"): haproxy.KEYS_MAP,
+        ("gptoss-keys", "GPTOSS_KEY_RATE_MAP"): haproxy.KEY_RATE_MAP,
+        ("gptoss-keys", "GPTOSS_KEY_CONCURRENCY_MAP"): haproxy.KEY_CONCURRENCY_MAP,
+        ("gptoss-keys", "GPTOSS_KEYS_STATE"): haproxy.KEYS_STATE,
+        ("gptoss-api", "GPTOSS_KEYS_MAP"): haproxy.KEYS_MAP,
+        ("gptoss-api", "GPTOSS_KEY_RATE_MAP"): haproxy.KEY_RATE_MAP,
+        ("gptoss-api", "GPTOSS_KEY_CONCURRENCY_MAP"): haproxy.KEY_CONCURRENCY_MAP,
     }
     for (script, var), want in defaults.items():
         text = (BIN / script).read_text()

@@ -140,8 +140,8 @@ def test_every_command_is_a_module_of_its_own() -> None:
     parser = build_parser()
     sub = next(a for a in parser._actions if a.dest == "command")
     names = sorted(sub.choices)  # type: ignore[arg-type]
-    assert names == sorted(["plan", "recipes", "preflight", "blocks", "pin-ami", "deploy", "destroy", "diff", "status", "wait-ready", "bench", "size",
-                            "save-cache", "local"])  # fmt: skip
+    assert names == sorted(["plan", "recipes", "preflight", "blocks", "pin-ami", "deploy", "destroy", "diff", "status", "wait-ready", "keys", "bench",
+                            "size", "save-cache", "local"])  # fmt: skip
     assert sorted(c.__name__.rsplit(".", 1)[1].replace("_", "-") for c in COMMANDS) == names
 
 

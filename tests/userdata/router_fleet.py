@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import http.client
 import http.server
 import json
@@ -21,6 +23,7 @@ from typing import Any
 
 from clusterspec.loading import load_config
 from node_render import telemetry
+from node_render.haproxy import KeyCheck
 from node_render.render import render_cluster
 from tests.api_gate import Gate, start_gate
 from tests.conftest import ROOT, private_etc, with_etc
@@ -114,11 +117,13 @@ def _substitute(argv: list[str], names: dict[str, str]) -> list[str]:
 
 
 def _fleet(kind: str, tmp: Path, router_venv: Path | None, prefill_ms: float = PREFILL_MS, decode_ms: float = DECODE_MS,
-           overrides: dict[str, Any] | None = None, server_args: dict[str, list[str]] | None = None, drain: bool = False) -> Fleet:  # fmt: skip
+           overrides: dict[str, Any] | None = None, server_args: dict[str, list[str]] | None = None, drain: bool = False,
+           keys: dict[str, str] | None = None) -> Fleet:  # fmt: skip
     """Start the fake servers and the rendered proxies or routers of a 2-decode, 6-replica fleet, each router behind its
     node's API gate (clients reach the gate; the router listens on its node's address at its internal port).
     `overrides` change the spec (the benchmarks' policies); `server_args` add flags of the fake servers by role;
-    `drain`: each server runs the plan's drain middleware (its --middleware and environment), with its own drain file."""
+    `drain`: each server runs the plan's drain middleware (its --middleware and environment), with its own drain file;
+    `keys` ({name: key}): each gate checks them (serving.endpoint's limits), as gptoss-keys leaves its maps."""
     cfg = _cfg(kind, overrides)
     extra = server_args or {}
     s = cfg.serving
@@ -171,7 +176,16 @@ def _fleet(kind: str, tmp: Path, router_venv: Path | None, prefill_ms: float = P
             argv[argv.index("--host") + 1] = ip
             if kind == "vllm-router":
                 # The node's API gate: HAProxy with the rendered configuration, in front of the router.
-                fleet.gates[r.node.name] = start_gate(tmp / f"gate-{r.node.name}", s.proxy, host=ip, port=s.proxy.port, router_host=ip,
+                folder = tmp / f"gate-{r.node.name}"
+                check = None
+                if keys:
+                    folder.mkdir(parents=True, exist_ok=True)
+                    check = dataclasses.replace(KeyCheck.of(s.endpoint), keys_map=str(folder / "k.map"), rate_map=str(folder / "r.map"),
+                                                concurrency_map=str(folder / "c.map"))  # fmt: skip
+                    (folder / "k.map").write_text("".join(f"{hashlib.sha256(k.encode()).hexdigest().upper()} {n}\n" for n, k in keys.items()))
+                    (folder / "r.map").write_text("")
+                    (folder / "c.map").write_text("")
+                fleet.gates[r.node.name] = start_gate(folder, s.proxy, host=ip, port=s.proxy.port, router_host=ip, keys=check,
                                                       router_port=s.proxy.router.internal_port, max_model_len=s.shape.max_model_len)  # fmt: skip
             env = dict(os.environ)
             if kind == "vllm-router":

@@ -294,8 +294,16 @@ def test_a_production_router_nodes_gate_is_valid_haproxy_with_limits_sized_for_i
     assert "if { req.hdr_val(content-length) gt 229376 }" in cfg, "the body cap: 10,240 tokens x 16 B + 64 KiB"
     settings = router_settings(spec)
     assert settings[settings.index("--max-payload-size") + 1] == "229376", "the router caps any body, a chunked one too, the same"
+    # API keys, the production layout's default: a valid key, its rate and concurrency, 401/429 otherwise.
+    assert "http-request return status 401" in cfg and "hdr WWW-Authenticate Bearer" in cfg and "map(/run/gptoss/api-keys.map)" in cfg
+    assert "map_str_int(/run/gptoss/api-key-rate.map,20)" in cfg and "map_str_int(/run/gptoss/api-key-concurrency.map,256)" in cfg
+    assert "/etc/systemd/system/gptoss-keys.timer" in r.shared and "OnUnitInactiveSec=30" in r.shared["/etc/systemd/system/gptoss-keys.timer"][0]
+    assert r.shared["/etc/gptoss/keys.env"][0] == "GPTOSS_KEYS_SECRET=gptoss/gptoss-prod/api-keys\n"
     (tmp_path / "api.map").write_text("lame 0\nfleet none\n")
     local = cfg.replace("/run/gptoss/api.map", str(tmp_path / "api.map")).replace("/run/gptoss/haproxy.sock", str(tmp_path / "s.sock"))
+    for name in ("api-keys.map", "api-key-rate.map", "api-key-concurrency.map"):
+        (tmp_path / name).write_text("")
+        local = local.replace(f"/run/gptoss/{name}", str(tmp_path / name))
     (tmp_path / "haproxy.cfg").write_text(local)
     check = subprocess.run([haproxy(), "-c", "-f", str(tmp_path / "haproxy.cfg")], capture_output=True, text=True, timeout=60)
     assert check.returncode == 0, check.stdout + check.stderr

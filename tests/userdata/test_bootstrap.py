@@ -191,9 +191,12 @@ def test_the_software_asset_holds_every_other_file_and_script_any_node_runs() ->
         scripts = {p: f for p, f in asset.items() if p not in shared and not p.startswith("/nodes/")}
         assert {p.rsplit("/", 1)[1] for p in scripts} == needed
         assert all(mode == 0o755 and text == node_script(p.rsplit("/", 1)[1]) for p, (text, mode) in scripts.items())
-        # The API gate's configuration, the same on every router node, travels once, not with each node's files.
+        # The API gate's configuration and its keys' reader (a router layout checks keys by default), the same on every
+        # router node, travel once, not with each node's files.
         assert {p: asset[p] for p in shared} == shared
-        assert set(shared) == ({"/etc/gptoss/haproxy.cfg"} if any("gptoss-api.service" in r.units for r in renders(layout)) else set())
+        gated = any("gptoss-api.service" in r.units for r in renders(layout))
+        keys = {"/etc/gptoss/keys.env", "/etc/systemd/system/gptoss-keys.service", "/etc/systemd/system/gptoss-keys.timer"}
+        assert set(shared) == ({"/etc/gptoss/haproxy.cfg"} | keys if gated else set())
         for r in renders(layout):
             manifest = r.files["/etc/gptoss/manifest"][0].split()
             assert all(p in manifest for p in r.shared) and all(p not in r.files for p in r.shared), r.node.name

@@ -91,12 +91,17 @@ def test_the_readmes_first_request_is_answered_through_the_router_and_its_gate(r
     standing for the endpoint: through the API gate (HAProxy) and vLLM's router to the fake servers, a
     completion, a stream of events and the client's text and chunks; the model they name is the one the
     default stack's servers serve (its path on the nodes)."""
-    fleet = _fleet("vllm-router", tmp_path, router_venv, server_args={"decode": ["--stream-ms-per-token", "1"]})
+    key = "gk-readme-" + "k" * 40
+    fleet = _fleet("vllm-router", tmp_path, router_venv, server_args={"decode": ["--stream-ms-per-token", "1"]}, keys={"readme": key})
     try:
         host, port = fleet.endpoints[0]
         block = readme_first_request()
         assert block.count("http://localhost:8000") == 3, block
-        env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
+        # The gate takes only the cluster's keys (a router cluster's default): the block's default 'none' is refused.
+        unkeyed = subprocess.run(["curl", "-s", "-o", "/dev/null", "-w", "%{http_code}", f"http://{host}:{port}/v1/completions", "-H",
+                                  "Authorization: Bearer none", "-d", "{}"], capture_output=True, text=True, timeout=30)  # fmt: skip
+        assert unkeyed.stdout == "401", unkeyed
+        env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}", "GPTOSS_API_KEY": key}
         r = subprocess.run(["bash", "-euo", "pipefail", "-c", block.replace("http://localhost:8000", f"http://{host}:{port}")],
                            env=env, capture_output=True, text=True, timeout=120)  # fmt: skip
     finally:
