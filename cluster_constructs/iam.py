@@ -19,6 +19,7 @@ from aws_cdk import Acknowledgment, ArnFormat, Aws, Stack, Validations
 from aws_cdk import aws_iam as iam
 from constructs import Construct
 
+from cluster_constructs.api_keys import keys_secret_resources
 from clusterspec.config import ClusterConfig
 from clusterspec.names import holder_name
 from node_render import telemetry
@@ -170,7 +171,7 @@ class NodePolicy(Construct):
             writes = any(self.writes) or cache_uri is not None
             actions = ["kms:Decrypt"] + (["kms:GenerateDataKey"] if writes else [])
             statement = iam.PolicyStatement(actions=actions, resources=list(config.kms_key_arns))
-            services = ["s3"] + (["secretsmanager"] if config.model.hf_token_secret_arn else [])
+            services = ["s3"] + (["secretsmanager"] if config.model.hf_token_secret_arn or config.serving.endpoint.keys_secret_arn else [])
             via = [f"{s}.{config.region}.amazonaws.com" for s in services]
             statement.add_condition("StringEquals", {"kms:ViaService": via if len(via) > 1 else via[0]})
             self.add(statement)
@@ -278,6 +279,10 @@ class NodeIdentityRole(Construct):
         if router_fleet_arn:
             # The fleet's router settings and pool (gptoss-members): this one parameter, a String (no key to decrypt).
             statements.append(iam.PolicyStatement(actions=["ssm:GetParameter"], resources=[router_fleet_arn]))
+        keys = bool(router_fleet_arn) and config.endpoint_auth == "keys"
+        if keys:
+            # The API keys (gptoss-keys, on the router nodes alone): this one secret.
+            statements.append(iam.PolicyStatement(actions=["secretsmanager:GetSecretValue"], resources=keys_secret_resources(config)))
         self.role = iam.Role(
             self,
             "Role",
@@ -293,6 +298,14 @@ class NodeIdentityRole(Construct):
                 f"{telemetry.log_group(config)}:log-stream:{node}/*]",
                 f"Only this node's own log streams ({node}/<unit>) in the cluster's log group; no other node's.",
             )
+        if keys:
+            for resource in keys_secret_resources(config):
+                if resource.endswith("??????"):
+                    self.acknowledge(
+                        "AwsSolutions::AwsSolutions-IAM5[Resource::"
+                        + resource.replace(Aws.PARTITION, "<AWS::Partition>").replace(Aws.ACCOUNT_ID, "<AWS::AccountId>") + "]",
+                        "The cluster's one secret of API keys: IAM matches its full ARN, whose random six-character suffix its name lacks.",
+                    )
         if config.healing.report_unhealthy:
             self.acknowledge(
                 f"AwsSolutions::AwsSolutions-IAM5[Resource::arn:<AWS::Partition>:autoscaling:{config.region}:<AWS::AccountId>:autoScalingGroup:*:"

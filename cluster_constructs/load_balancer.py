@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
-from aws_cdk import Acknowledgment, Duration, Validations
+from aws_cdk import Acknowledgment, Annotations, Duration, Validations
 from aws_cdk import aws_ec2 as ec2
 from aws_cdk import aws_elasticloadbalancingv2 as elbv2
+from aws_cdk import aws_iam as iam
 from constructs import Construct
 
 from clusterspec.config import ClusterConfig
+
+# The idle timeout of a Network Load Balancer's TLS listener, which cannot be changed (a TCP listener's can).
+TLS_IDLE_TIMEOUT_S = 350
 
 
 class ProxyLoadBalancer(Construct):
@@ -54,11 +58,18 @@ class ProxyLoadBalancer(Construct):
         # A node's SSM port forward (and bench) opens connections to the NLB: in at the NLB, out of the cluster.
         self.group.add_ingress_rule(cluster_group, ec2.Port.tcp(port), "proxy endpoint, from the cluster (SSM forward, bench)")
         cluster_group.add_egress_rule(self.group, ec2.Port.tcp(port), "to the proxy endpoint (SSM forward, bench)")
+        endpoint = config.serving.endpoint
+        # With a certificate, the operator's network reaches the TLS port alone; the plain one stays for the cluster's own
+        # nodes (the SSM port forward), or is gone.
+        client_port = endpoint.tls_port if endpoint.certificate_arn else port
+        if endpoint.certificate_arn:
+            self.group.add_ingress_rule(cluster_group, ec2.Port.tcp(client_port), "TLS endpoint, from the cluster (SSM forward)")
+            cluster_group.add_egress_rule(self.group, ec2.Port.tcp(client_port), "to the TLS endpoint (SSM forward)")
         if config.proxy_ingress_cidr:
-            self.group.add_ingress_rule(ec2.Peer.ipv4(config.proxy_ingress_cidr), ec2.Port.tcp(port), "from the operator network")
+            self.group.add_ingress_rule(ec2.Peer.ipv4(config.proxy_ingress_cidr), ec2.Port.tcp(client_port), "from the operator network")
         if config.proxy_ingress_prefix_list_id:
             self.group.add_ingress_rule(
-                ec2.Peer.prefix_list(config.proxy_ingress_prefix_list_id), ec2.Port.tcp(port), "from the operator prefix list"
+                ec2.Peer.prefix_list(config.proxy_ingress_prefix_list_id), ec2.Port.tcp(client_port), "from the operator prefix list"
             )
         self.nlb = elbv2.NetworkLoadBalancer(
             self,
@@ -68,15 +79,46 @@ class ProxyLoadBalancer(Construct):
             vpc_subnets=ec2.SubnetSelection(subnets=[subnet]),
             security_groups=[self.group],
             cross_zone_enabled=False,
+            # PrivateLink: a consumer's interface endpoint connects from addresses of the consumer's VPC, which no rule
+            # here can name; who may connect is the endpoint service's allowed principals (and each key at the gate).
+            enforce_security_group_inbound_rules_on_private_link_traffic=False if endpoint.allowed_principals else None,
         )
-        listener = self.nlb.add_listener("Proxy", port=port, protocol=elbv2.Protocol.TCP)
         # A TCP flow the NLB sees idle for its idle timeout (350 s by default) is cut; a request may run
         # for the router's request timeout (1,800 s by default) before its first byte: the listener waits
         # that long and 30 s more (at most the NLB's 6,000 s).
         idle_s = min(6000, max(350, config.serving.proxy.router.request_timeout_s + 30))
-        cfn_listener = listener.node.default_child
-        assert isinstance(cfn_listener, elbv2.CfnListener)
-        cfn_listener.add_property_override("ListenerAttributes", [{"Key": "tcp.idle_timeout.seconds", "Value": str(idle_s)}])
+        listeners: list[elbv2.NetworkListener] = []
+        if endpoint.plain_port:
+            listeners.append(self.nlb.add_listener("Proxy", port=port, protocol=elbv2.Protocol.TCP))
+        if endpoint.certificate_arn:
+            # TLS ends here (the operator's ACM certificate, TLS 1.3/1.2 only); the nodes are reached in the VPC as before.
+            tls = self.nlb.add_listener(
+                "Tls", port=endpoint.tls_port, protocol=elbv2.Protocol.TLS,
+                certificates=[elbv2.ListenerCertificate.from_arn(endpoint.certificate_arn)],
+            )  # fmt: skip
+            cfn_tls = tls.node.default_child
+            assert isinstance(cfn_tls, elbv2.CfnListener)
+            cfn_tls.add_property_override("SslPolicy", endpoint.tls_policy)
+            listeners.append(tls)
+        # The TLS listener's idle timeout is 350 s and cannot be changed (ELB: "Update the TCP idle timeout"): the synth
+        # says so when a request may be silent longer (gptoss:tls-idle-timeout).
+        for listener in listeners[:1] if endpoint.plain_port else []:
+            cfn_listener = listener.node.default_child
+            assert isinstance(cfn_listener, elbv2.CfnListener)
+            cfn_listener.add_property_override("ListenerAttributes", [{"Key": "tcp.idle_timeout.seconds", "Value": str(idle_s)}])
+        if endpoint.certificate_arn and config.serving.proxy.router.request_timeout_s > TLS_IDLE_TIMEOUT_S:
+            Annotations.of(self).add_warning_v2(
+                "gptoss:tls-idle-timeout",
+                f"the load balancer's TLS listener cuts a connection silent for {TLS_IDLE_TIMEOUT_S} s (fixed by AWS), and a request "
+                f"may run {config.serving.proxy.router.request_timeout_s} s (serving.proxy.router.request_timeout_s): a client over TLS "
+                f"streams (stream=true sends each token as it comes), or its non-streamed requests end within {TLS_IDLE_TIMEOUT_S} s.",
+            )
+        if not endpoint.certificate_arn:
+            Annotations.of(self).add_warning_v2(
+                "gptoss:plain-endpoint",
+                "the endpoint is plain HTTP inside the VPC: prompts, answers and API keys cross the network in clear text. "
+                "For TLS give an ACM certificate: -c serving.endpoint.certificate_arn=arn:aws:acm:...",
+            )
         drain_s = min(3600, config.serving.proxy.router.request_timeout_s)  # the deregistration delay's maximum
         # No fixed targets: each proxy node's Auto Scaling group registers whichever instance holds the
         # node now (a replacement joins, the instance it replaces leaves).
@@ -106,8 +148,16 @@ class ProxyLoadBalancer(Construct):
         self.target_group.set_attribute(
             "target_health_state.unhealthy.draining_interval_seconds", str(config.serving.proxy.router.request_timeout_s)
         )
-        listener.add_target_groups("Proxies", self.target_group)
+        for listener in listeners:
+            listener.add_target_groups("Proxies", self.target_group)
         self.dns_name = self.nlb.load_balancer_dns_name
+        self.service: ec2.VpcEndpointService | None = None
+        if endpoint.allowed_principals:
+            # PrivateLink: clients in other VPCs and accounts create an interface endpoint to this service.
+            self.service = ec2.VpcEndpointService(
+                self, "Service", vpc_endpoint_service_load_balancers=[self.nlb], acceptance_required=endpoint.acceptance_required,
+                allowed_principals=[iam.ArnPrincipal(p) for p in endpoint.allowed_principals],
+            )  # fmt: skip
         Validations.of(self).acknowledge(
             Acknowledgment(
                 id="AwsSolutions::AwsSolutions-ELB2",

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import shlex
+import textwrap
 from typing import TYPE_CHECKING, Any
 
 from cluster_ops import common
@@ -88,6 +89,21 @@ def control_plane_lines(cfg: ClusterConfig) -> list[str]:
     return lines
 
 
+def endpoint_access(cfg: ClusterConfig, *, short: bool = False) -> str:
+    """Who may call the model and how (serving.endpoint): `plan`'s one line (short), or its --json's words."""
+    e = cfg.serving.endpoint
+    if short:
+        parts = ["API keys (gptoss keys)" if cfg.endpoint_auth == "keys" else
+                 "no key (serving.endpoint.auth=none)" if e.auth == "none" else f"no key: the {cfg.proxy_kind or 'single'} endpoint has no gate"]  # fmt: skip
+    else:
+        parts = [e.auth_reason(cfg.proxy_kind, cfg.cluster_name)]
+    if cfg.load_balanced:
+        parts.append(f"TLS on {e.tls_port}" if e.certificate_arn else "plain HTTP in the VPC")
+    if e.allowed_principals:
+        parts.append(f"PrivateLink for {len(e.allowed_principals)} principal{'s' * (len(e.allowed_principals) != 1)}")
+    return "; ".join(parts)
+
+
 def rollout_plan(cfg: ClusterConfig) -> dict[str, object]:
     """How a change that replaces every node of a role rolls: per role its lanes and batches, with or
     without surge, and the spare instances a surge runs beside the fleet (preflight counts them)."""
@@ -141,6 +157,7 @@ def summary(cfg: ClusterConfig, renders: list[NodeRender]) -> str:
             lines.append(f"    gate: HAProxy {g['haproxy']}, {g['retries']} retries before the first byte (500/502/504, no reply)")
             retried = f"retried up to {g['retried_bodies_up_to']:,} B" if g["retries"] else "never retried"
             lines.append(f"    bodies: {retried}, refused 413 over {g['body_cap']:,} B")
+        lines.append(f"    callers: {endpoint_access(cfg, short=True)}")
         lines += control_plane_lines(cfg)
     lines += pin_lines(cfg)
     lines.append(f"  idle cores: {sum(n.idle_cores for n in layout.nodes)}")
@@ -158,8 +175,6 @@ def summary(cfg: ClusterConfig, renders: list[NodeRender]) -> str:
         )
     lines.append("")
     billable = [f"{i.count:g} x {i.name}" if i.unit == "hour" else f"{i.name} x {len(layout.nodes)}" for i in cost.items(cfg)]
-    import textwrap
-
     lines += textwrap.wrap("billed by the hour: " + billable[0], 78, initial_indent="  ", subsequent_indent="      ")
     for b in billable[1:]:
         lines += textwrap.wrap(b, 78, initial_indent="    ", subsequent_indent="      ")
@@ -186,8 +201,6 @@ def pins(cfg: ClusterConfig) -> dict[str, str | None]:
 
 def pin_lines(cfg: ClusterConfig) -> list[str]:
     """The summary's lines on what is pinned (wrapped at 80 columns)."""
-    import textwrap
-
     p = pins(cfg)
     if cfg.model.source == "s3":
         lines = [f"model: {p['model']} (the copy there)"]
@@ -233,6 +246,8 @@ def plan_document(cfg: ClusterConfig, renders: list[NodeRender]) -> dict[str, An
             "nodes": len(layout.nodes), "prefill_nodes": len(layout.prefill_nodes), "decode_nodes": len(layout.decode_nodes),
             "prefill_replicas": len(layout.replicas), "proxies": len(layout.proxies), "idle_cores": sum(n.idle_cores for n in layout.nodes),
         },
+        "endpoint": {"auth": cfg.endpoint_auth, "why": endpoint_access(cfg), "tls": bool(cfg.serving.endpoint.certificate_arn),
+                     "private_link": list(cfg.serving.endpoint.allowed_principals)},
         "proxy": {"kind": cfg.proxy_kind, "why": cfg.proxy_kind_reason, "nodes": [p.node for p in layout.proxies],
                   "health_path": cfg.proxy_health_path} | ({"gate": gate_summary(cfg.serving.proxy, cfg.serving.shape.max_model_len)} if cfg.proxy_kind == "vllm-router" else {}),
         "control_plane": control_plane(cfg),
@@ -260,8 +275,6 @@ def _command_lines(argv: list[str], width: int) -> list[str]:
 def detail_lists(renders: list[NodeRender], width: int) -> None:
     """Every unit's environment and command line, as text that fits `width` columns (a long JSON
     value breaks at its spaces, which JSON ignores)."""
-    import textwrap
-
     for r in renders:
         print(f"{r.node.name} ({r.node.role}, {r.instance_type})")
         for s in r.services:
@@ -314,6 +327,7 @@ LEGEND = (
     ("proxy, why", "what routes a request to a prefill replica, then a decode server, and why"),
     ("gate", "HAProxy on each router node: passes only the OpenAI API, retries before the first byte"),
     ("bodies", "a request body up to this size is retried; over the cap it is refused 413"),
+    ("callers", "who may call the model: API keys at the router's gate (or none, and why), TLS at the load balancer, PrivateLink"),
     ("control plane", "health checks: every router checks every server each interval"),
     ("AWS calls/s", "members: each proxy node lists its peers (EC2, SSM) every healing.members_poll_s;"
                     " metrics: PutMetricData, one per node per observability.interval_s"),
@@ -331,8 +345,6 @@ LEGEND = (
 
 def legend(width: int = 78) -> str:
     """The summary's terms, one entry each, wrapped to the plan's 80 columns."""
-    import textwrap
-
     lines = ["terms:"]
     for term, meaning in LEGEND:
         lines += textwrap.wrap(f"{term}: {meaning}", width, initial_indent="  ", subsequent_indent="      ")

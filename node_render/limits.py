@@ -29,6 +29,12 @@ BASE_BYTES = 16_000
 BASE_RESOURCES = 40
 PER_RULE_BYTES = 400
 LOAD_BALANCER_BYTES = 12_000
+# serving.endpoint: the secret of API keys and its two outputs; a TLS listener and its output; an endpoint service,
+# its permissions and two outputs (the warnings' metadata besides).
+API_KEYS_BYTES, API_KEYS_RESOURCES, API_KEYS_OUTPUTS = 1_500, 1, 2
+TLS_BYTES, TLS_RESOURCES, TLS_OUTPUTS = 1_200, 1, 1
+PRIVATE_LINK_BYTES, PRIVATE_LINK_RESOURCES, PRIVATE_LINK_OUTPUTS = 1_500, 2, 2
+KEYS_GRANT_BYTES = 400  # a router node's role: its read of the secret of keys, and its finding acknowledged
 OBSERVABILITY_BYTES = 23_000  # log group, dashboard body, alarms (ReplacementHeld among them), the replacement rules
 OBSERVABILITY_RESOURCES = 13
 ALARM_TOPIC_BYTES = 3_000  # the stack's own alarm topic, its policy and its two outputs
@@ -168,11 +174,13 @@ def estimate(cfg: ClusterConfig) -> StackSize:
         per_lane = lanes[str(c.role)]
         return chained * PER_DEPENDENCY_BYTES * sum(p // per_lane for p in range(len(c.nodes)))
 
+    keys = cfg.endpoint_auth == "keys"
     # The template holds user data as text; CloudFormation base64-encodes it at deploy time.
     cell_sizes = tuple(
         TemplateSize(
             c.name, len(c.nodes), CELL_BASE_RESOURCES + len(c.nodes) * (PER_NODE_RESOURCES + gate_resources),
-            CELL_BASE_BYTES + sum(size_of[n.name] + per_node for n in c.nodes) + chain_bytes(c),
+            CELL_BASE_BYTES + sum(size_of[n.name] + per_node for n in c.nodes) + chain_bytes(c)
+            + (KEYS_GRANT_BYTES * sum(1 for n in c.nodes if any(p.kind == "vllm-router" for p in layout.proxies_on(n.name))) if keys else 0),
         )
         for c in cells(layout, cfg.cell_nodes)
     )  # fmt: skip
@@ -185,11 +193,17 @@ def estimate(cfg: ClusterConfig) -> StackSize:
     own_topic = obs.alarm_topic_arn is None
     roles = len({n.role for n in layout.nodes})
     in_place = cfg.rollout.software == "in-place"
+    e = cfg.serving.endpoint
+    endpoint = [(API_KEYS_BYTES, API_KEYS_RESOURCES, API_KEYS_OUTPUTS)] if cfg.endpoint_auth == "keys" and not e.keys_secret_arn else []
+    endpoint += [(0, 0, API_KEYS_OUTPUTS)] if cfg.endpoint_auth == "keys" and e.keys_secret_arn else []
+    endpoint += [(TLS_BYTES, TLS_RESOURCES, TLS_OUTPUTS - (0 if e.plain_port else 1))] if e.certificate_arn else []
+    endpoint += [(PRIVATE_LINK_BYTES, PRIVATE_LINK_RESOURCES, PRIVATE_LINK_OUTPUTS)] if e.allowed_principals else []
     return StackSize(
         nodes=len(layout.nodes),
         resources=BASE_RESOURCES + len(cell_sizes) + len(alarm_cells) + sg_rules + (OBSERVABILITY_RESOURCES if obs.enabled else 0)
-        + ((ALARM_TOPIC_RESOURCES + len(obs.alarm_emails)) if own_topic else 0) + 1 + ((1 + roles) if in_place else 0),
-        outputs=BASE_OUTPUTS + (2 if own_topic else 0),
+        + ((ALARM_TOPIC_RESOURCES + len(obs.alarm_emails)) if own_topic else 0) + 1 + ((1 + roles) if in_place else 0)
+        + sum(r for _, r, _ in endpoint),
+        outputs=BASE_OUTPUTS + (2 if own_topic else 0) + sum(o for _, _, o in endpoint),
         template_bytes=BASE_BYTES
         + PER_CELL_BYTES * len(cell_sizes)
         + ALARM_CELL_BYTES * len(alarm_cells)
@@ -198,7 +212,8 @@ def estimate(cfg: ClusterConfig) -> StackSize:
         + ((ALARM_TOPIC_BYTES + PER_EMAIL_BYTES * len(obs.alarm_emails)) if own_topic else 0)
         + (LOAD_BALANCER_BYTES if cfg.load_balanced else 0)
         + IN_PLACE_BYTES + (PER_ASSOCIATION_BYTES * roles if in_place else 0)
-        + _router_fleet_bytes(cfg),
+        + _router_fleet_bytes(cfg)
+        + sum(b for b, _, _ in endpoint),
         largest_user_data=max(size_of.values()) + url_growth,
         cells=cell_sizes,
         alarm_cells=alarm_cells,

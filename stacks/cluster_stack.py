@@ -17,6 +17,7 @@ from aws_cdk import aws_ec2 as ec2
 from constructs import Construct
 
 from cluster_constructs.alarm_topic import AlarmTopic
+from cluster_constructs.api_keys import ApiKeysSecret
 from cluster_constructs.cell import NodeCell, Shared
 from cluster_constructs.compile_cache import CompileCacheBucket
 from cluster_constructs.iam import CacheLocation
@@ -115,6 +116,8 @@ class GptOssClusterStack(Stack):
             locations = [cache.uri if cache else None, config.model.s3_uri, config.examples.s3_uri, config.results_s3_uri]
             buckets += sorted({u.removeprefix("s3://").partition("/")[0] for u in locations if u})
             network.restrict_endpoints(buckets=buckets)
+        if config.endpoint_auth == "keys" and not config.serving.endpoint.keys_secret_arn:
+            ApiKeysSecret(self, "ApiKeys", config=config)
         proxy_names = list(layout.endpoint_nodes)
         balancer = None
         if config.load_balanced:
@@ -183,6 +186,7 @@ class GptOssClusterStack(Stack):
         ClusterOutputs(
             self, "Outputs", config=config, proxy_nodes=proxy_names, endpoint_dns=balancer.dns_name if balancer else None,
             own_alarm_topic=own_topic.arn if own_topic else None,
+            endpoint_service=balancer.service.vpc_endpoint_service_name if balancer and balancer.service else None,
         )  # fmt: skip
         if config.observability.enabled:
             fleet = FleetObservability(

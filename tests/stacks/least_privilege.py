@@ -216,6 +216,11 @@ def expected(cfg: ClusterConfig, node: str, scripts_key: str, router_key: str | 
         out |= {("s3:GetObject", f"arn:aws:s3:::{ASSETS}/{package_object_key(p.sha256)}", _when(ASSETS)) for p in cfg.serving.proxy.gate.packages}
         # The fleet's router settings and pool: this one parameter.
         out.add(("ssm:GetParameter", f"arn:aws:ssm:{cfg.region}:{ACCOUNT}:parameter/gptoss/{cfg.cluster_name}/router", none))
+        if cfg.endpoint_auth == "keys":
+            # The API keys: the cluster's one secret (the stack's by its name; IAM matches the full ARN's random suffix).
+            given = cfg.serving.endpoint.keys_secret_arn
+            names = [given, f"{given}-??????"] if given else [f"arn:aws:secretsmanager:{cfg.region}:{ACCOUNT}:secret:gptoss/{cfg.cluster_name}/api-keys-??????"]
+            out |= {("secretsmanager:GetSecretValue", n, none) for n in names}
     return out
 
 
