@@ -111,6 +111,15 @@ def dashboard_body(cfg: ClusterConfig, *, region: str, lb: tuple[str, str] | Non
             metrics = [[_search(cfg, n, None, "Cluster,Node,Role", stat) | {"id": f"r{x}{i}"}] for i, n in enumerate(names)]
             widgets.append(_widget(title, metrics, x=8 * x, y=y, stat=stat))
         y += 6
+    if cfg.proxy_kind == "vllm-router" and cfg.endpoint_auth == "keys":
+        # Per API key, summed over the routers (a SEARCH: one line per key, however many keys).
+        for x, (title, names) in enumerate((
+            ("API keys: requests, refusals (429) and server errors per key", ("KeyRequests", "KeyLimited", "KeyServerErrors")),
+            ("API keys: bytes answered per key", ("KeyBytesOut",)),
+        )):  # fmt: skip
+            metrics = [[_search(cfg, n, None, "Cluster,Key", "Sum") | {"id": f"k{x}{i}"}] for i, n in enumerate(names)]
+            widgets.append(_widget(title, metrics, x=12 * x, y=y, width=12, stat="Sum"))
+        y += 6
     for role, label in roles:
         y = _grid(widgets, cfg, label, SERVER_GRAPHS, role, "Cluster,Node,Role,Server", y)
     _grid(widgets, cfg, "Per node", NODE_GRAPHS, None, "Cluster,Node,Role", y)

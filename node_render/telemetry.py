@@ -43,7 +43,7 @@ class Metric:
 
     name: str
     unit: str
-    scope: str  # "server": dims Cluster/Node/Role/Server; "node" and "router": Cluster/Node/Role; "cluster": Cluster
+    scope: str  # "server": dims Cluster/Node/Role/Server; "node" and "router": Cluster/Node/Role; "cluster": Cluster; "key": Cluster/Key
     source: str
 
 
@@ -80,6 +80,13 @@ ROUTER_METRICS = (
     Metric("RouterRequestMs", "Milliseconds", "router", "mean of vllm_router_pd_request_duration_seconds over the interval"),
     Metric("RouterErrorPercent", "Percent", "cluster", "errors / requests over the interval, on the worst router"),
 )
+# Each API key's use of one router node (serving.endpoint.auth=keys): the gate's per-key table, over the interval.
+KEY_METRICS = (
+    Metric("KeyRequests", "Count", "key", "requests sent with the key (refused ones included), from the gate's per_key table"),
+    Metric("KeyLimited", "Count", "key", "requests of the key answered 429 (over its rate or its concurrency)"),
+    Metric("KeyServerErrors", "Count", "key", "requests of the key answered 5xx"),
+    Metric("KeyBytesOut", "Bytes", "key", "bytes of the answers to the key's requests"),
+)
 CLUSTER_METRICS = (
     Metric("UnitsNotReady", "Count", "cluster", "units of the plan failed, starting, stopped or not answering (a oneshot that succeeded is done), on the worst node"),
     Metric("ServersDown", "Count", "cluster", "servers that answered earlier on this instance (a restart or a reboot remembers) and no longer do"),
@@ -90,7 +97,7 @@ CLUSTER_METRICS = (
 BLOCK_METRICS = (
     Metric("CapacityBlockHoursLeft", "Count", "cluster", "hours until EC2 starts reclaiming the node's Capacity Block (its end less 30 min)"),
 )
-ALL_METRICS = SERVER_METRICS + NODE_METRICS + ROUTER_METRICS + CLUSTER_METRICS + BLOCK_METRICS
+ALL_METRICS = SERVER_METRICS + NODE_METRICS + ROUTER_METRICS + KEY_METRICS + CLUSTER_METRICS + BLOCK_METRICS
 
 
 def log_group(cfg: ClusterConfig) -> str:
@@ -126,7 +133,8 @@ def node_config(cfg: ClusterConfig, node: Node, servers: list[dict[str, str]], u
         "servers": servers,
         "units": units,
         "efa": cfg.serving.disaggregated,
-        "metrics": [m.name for m in ALL_METRICS if (router_metrics_url or m not in ROUTER_METRICS) and (block or m not in BLOCK_METRICS)],
+        "metrics": [m.name for m in ALL_METRICS if (router_metrics_url or m not in ROUTER_METRICS) and (block or m not in BLOCK_METRICS)
+                    and ((router_metrics_url and cfg.endpoint_auth == "keys") or m not in KEY_METRICS)],
         "restart_metric": RESTART_METRIC,
     }
     if router_metrics_url:

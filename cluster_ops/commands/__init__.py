@@ -13,6 +13,7 @@ from cluster_ops.commands import (
     deploy,
     destroy,
     diff,
+    keys,
     local,
     pin_ami,
     plan,
@@ -25,4 +26,4 @@ from cluster_ops.commands import (
 )
 
 # The order `gptoss --help` lists them in.
-COMMANDS = (plan, recipes, preflight, blocks, pin_ami, deploy, destroy, diff, status, wait_ready, bench, size, save_cache, local)
+COMMANDS = (plan, recipes, preflight, blocks, pin_ami, deploy, destroy, diff, status, wait_ready, keys, bench, size, save_cache, local)

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import http.server
 import importlib.machinery
 import importlib.util
@@ -118,11 +119,24 @@ def test_collector_publishes_every_catalog_metric_in_a_payload_cloudwatch_accept
     # The node's API gate: the real HAProxy, in front of a stand-in router whose answers each request chooses.
     from clusterspec.sections.proxy import Proxy
     from tests.api_gate import start_gate
-    from tests.userdata.api_gate_peers import Upstream, _port, completion
+    from tests.userdata.api_gate_peers import Upstream, _port, request
 
     upstream = Upstream()
     threading.Thread(target=upstream.serve_forever, daemon=True).start()
-    gate = start_gate(tmp_path / "gate", Proxy(), host="127.0.0.1", port=_port(), router_port=upstream.server_address[1])
+    from node_render.haproxy import KeyCheck
+
+    # With API keys: team-a, and 'limited' at 1 request a second (the maps gptoss-keys writes: sha256 -> name, name -> limit).
+    folder = tmp_path / "gate"
+    folder.mkdir()
+    keys = KeyCheck(requests_per_s=100, concurrency=100, keys_map=str(folder / "k.map"), rate_map=str(folder / "r.map"), concurrency_map=str(folder / "c.map"))
+    (folder / "k.map").write_text("".join(f"{hashlib.sha256(k.encode()).hexdigest().upper()} {n}\n" for n, k in (("team-a", "a" * 32), ("limited", "l" * 32))))
+    (folder / "r.map").write_text("limited 1\n")
+    (folder / "c.map").write_text("")
+    gate = start_gate(folder, Proxy(), host="127.0.0.1", port=_port(), router_port=upstream.server_address[1], keys=keys)
+
+    def completion(port: int, **doc: Any) -> tuple[int, bytes]:
+        status, body, _ = request(port, "POST", "/v1/completions", json.dumps({"model": "m", "prompt": "p", **doc}).encode(), {"Authorization": "Bearer " + "a" * 32})
+        return status, body
     cfg = {"namespace": "GptOss/c1", "region": "us-east-2", "cluster": "c1", "node": "decode-0", "role": "decode", "interval_s": 60,
            "log_group": "/gptoss/c1", "efa": True, "metrics": [m.name for m in telemetry.ALL_METRICS],
            "servers": [{"name": "decode-0/decode", "unit": "gptoss-decode.service", "health_url": f"{base}/health", "metrics_url": f"{base}/metrics"}],
@@ -146,6 +160,8 @@ def test_collector_publishes_every_catalog_metric_in_a_payload_cloudwatch_accept
         handler.n = 11  # ten more requests in 60 s
         for i in range(20):  # and 20 through the gate whose first attempt the router answered 500: 20 retries
             assert completion(gate.port, id=f"r{i}", answers=[500])[0] == 200
+        limited = [request(gate.port, "POST", "/v1/completions", b"{}", {"Authorization": "Bearer " + "l" * 32})[0] for _ in range(3)]
+        assert limited == [200, 429, 429]
         for dev in ("rdmap0s0", "rdmap1s0"):
             (ib / dev / "ports/1/hw_counters/rx_bytes").write_text(str(1000 + 6_000_000) + "\n")
             (ib / dev / "ports/1/hw_counters/tx_bytes").write_text(str(500 + 600_000) + "\n")
@@ -182,10 +198,17 @@ def test_collector_publishes_every_catalog_metric_in_a_payload_cloudwatch_accept
     stage_state.write_text("ActiveState=active\nSubState=exited\nNRestarts=1\n")
     again = {d["MetricName"]: d["Value"] for d in c.collect(1120.0)}
     assert (again["StagingFailing"], again["ServersDown"]) == (0, 1)
+    # Per key (its name, never the key), summed by Cluster and Key: team-a's 20 requests, limited's 1 served and 2 refused.
+    per_key = {(d["MetricName"], {x["Name"]: x["Value"] for x in d["Dimensions"]}["Key"]): d["Value"] for d in data if d["MetricName"].startswith("Key")}
+    assert {k: v for k, v in per_key.items() if k[0] != "KeyBytesOut"} == {
+        ("KeyRequests", "team-a"): 20, ("KeyLimited", "team-a"): 0, ("KeyServerErrors", "team-a"): 0,
+        ("KeyRequests", "limited"): 3, ("KeyLimited", "limited"): 2, ("KeyServerErrors", "limited"): 0}, per_key
+    assert per_key[("KeyBytesOut", "team-a")] > 20 * 100 and per_key[("KeyBytesOut", "limited")] > 0
     # Every metric of the catalog comes out, with its dimensions, in a payload the API accepts.
     assert set(values) == {m.name for m in telemetry.ALL_METRICS}
     by_name = {d["MetricName"]: {x["Name"] for x in d["Dimensions"]} for d in data}
     assert by_name["TimeToFirstTokenMs"] == {"Cluster", "Node", "Role", "Server"} and by_name["UnitsNotReady"] == {"Cluster"}
+    assert by_name["KeyRequests"] == {"Cluster", "Key"}
     _validate("PutMetricData", "cloudwatch", {"Namespace": "GptOss/c1", "MetricData": data})
 
 
