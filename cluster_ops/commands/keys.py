@@ -21,11 +21,10 @@ def run(args: argparse.Namespace) -> int:
     keys = Keys(common.session(cfg).client("secretsmanager"), sid)
     now = dt.datetime.now(dt.UTC)
     refresh = cfg.serving.endpoint.keys_refresh_s
-    print(f"secret {sid}", file=sys.stderr)
     try:
         if args.action == "list":
             rows = keys.rows(now)
-            t = common.table(title=f"API keys of {cfg.cluster_name} (never shown again after create)")
+            t = common.table(title=f"API keys of {cfg.cluster_name} in {sid} (no key is ever shown again after create)")
             for col in ("name", "created", "valid until", "requests/s", "concurrent"):
                 t.add_column(col)
             e = cfg.serving.endpoint
@@ -38,12 +37,12 @@ def run(args: argparse.Namespace) -> int:
             return 0
         if args.action == "create":
             key = keys.create(args.name, now, requests_per_s=args.requests_per_s, concurrency=args.concurrency)
-            print(f"created key {args.name}: every router takes it within {refresh} s. It is shown this once:", file=sys.stderr)
+            print(f"created key {args.name} in {sid}: every router takes it within {refresh} s. It is shown this once:", file=sys.stderr)
             print(key)
             return 0
         if args.action == "rotate":
             key, ends = keys.rotate(args.name, now, grace_s=args.grace)
-            print(f"rotated {args.name}: the new key is valid within {refresh} s; the old one until {ends} "
+            print(f"rotated {args.name} in {sid}: the new key is valid within {refresh} s; the old one until {ends} "
                   f"(give the client the new one before then). The new key, shown this once:", file=sys.stderr)  # fmt: skip
             print(key)
             return 0
@@ -55,7 +54,7 @@ def run(args: argparse.Namespace) -> int:
             if answer != args.name:
                 raise common.CliError(f"not confirmed ({answer!r} is not {args.name}): nothing was revoked.", 1)
         gone = keys.revoke(args.name, now)
-        print(f"revoked {gone} key{'s' * (gone != 1)} named {args.name}: every router refuses {'them' if gone != 1 else 'it'} "
+        print(f"revoked {gone} key{'s' * (gone != 1)} named {args.name} in {sid}: every router refuses {'them' if gone != 1 else 'it'} "
               f"within {refresh} s", file=sys.stderr)  # fmt: skip
         return 0
     except KeysError as e:

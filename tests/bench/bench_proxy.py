@@ -114,12 +114,17 @@ def _drive(clients: int, seconds: float, one: Any) -> tuple[float, list[float]]:
     return len(lat) / (time.monotonic() - t0), lat
 
 
+# Every request's extra headers: with --keys, the bench key (the gate checks it; the router ignores it).
+HEADERS: dict[str, str] = {}
+BENCH_KEY = "gk-bench-" + "b" * 43
+
+
 def _post(state: dict[str, Any], key: str, host: str, port: int, body: dict[str, Any]) -> dict[str, Any] | None:
     conn = state.get(key)
     if conn is None:
         conn = state[key] = http.client.HTTPConnection(host, port, timeout=30)
     try:
-        conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
+        conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json", **HEADERS})
         resp = conn.getresponse()
         data = resp.read()
         return json.loads(data) if resp.status == 200 else None
@@ -164,7 +169,13 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=5, help="alternating rounds of the gate's cost, each --seconds / 2 a side")
     ap.add_argument("--gate-threads", type=int, help="a variant: HAProxy's nbthread (a node runs serving.proxy.gate.threads)")
     ap.add_argument("--gate-bufsize", type=int, help="a variant: HAProxy's tune.bufsize (a node runs serving.proxy.gate.buffer_kib)")
+    ap.add_argument("--keys", action="store_true", help="the gates check an API key (serving.endpoint.auth=keys, its limits raised "
+                    "past the load: what is measured is the check, not a refusal); every request carries it")
     args = ap.parse_args()
+    keys = None
+    if args.keys:
+        HEADERS["Authorization"] = f"Bearer {BENCH_KEY}"
+        keys = {"bench": BENCH_KEY}
     variant = _gate_variant(args.gate_threads, args.gate_bufsize)
     levels = [int(c) for c in args.clients.split(",")]
     with tempfile.TemporaryDirectory(prefix="bench-proxy-") as d:
@@ -177,7 +188,9 @@ def main() -> int:
         for kind in ("vllm-router", "toy"):
             run = tmp / kind
             run.mkdir()
-            fleet = _fleet(kind, run, None if kind == "toy" else venv, prefill_ms=0, decode_ms=0)
+            limits = {"serving.endpoint.key_requests_per_s": 100000, "serving.endpoint.key_concurrency": 100000} if keys else None
+            fleet = _fleet(kind, run, None if kind == "toy" else venv, prefill_ms=0, decode_ms=0, overrides=limits,
+                           keys=keys if kind == "vllm-router" else None)
             try:
                 prefill = sorted((h, int(p)) for h, p in (n.split(":") for n in fleet.commands) if h.startswith(f"{NET}.1."))
                 decode = sorted((h, int(p)) for h, p in (n.split(":") for n in fleet.commands) if h.startswith(f"{NET}.2."))
@@ -201,6 +214,9 @@ def main() -> int:
           "take no time it is what the proxy adds, plus the client's own cost (the same on both sides).")  # fmt: skip
     if variant:
         print(variant)
+    if keys:
+        print("With API keys: every gate checks each request's key (serving.endpoint.auth=keys; sha256, its map, its per-key "
+              "stick table; its limits above the load, so nothing is refused); the toy proxy and the routers' own port take no key.")
     print(f"{'clients':>7} | {'req/s router':>12} {'toy':>6} {'ratio':>6} | {'p50 ms router':>13} {'toy':>7} | {'p99 ms router':>13} {'toy':>7} | {'direct p50':>10}")
     for c in levels:
         r, t = rows["vllm-router"][c], rows["toy"][c]

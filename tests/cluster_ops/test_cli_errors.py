@@ -19,7 +19,7 @@ from tests.conftest import ROOT
 
 
 AWS_COMMANDS = [["status"], ["wait-ready", "--timeout", "1"], ["bench"], ["preflight"], ["save-cache", "-c", "compile_cache_s3_uri=s3://gptoss-cache/n"],
-                ["pin-ami"], ["deploy"], ["diff"], ["destroy", "--yes", *PROD]]  # fmt: skip
+                ["pin-ami"], ["deploy"], ["diff"], ["destroy", "--yes", *PROD], ["keys", "list", *PROD]]  # fmt: skip
 
 
 def _stack_line(command: list[str]) -> str:

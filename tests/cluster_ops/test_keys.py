@@ -41,7 +41,7 @@ def test_create_prints_the_key_once_and_list_shows_names_dates_and_limits_never_
     key = out.strip()
     assert key.startswith("gk-") and len(key) == 46, "256 random bits, url-safe"
     assert err.splitlines()[0] == "stack GptOss8k1kProd · region us-east-2 · cluster tag gptoss:cluster=gptoss-prod"
-    assert f"secret {SECRET}" in err and "every router takes it within 30 s" in err
+    assert f"created key team-search in {SECRET}: every router takes it within 30 s" in err
     entry = value(secret)["keys"][0]
     assert (entry["name"], entry["key"], entry["requests_per_s"], entry["concurrency"], entry["expires"]) == ("team-search", key, 50, None, None)
     code, out, err = gptoss(capsys, "list")

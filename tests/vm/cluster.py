@@ -27,6 +27,7 @@ from typing import Any
 from cluster_ops import in_place
 from clusterspec.config import ClusterConfig
 from clusterspec.loading import load_config
+from clusterspec.sections.endpoint import keys_secret_name
 from node_render import telemetry
 from node_render.command_lines import router_fleet
 from node_render.node_files import NodeRender
@@ -50,6 +51,9 @@ SIGNAL_BASE = "http://127.0.0.1:9901/cloudformation-waitcondition-us-east-2"
 HF_TOKEN_NAME = "gptoss-vm-hf-token"
 HF_TOKEN_SECRET = f"arn:aws:secretsmanager:us-east-2:123456789012:secret:{HF_TOKEN_NAME}"
 HF_TOKEN = "hf_vmTOKENshownToNobody0123456789abcdef"
+# The endpoint's API key (serving.endpoint.auth=keys, a router layout's default): the stack's secret as the stack makes
+# it, its generated key 'initial' this one. The scenarios' clients send it; the gate refuses a request without it.
+API_KEY = "vmKEYgeneratedByTheStack0123456789abcdefghijkl"
 # The instance's devices, typed here (not read from the instance table the node check reads):
 # trn3.48xlarge as the project assumes it, 16 Neuron devices and 16 EFA interfaces.
 DEVICES = {"neuron": 16, "efa": 16}
@@ -138,6 +142,8 @@ class VmCluster:
             r = self.cfg.serving.proxy.router
             self.aws.put(f"s3://{ASSET_BUCKET}/{router_object_key(r.sha256)}", (WHEELS_DIR / r.wheel).read_bytes())
         self.aws.secret(HF_TOKEN_NAME, HF_TOKEN)
+        if self.cfg.endpoint_auth == "keys":
+            self.aws.secret(keys_secret_name(self.cfg.cluster_name), json.dumps({"keys": [], "initial": API_KEY}))
         self.aws.log_group(telemetry.log_group(self.cfg))
         self.deploys += 1
         changed = set()

@@ -29,7 +29,7 @@ from node_render.node_files import Service
 from node_render.paths import MANIFEST
 from tests.conftest import ODD_VALUES
 from tests.vm.aws import CACHE_BUCKET, STACK, group_logical_id
-from tests.vm.cluster import DEVICES, HF_TOKEN, NODES, VmCluster
+from tests.vm.cluster import API_KEY, DEVICES, HF_TOKEN, NODES, VmCluster
 
 # The fake servers "compile" for COMPILE_S the first time a role runs on a node (blank compile
 # cache), then "load" for LOAD_S.
@@ -437,7 +437,7 @@ def router_completion(cluster: VmCluster, prompt: str) -> None:
     """A completion through decode-0's router, handed from prefill to a decode server (either node's: the router
     picks) with the prefill node's address."""
     decode = cluster.vms["decode-0"]
-    answer = decode.json("curl -sf -m 60 http://127.0.0.1:8000/v1/completions -H 'Content-Type: application/json' "
+    answer = decode.json(f"curl -sf -m 60 http://127.0.0.1:8000/v1/completions -H 'Content-Type: application/json' -H 'Authorization: Bearer {API_KEY}' "
                          f"-d '{{\"model\": \"{MODEL}\", \"prompt\": \"{prompt}\", \"max_tokens\": 5}}'")  # fmt: skip
     assert answer["choices"][0]["text"], answer
     handed = [r["request"] for n in cluster.renders if n.startswith("decode-") for r in cluster.vms[n].records("vllm-8200.jsonl")
@@ -541,7 +541,7 @@ def test_a_server_flag_and_a_script_change_are_applied_in_place_under_a_clients_
         scripts["gptoss-telemetry"] = original
     decode_units = ["gptoss-decode.service", "gptoss-telemetry.service"]
     assert cluster.in_place == {"decode-0": decode_units, "decode-1": decode_units, "prefill-0": ["gptoss-telemetry.service"]}
-    decode.ssh(LOAD.replace("MODEL", MODEL))
+    decode.ssh(LOAD.replace("MODEL", MODEL).replace("APIKEY", API_KEY))
     time.sleep(10)
     began = float(decode.ssh("date +%s.%N").stdout)
     results = cluster.apply(timeout_s=600)
@@ -602,7 +602,7 @@ i=0
 while [ ! -e /run/vm-load.stop ]; do
   i=$((i + 1))
   sent=$(date +%s.%N)
-  code=$(curl -s -o /dev/null -w '%{http_code}' -m 120 http://127.0.0.1:8000/v1/completions -H 'Content-Type: application/json' \
+  code=$(curl -s -o /dev/null -w '%{http_code}' -m 120 http://127.0.0.1:8000/v1/completions -H 'Content-Type: application/json' -H 'Authorization: Bearer APIKEY' \
     -d "{\"model\": \"MODEL\", \"prompt\": \"load $i\", \"max_tokens\": 5}")
   echo "$sent $i $code" >> /var/lib/fakes/load.log
   sleep 1
@@ -649,7 +649,7 @@ def test_a_surge_replaces_decode_1_a_router_node_which_proves_its_own_server_and
     old_id, old_ip = cluster.instance_ids["decode-1"], cluster.ip("decode-1")
     assert cluster.deploy(DECODE_SURGED) == {"prefill-0", "decode-0", "decode-1"}, "a new image: every group rolls"
     assert cluster.cfg.surge, "On-Demand capacity with a deploy gate: surge (rollout.surge=auto)"
-    decode.ssh(LOAD.replace("MODEL", MODEL))
+    decode.ssh(LOAD.replace("MODEL", MODEL).replace("APIKEY", API_KEY))
     launched = time.monotonic()
     cluster.surge("decode-1", LATER)
     new, new_id = cluster.vms["decode-1"], cluster.instance_ids["decode-1"]
@@ -745,7 +745,7 @@ while [ ! -e /run/vm-streams.stop ]; do
     [ ${#ok[@]} -gt 0 ] && ready=("${ok[@]}"); last=$SECONDS
   fi
   n=$((n + 1)); ip=${ready[$((n % ${#ready[@]}))]}
-  out=$(curl -sS -m 120 -w '\n%{http_code}' "http://$ip:8000/v1/completions" -H 'Content-Type: application/json' \
+  out=$(curl -sS -m 120 -w '\n%{http_code}' "http://$ip:8000/v1/completions" -H 'Content-Type: application/json' -H 'Authorization: Bearer APIKEY' \
     -d "{\"model\": \"MODEL\", \"prompt\": \"stream $n\", \"max_tokens\": 10, \"stream\": true}" 2>&1)
   code=$(tail -n 1 <<<"$out")
   if [ "$code" != 200 ]; then r="status-$code"; elif [ "$(grep -c '^data: {' <<<"$out")" = 10 ] && grep -q '^data: \[DONE\]' <<<"$out"; then r=ok; else r=cut; fi
@@ -760,7 +760,7 @@ def router_restart_and_prefill_kill_under_streams(cluster: VmCluster, decode: An
     (systemctl restart: ExecStop goes lame-duck, drains, then the new start), and a prefill replica is killed:
     no stream is cut and no request fails."""
     mine = cluster.ip("decode-0")
-    decode.ssh(STREAMS.replace("IPS", f"{mine} {other_ip}").replace("MODEL", MODEL))
+    decode.ssh(STREAMS.replace("IPS", f"{mine} {other_ip}").replace("MODEL", MODEL).replace("APIKEY", API_KEY))
     time.sleep(10)
     t0, wall0 = time.monotonic(), time.time()
     decode.ssh("systemctl restart gptoss-proxy.service", timeout=900)  # returns once the new router started
