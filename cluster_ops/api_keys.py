@@ -22,6 +22,9 @@ from clusterspec.sections.endpoint import KEY_NAME, keys_secret_name
 
 KEY_PREFIX = "gk-"
 KEY_BYTES = 32  # 256 bits: token_urlsafe gives 43 characters
+# Names the gate gives keys of its own: each router node's key for what it sends through its own gate (the deploy
+# gate's test completion, the benchmark), valid there alone and never in the secret.
+RESERVED = {"node": "router node's own key (what it sends through its own gate)"}
 
 
 class KeysError(Exception):
@@ -146,6 +149,8 @@ def new_key() -> str:
 def _check_name(name: str) -> None:
     if not KEY_NAME.match(name):
         raise KeysError(f"key name {name!r}: 1-64 of A-Z a-z 0-9 . _ - (starting with a letter or digit); e.g. team-search")
+    if name in RESERVED:
+        raise KeysError(f"key name {name!r} is the {RESERVED[name]}: give another name")
 
 
 def _entry(name: str, key: str, now: dt.datetime, requests_per_s: int | None, concurrency: int | None) -> dict[str, Any]:

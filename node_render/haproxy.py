@@ -43,6 +43,13 @@ KEYS_MAP = f"{RUN_DIR}/api-keys.map"
 KEY_RATE_MAP = f"{RUN_DIR}/api-key-rate.map"
 KEY_CONCURRENCY_MAP = f"{RUN_DIR}/api-key-concurrency.map"
 KEYS_STATE = f"{RUN_DIR}/api-keys.state"  # gptoss-keys: the digest of what it gave the gate last
+# The node's own key (name 'node'): made at each boot by gptoss-api init (root only, in /run), valid at this node's gate
+# alone, never in the secret. What the node itself sends through its gate uses it: the deploy gate's test completion
+# (gptoss-signal) and the benchmark (OPENAI_API_KEY, which vllm bench sends as Bearer).
+NODE_KEY = f"{RUN_DIR}/node-api-key"
+NODE_KEY_ENV = f"{RUN_DIR}/node-api-key.env"
+NODE_KEY_NAME = "node"
+NODE_KEY_PLACEHOLDER = "<the node's own API key>"  # what the plan shows for it
 PER_KEY_TABLE = "per_key"
 # HAProxy's own HTTP log format (option httplog), with the key's name (never the key) before the request line.
 LOG_FORMAT = "%ci:%cp [%tr] %ft %b/%s %TR/%Tw/%Tc/%Tr/%Ta %ST %B %CC %CS %tsc %ac/%fc/%bc/%sc/%rc %sq/%bq key=%[var(txn.key_name)] %{+Q}r"

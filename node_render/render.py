@@ -33,7 +33,7 @@ from node_render.command_lines import (
     server_env,
     vllm_argv,
 )
-from node_render.haproxy import API_SOCKET
+from node_render.haproxy import API_SOCKET, NODE_KEY_ENV, NODE_KEY_PLACEHOLDER
 from node_render.node_files import NodeRender, Service, exec_line, served, unit_file, unit_limits
 from node_render.node_health import health_file
 from node_render.node_scripts import NODE_SCRIPTS, shipped_scripts
@@ -238,12 +238,15 @@ def _render_bench(cfg: ClusterConfig, out: NodeRender, bin_dir: str) -> None:
         description=f"{model_name(cfg)} {s.shape.input_len // 1024}K/{s.shape.output_len // 1024}K benchmark "
         + ("through the proxy" if s.disaggregated else "against the server"),
         endpoint_unit="gptoss-proxy.service" if s.disaggregated else "gptoss-server.service",
-        env_files=[f"{ETC}/bench.env"],
+        # Behind a gate that takes only keys, the benchmark sends the node's own (OPENAI_API_KEY, which vllm bench sends as Bearer).
+        env_files=[f"{ETC}/bench.env", *([f"-{NODE_KEY_ENV}"] if cfg.endpoint_auth == "keys" else [])],
         wait=exec_line([f"{bin_dir}/gptoss-wait-healthy", "60", health_url("127.0.0.1", endpoint_port(cfg), route)]),
         exec_start=[exec_line(line) for line in lines],
     )
+    # The plan names the node's own key (made at boot, never known before) where the gate takes only keys.
+    planned = bench_env | ({"OPENAI_API_KEY": NODE_KEY_PLACEHOLDER} if cfg.endpoint_auth == "keys" else {})
     for (step, _, _), line in zip(legs, lines, strict=True):
-        out.services.append(Service("gptoss-bench.service", bench_env, line[2:], step=step))
+        out.services.append(Service("gptoss-bench.service", planned, line[2:], step=step))
 
 
 def _render_drain(cfg: ClusterConfig, node: Node, out: NodeRender) -> None:

@@ -43,6 +43,11 @@ class Gate:
             **os.environ,
             "GPTOSS_API_MAP": str(self.folder / "api.map"),
             "GPTOSS_API_SOCKET": str(self.socket_dir / "haproxy.sock"),
+            "GPTOSS_NODE_KEY": str(self.folder / "node-api-key"),
+            "GPTOSS_NODE_KEY_ENV": str(self.folder / "node-api-key.env"),
+            "GPTOSS_KEYS_MAP": str(self.folder / "api-keys.map"),
+            "GPTOSS_KEY_RATE_MAP": str(self.folder / "api-key-rate.map"),
+            "GPTOSS_KEY_CONCURRENCY_MAP": str(self.folder / "api-key-concurrency.map"),
         }
 
     def api(self, *args: str, extra: dict[str, str] | None = None, timeout: float = 120) -> subprocess.CompletedProcess[str]:
@@ -80,7 +85,11 @@ def start_gate(
     (folder / "haproxy.cfg").write_text(cfg)
     if not (folder / "api.map").exists():
         # As the unit's ExecStartPre makes it: the node's own script.
-        env = {**os.environ, "GPTOSS_API_MAP": str(folder / "api.map"), "GPTOSS_API_SOCKET": str(socket_dir / "haproxy.sock")}
+        env = {**os.environ, "GPTOSS_API_MAP": str(folder / "api.map"), "GPTOSS_API_SOCKET": str(socket_dir / "haproxy.sock"),
+               "GPTOSS_NODE_KEY": str(folder / "node-api-key"), "GPTOSS_NODE_KEY_ENV": str(folder / "node-api-key.env"),
+               # The keys' maps in the test's folder when the gate checks none (gptoss-api init makes them anyway).
+               "GPTOSS_KEYS_MAP": str(folder / "api-keys.map"), "GPTOSS_KEY_RATE_MAP": str(folder / "api-key-rate.map"),
+               "GPTOSS_KEY_CONCURRENCY_MAP": str(folder / "api-key-concurrency.map")}
         if keys:
             env |= {"GPTOSS_KEYS_MAP": keys.keys_map, "GPTOSS_KEY_RATE_MAP": keys.rate_map, "GPTOSS_KEY_CONCURRENCY_MAP": keys.concurrency_map}
         subprocess.run(["python3", str(API_CTL), "init"], env=env, check=True, timeout=30)

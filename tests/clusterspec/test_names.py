@@ -98,7 +98,7 @@ DEFINED = {
     paths.TELEMETRY_CONFIG, paths.ROUTER_FLEET, paths.MEMBERS_ENV, paths.NIXL_ENV, paths.BUNDLE, paths.RESTARTS_FILE,
     paths.SOFTWARE_DIR, paths.SOFTWARE_VERSION, paths.DRAIN_ENV, paths.SERVERS_DRAINING, paths.ROUTER_ENV, paths.HAPROXY_PACKAGES_DIR, paths.HAPROXY_ENV,
     haproxy.API_CONFIG, haproxy.API_MAP, haproxy.API_SOCKET, haproxy.KEYS_MAP, haproxy.KEY_RATE_MAP, haproxy.KEY_CONCURRENCY_MAP,
-    haproxy.KEYS_STATE,
+    haproxy.KEYS_STATE, haproxy.NODE_KEY, haproxy.NODE_KEY_ENV,
 }  # fmt: skip
 
 
@@ -126,6 +126,10 @@ def test_every_node_path_a_script_names_is_the_one_python_defines() -> None:
         ("gptoss-api", "GPTOSS_KEYS_MAP"): haproxy.KEYS_MAP,
         ("gptoss-api", "GPTOSS_KEY_RATE_MAP"): haproxy.KEY_RATE_MAP,
         ("gptoss-api", "GPTOSS_KEY_CONCURRENCY_MAP"): haproxy.KEY_CONCURRENCY_MAP,
+        ("gptoss-api", "GPTOSS_NODE_KEY"): haproxy.NODE_KEY,
+        ("gptoss-api", "GPTOSS_NODE_KEY_ENV"): haproxy.NODE_KEY_ENV,
+        ("gptoss-keys", "GPTOSS_NODE_KEY"): haproxy.NODE_KEY,
+        ("gptoss-signal", "GPTOSS_NODE_KEY"): haproxy.NODE_KEY,
     }
     for (script, var), want in defaults.items():
         text = (BIN / script).read_text()

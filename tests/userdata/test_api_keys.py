@@ -21,7 +21,7 @@ from typing import Any
 import boto3
 import pytest
 
-from cluster_ops.api_keys import Keys
+from cluster_ops.api_keys import Keys, KeysError
 from node_render.haproxy import KeyCheck
 from tests.api_gate import Gate, start_gate
 from tests.conftest import ROOT
@@ -117,7 +117,7 @@ def test_a_created_key_works_after_the_nodes_next_read_and_a_revoked_one_is_refu
     key = keyed.keys.create("team-search", NOW)
     assert call(keyed.port, key)[0] == 401, "before the node read the secret again"
     out = keyed.sync().stdout
-    assert "2 keys valid (initial, team-search)" in out, out
+    assert "2 keys of the secret valid (initial, team-search) and the node's own" in out, out
     assert call(keyed.port, key)[0] == 200
     assert keyed.keys.revoke("team-search", NOW) == 1
     assert call(keyed.port, key)[0] == 200, "until the node's next read (keys_refresh_s, at most 60 s)"
@@ -128,6 +128,24 @@ def test_a_created_key_works_after_the_nodes_next_read_and_a_revoked_one_is_refu
     # No key is written to the node's disk: the maps hold sha256 and names.
     on_disk = "".join(Path(p).read_text() for p in keyed.check.files())
     assert key not in on_disk and "i" * 48 not in on_disk and "initial" in on_disk
+
+
+def test_the_nodes_own_key_holds_from_the_gates_start_here_alone_and_no_secret_can_take_its_name(keyed: KeyedGate, tmp_path: Path) -> None:
+    """What the node sends through its own gate (the deploy gate's test completion, the benchmark's OPENAI_API_KEY):
+    gptoss-api init made its key before HAProxy started (root only), every read of the secret keeps it."""
+    folder = keyed.gate.folder
+    key = (folder / "node-api-key").read_text().strip()
+    assert key.startswith("gk-node-") and len(key) == 51
+    assert (folder / "node-api-key").stat().st_mode & 0o777 == 0o600 and (folder / "node-api-key.env").stat().st_mode & 0o777 == 0o600
+    assert (folder / "node-api-key.env").read_text() == f"OPENAI_API_KEY={key}\n"
+    assert call(keyed.port, key)[0] == 200, "before the first read of the secret"
+    # A key the secret names 'node' is not the node's: skipped, and the node's own stays.
+    doc = {"keys": [{"name": "node", "key": "s" * 40, "created": "2026-12-07T00:00:00Z", "expires": None}], "initial": None}
+    keyed.client.put_secret_value(SecretId=keyed.secret, SecretString=json.dumps(doc))
+    keyed.sync()
+    assert call(keyed.port, key)[0] == 200 and call(keyed.port, "s" * 40)[0] == 401 and call(keyed.port, "i" * 48)[0] == 401
+    with pytest.raises(KeysError, match="router node's own key"):
+        keyed.keys.create("node", NOW)
 
 
 def test_a_node_that_cannot_read_the_secret_keeps_the_keys_it_has_and_says_why(keyed: KeyedGate) -> None:

@@ -17,6 +17,7 @@ import yaml
 from clusterspec.config import ClusterConfig
 from clusterspec.loading import load_config
 from clusterspec.names import host_var
+from node_render.haproxy import NODE_KEY_ENV, NODE_KEY_PLACEHOLDER
 from node_render.node_files import NodeRender, served
 from node_render.node_scripts import NODE_SCRIPTS, node_script
 from node_render.paths import BIN, DEPLOY_ENV, MANIFEST, MEMBERS_ENV, NIXL_ENV, UNITS_FILE
@@ -229,9 +230,12 @@ def booted_env(files: dict[str, tuple[str, int]], deploy: dict[str, str], self_i
 
 
 def runtime_env(files: dict[str, tuple[str, int]], path: str, self_ip: str, ip: Callable[[str], str]) -> dict[str, str]:
-    """What the boot writes under /run: the side channel's address (gptoss-identity), the members (gptoss-members)."""
+    """What the boot writes under /run: the side channel's address (gptoss-identity), the members (gptoss-members), a
+    router node's own key (gptoss-api init)."""
     if path == NIXL_ENV:
         return {"VLLM_NIXL_SIDE_CHANNEL_HOST": self_ip}
+    if path == NODE_KEY_ENV:  # a router node's own API key (gptoss-api init), which the benchmark sends
+        return {"OPENAI_API_KEY": NODE_KEY_PLACEHOLDER}  # made at boot: the plan can only name it
     assert path == MEMBERS_ENV, path
     need = parse_env_file(files["/etc/gptoss/cluster.env"][0])["GPTOSS_MEMBERS_NEED"].split()
     return {host_var(n): ip(n) for n in need}

@@ -15,13 +15,23 @@ Shipped = Callable[[str], Path]
 
 
 def test_signal_succeeds_after_a_real_completion_through_the_proxy_and_only_once(signal_node: Any, peers: Any) -> None:
-    r = signal_node()
+    r = signal_node(extra_env={"GPTOSS_NODE_KEY": str(Path(r"/nonexistent/node-api-key"))})
     assert r.returncode == 0, r.stderr
+    assert peers.authorizations == [None], "no gate, no key"
     (put,) = peers.puts
     assert put["content_type"] == "", "the presigned URL was signed without a content type"
     assert put["doc"]["Status"] == "SUCCESS" and put["doc"]["UniqueId"] == "prefill-0"
     assert put["doc"]["Reason"] == f"prefill-0: a completion through {peers.url}/v1/completions returned 16 tokens"
     assert signal_node().returncode == 0 and len(peers.puts) == 1, "a reboot does not signal again"
+
+
+def test_behind_a_gate_that_checks_keys_the_test_completion_carries_the_nodes_own_key(signal_node: Any, peers: Any, tmp_path: Path) -> None:
+    """A router node's endpoint is its API gate, which takes only keys: the deploy gate's completion sends the node's own
+    (gptoss-api init made it, root only, this boot's); a node without one (no gate) sends none."""
+    key = tmp_path / "node-api-key"
+    key.write_text("gk-node-" + "n" * 43 + "\n")
+    assert signal_node(extra_env={"GPTOSS_NODE_KEY": str(key)}).returncode == 0
+    assert peers.authorizations == ["Bearer gk-node-" + "n" * 43] and peers.puts[0]["doc"]["Status"] == "SUCCESS"
 
 
 def test_signal_waits_while_the_completion_returns_no_tokens(signal_node: Any, peers: Any) -> None:
