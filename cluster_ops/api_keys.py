@@ -18,13 +18,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from clusterspec.config import ClusterConfig
-from clusterspec.sections.endpoint import KEY_NAME, keys_secret_name
+from clusterspec.sections.endpoint import ANONYMOUS, KEY_NAME, keys_secret_name
 
 KEY_PREFIX = "gk-"
 KEY_BYTES = 32  # 256 bits: token_urlsafe gives 43 characters
 # Names the gate gives keys of its own: each router node's key for what it sends through its own gate (the deploy
 # gate's test completion, the benchmark), valid there alone and never in the secret.
-RESERVED = {"node": "router node's own key (what it sends through its own gate)"}
+RESERVED = {"node": "router node's own key (what it sends through its own gate)",
+            ANONYMOUS: "name the gate counts requests without a key under (serving.endpoint.auth=optional)"}
 
 
 class KeysError(Exception):

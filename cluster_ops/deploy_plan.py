@@ -7,6 +7,7 @@ import shutil
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from cluster_ops import common, in_place, policy_update, replacements, rollout, stack
 from clusterspec.config import ClusterConfig
@@ -30,6 +31,7 @@ class DeployPlan:
     moves: list[str] = field(default_factory=list)  # a move onto other capacity: what it means, said before
     why: dict[str, tuple[str, list[str]]] = field(default_factory=dict)  # replaced node -> (machine|software, what changed)
     software: in_place.InPlace | None = None  # a new software version applied in place (rollout.software=in-place)
+    keys_turn_on: bool = False  # the deployed cluster checks no API key and this deploy makes its gates check them
 
 
 def make(cfg: ClusterConfig, context: list[str], workdir: Path) -> DeployPlan:
@@ -62,7 +64,19 @@ def make(cfg: ClusterConfig, context: list[str], workdir: Path) -> DeployPlan:
     changed = sorted(policy_update.policy_nodes(deployed, synthesized), key=node_order)
     kinds = replacements.reasons(rollout.flatten_templates(deployed), rollout.flatten_templates(synthesized))
     return DeployPlan(cfg, context, assembly, r, policy_update.updates(deployed, synthesized), why, ready, changed, _move_lines(cfg, moves),
-                      {n: kinds[n] for n in r.replaced if n in kinds}, _software(cfg, deployed, synthesized, assembly, r))  # fmt: skip
+                      {n: kinds[n] for n in r.replaced if n in kinds}, _software(cfg, deployed, synthesized, assembly, r),
+                      keys_turn_on(cfg, rollout.flatten_templates(deployed), rollout.flatten_templates(synthesized)))  # fmt: skip
+
+
+def keys_turn_on(cfg: ClusterConfig, deployed: dict[str, Any], synthesized: dict[str, Any]) -> bool:
+    """Whether this deploy makes a deployed cluster's gates take only API keys: the stack's secret of keys appears
+    (it comes with the gate's key rules; an operator's own secret is the operator's deliberate choice), and auth is
+    not 'optional' (which lets a request without a key pass)."""
+
+    def secret(resources: dict[str, Any]) -> bool:
+        return any(r.get("Type") == "AWS::SecretsManager::Secret" and lid.startswith("ApiKeys") for lid, r in resources.items())
+
+    return cfg.serving.endpoint.auth != "optional" and secret(synthesized) and not secret(deployed)
 
 
 def _software(cfg: ClusterConfig, deployed: rollout.Templates, synthesized: rollout.Templates, assembly: Path, r: rollout.Rollout) -> in_place.InPlace | None:
@@ -102,11 +116,20 @@ def _synth(cfg: ClusterConfig, context: list[str], assembly: Path) -> None:
         raise common.CliError(f"cdk synth of {cfg.stack_name} failed (exit {code}): nothing was changed.", code)
 
 
+KEYS_TURN_ON = (
+    "API keys turn on with this deploy: each router node's gate then answers a /v1/ request without a valid key 401, so "
+    "clients that send none stop being served. If this cluster's clients send no key yet: deploy with -c "
+    "serving.endpoint.auth=optional, give each client a key (gptoss keys create NAME), and deploy without it once "
+    "KeyRequests of 'anonymous' is 0 (docs/operations.md 'API keys')"
+)
+
+
 def lines(plan: DeployPlan) -> list[str]:
     """What the deploy does, before it does it."""
+    keys = [KEYS_TURN_ON] if plan.keys_turn_on else []
     if plan.change is None:
-        return [f"{plan.cfg.stack_name} is not deployed: a deploy launches all {len(plan.cfg.layout.nodes)} nodes at once"]
-    out = list(plan.moves)
+        return [f"{plan.cfg.stack_name} is not deployed: a deploy launches all {len(plan.cfg.layout.nodes)} nodes at once", *keys]
+    out = [*keys, *plan.moves]
     if plan.surge_off:
         out.append(f"this deploy replaces nodes without surge: {plan.surge_off} (rollout.surge=off for this deploy; "
                    "set rollout.surge=on to surge anyway)")  # fmt: skip

@@ -93,7 +93,7 @@ def endpoint_access(cfg: ClusterConfig, *, short: bool = False) -> str:
     """Who may call the model and how (serving.endpoint): `plan`'s one line (short), or its --json's words."""
     e = cfg.serving.endpoint
     if short:
-        parts = ["API keys (gptoss keys)" if cfg.endpoint_auth == "keys" else
+        parts = ["API keys, optional (auth=optional)" if e.auth == "optional" else "API keys (gptoss keys)" if cfg.endpoint_auth == "keys" else
                  "no key (serving.endpoint.auth=none)" if e.auth == "none" else f"no key: the {cfg.proxy_kind or 'single'} endpoint has no gate"]  # fmt: skip
     else:
         parts = [e.auth_reason(cfg.proxy_kind, cfg.cluster_name)]

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from clusterspec.sections.endpoint import Endpoint
+from clusterspec.sections.endpoint import ANONYMOUS, Endpoint
 from clusterspec.sections.proxy import REQUEST_TIMEOUT_MAX_S, Proxy
 from node_render.paths import ETC, RUN_DIR
 
@@ -61,13 +61,14 @@ class KeyCheck:
 
     requests_per_s: int
     concurrency: int
+    required: bool = True  # False (auth=optional): a request without a key passes, counted as 'anonymous', not limited
     keys_map: str = KEYS_MAP
     rate_map: str = KEY_RATE_MAP
     concurrency_map: str = KEY_CONCURRENCY_MAP
 
     @classmethod
     def of(cls, endpoint: Endpoint) -> KeyCheck:
-        return cls(requests_per_s=endpoint.key_requests_per_s, concurrency=endpoint.key_concurrency)
+        return cls(requests_per_s=endpoint.key_requests_per_s, concurrency=endpoint.key_concurrency, required=endpoint.auth != "optional")
 
     def files(self) -> tuple[str, str, str]:
         return self.keys_map, self.rate_map, self.concurrency_map
@@ -219,9 +220,13 @@ def _key_rules(k: KeyCheck) -> list[str]:
     over its key's rate or concurrency 429 with Retry-After: 1. The key never goes further than the gate: the router and
     the logs see its name alone."""
     bearer = "{ req.fhdr(authorization),word(1,' ') -m str -i bearer }"
+    # auth=optional: a request that sends no Authorization at all passes, counted under ANONYMOUS and never limited.
+    anonymous = [f"    http-request set-var(txn.key_name) str({ANONYMOUS}) if api_call !{{ req.fhdr(authorization) -m found }}"]
+    unlimited = "" if k.required else f" !{{ var(txn.key_name) -m str {ANONYMOUS} }}"
     return [
         "    acl api_call path_beg /v1/",
         f"    http-request set-var(txn.key_name) req.fhdr(authorization),word(2,' '),sha2(256),hex,map({k.keys_map}) if api_call {bearer}",
+        *([] if k.required else anonymous),
         f"    http-request return status 401 content-type application/json string '{_json(401, 'a valid API key is required: Authorization: Bearer <key>')}' hdr WWW-Authenticate Bearer if api_call !{{ var(txn.key_name) -m found }}",
         f"    http-request track-sc1 var(txn.key_name) table {PER_KEY_TABLE} if api_call",
         f"    http-request set-var(txn.key_rate) var(txn.key_name),map_str_int({k.rate_map},{k.requests_per_s}) if api_call",
@@ -229,9 +234,9 @@ def _key_rules(k: KeyCheck) -> list[str]:
         "    acl key_over_rate sc_http_req_rate(1),sub(txn.key_rate) gt 0",
         "    acl key_over_concurrency sc_conn_cur(1),sub(txn.key_concurrency) gt 0",
         # Each refusal counted in the key's gpc0 (its Limited count, published with its requests).
-        "    http-request sc-inc-gpc0(1) if api_call key_over_rate || api_call key_over_concurrency",
-        f"    http-request return status 429 content-type application/json string '{_json(429, 'over this API key requests per second; retry')}' hdr Retry-After 1 if api_call key_over_rate",
-        f"    http-request return status 429 content-type application/json string '{_json(429, 'over this API key concurrent requests; retry')}' hdr Retry-After 1 if api_call key_over_concurrency",
+        f"    http-request sc-inc-gpc0(1) if api_call key_over_rate{unlimited} || api_call key_over_concurrency{unlimited}",
+        f"    http-request return status 429 content-type application/json string '{_json(429, 'over this API key requests per second; retry')}' hdr Retry-After 1 if api_call key_over_rate{unlimited}",
+        f"    http-request return status 429 content-type application/json string '{_json(429, 'over this API key concurrent requests; retry')}' hdr Retry-After 1 if api_call key_over_concurrency{unlimited}",
         "    http-request del-header Authorization",
     ]
 

@@ -75,6 +75,12 @@ def _deploy(cfg: ClusterConfig, args: argparse.Namespace, context: list[str], ex
         # Synthesized once: what the rollout is computed from is what is deployed (cdk deploy --app DIR).
         plan = deploy_plan.make(cfg, context, Path(workdir))
         deploy_plan.say(plan)
+        if plan.keys_turn_on and not args.yes:
+            if not sys.stdin.isatty():
+                raise common.CliError("refusing to turn on API keys without confirmation (no terminal): clients without a key would "
+                                      "be refused. Fix: -c serving.endpoint.auth=optional first, or pass --yes. Nothing was deployed.", 1)  # fmt: skip
+            if input("type 'keys' to turn on API keys for this cluster: ").strip() != "keys":
+                raise common.CliError("not confirmed: nothing was deployed.", 1)
         if plan.change is not None:
             rollout.confirm(plan.cfg, plan.change, yes=args.yes, restarting=in_place.serving_restarts(plan.software))
         started = dt.datetime.now(dt.UTC)

@@ -33,6 +33,8 @@ TLS_POLICIES = (
     "ELBSecurityPolicy-TLS13-1-3-2021-06",
 )
 KEY_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+# The name the gate counts requests without a key under (auth=optional): no key of the secret takes it.
+ANONYMOUS = "anonymous"
 # The name the stack's own secret of keys is given (one per cluster; CloudFormation deletes it without a recovery
 # window with the stack, so a cluster destroyed and deployed again under its name gets a new one).
 KEYS_SECRET_PREFIX = "gptoss"
@@ -46,10 +48,12 @@ def keys_secret_name(cluster: str) -> str:
 class Endpoint(Frozen):
     """Who may call the model, and how: API keys, per-key limits, TLS and PrivateLink."""
 
-    auth: Literal["keys", "none"] | None = Field(
+    auth: Literal["keys", "optional", "none"] | None = Field(
         None,
         description="'keys': every /v1/ request needs `Authorization: Bearer <key>` of a key in the cluster's secret, "
-        "checked by the router nodes' API gate before the router sees it (401 otherwise). 'none': anyone who reaches the "
+        "checked by the router nodes' API gate before the router sees it (401 otherwise). 'optional': the way there for a "
+        "cluster whose clients send no key yet: a request with a key is checked and limited as with 'keys', one without "
+        "passes, counted under the name 'anonymous' (KeyRequests shows when none is left). 'none': anyone who reaches the "
         "port may call the model (plan says so). Unset: keys wherever the gate runs (vLLM's router), none for the toy "
         "proxy and the single-instance recipes, which have no gate.",
     )
@@ -139,6 +143,8 @@ class Endpoint(Frozen):
 
     def auth_for(self, gate: str | None) -> str:
         """'keys' or 'none': auth, else keys wherever the API gate runs (`gate`: the endpoint's proxy kind)."""
+        if self.auth == "optional":
+            return "keys"  # the same secret, reader and gate; only the gate's rule for a request without a key differs
         return self.auth or ("keys" if gate == "vllm-router" else "none")
 
     def auth_reason(self, gate: str | None, cluster: str) -> str:
@@ -147,16 +153,18 @@ class Endpoint(Frozen):
             return "serving.endpoint.auth=none: anyone who reaches the port may call the model"
         if self.auth_for(gate) == "keys":
             where = "the operator's secret" if self.keys_secret_arn else f"the stack's secret {keys_secret_name(cluster)}"
+            if self.auth == "optional":
+                return f"API keys from {where}, checked where a request sends one; a request without one passes (auth=optional)"
             return f"API keys from {where}, checked at each router node's gate"
         what = "the toy proxy" if gate == "toy" else "the single server"
         return f"no keys: {what} has no API gate (serving.proxy.kind=vllm-router puts one in front)"
 
     def check(self, *, gate: str | None, recipe: str, load_balanced: bool, region: str, partition: str | None, plain_port: int) -> None:
         """Against what serves the endpoint: keys need the API gate (`gate`: vllm-router), TLS and PrivateLink the load balancer."""
-        if self.auth == "keys" and gate != "vllm-router":
+        if self.auth in ("keys", "optional") and gate != "vllm-router":
             what = "the toy proxy" if gate == "toy" else f"the {recipe} recipe's single server"
             raise rule_error(
-                "serving.endpoint.auth", "keys", f"{what} has no API gate to check keys (only vLLM's router nodes run one)",
+                "serving.endpoint.auth", self.auth, f"{what} has no API gate to check keys (only vLLM's router nodes run one)",
                 "set serving.proxy.kind=vllm-router, or serving.endpoint.auth=none",
             )  # fmt: skip
         if self.keys_secret_arn and self.auth_for(gate) != "keys":

@@ -19,6 +19,7 @@ from moto import mock_aws
 
 from cluster_ops import cli, common, deploy_plan, stack
 from cluster_ops.commands import deploy, destroy
+from clusterspec.loading import load_config
 from tests.cluster_ops.cli_helpers import PROD, REGION, Session, gates_took, no_credentials
 from tests.conftest import ROOT
 
@@ -341,3 +342,30 @@ def test_a_move_onto_another_capacity_block_is_deployed_with_surge_and_said_firs
     assert deploys and all(c[-1] == "rollout.surge=on" for c in deploys), ran
     assert f"moving 1 node(s) from {a} to {b}: with surge, each replacement launched in the new capacity while its old instance serves" in out.out + out.err
     s.assert_no_pending_responses()
+
+
+def test_a_deploy_that_turns_api_keys_on_for_a_deployed_cluster_says_so_and_asks(
+    checkout: Path, account: None, monkeypatch: pytest.MonkeyPatch, capsys: Any
+) -> None:
+    """A router cluster deployed before keys existed (no secret of keys in its template) gets them by default: its clients
+    that send no key would be refused. The deploy says so and how to get there without that (auth=optional), and asks;
+    with auth=optional, or when the secret is deployed already, it does not."""
+    secret = {"ApiKeysSecretB83EF122": {"Type": "AWS::SecretsManager::Secret", "Properties": {"Name": "gptoss/gptoss-prod/api-keys"}}}
+    other = {"Topic": {"Type": "AWS::SNS::Topic"}}
+    prod = load_config({"config": "examples/production-3p8d.yaml"})
+    assert deploy_plan.keys_turn_on(prod, other, other | secret)
+    assert not deploy_plan.keys_turn_on(prod, other | secret, other | secret), "already on"
+    optional = load_config({"config": "examples/production-3p8d.yaml", "serving.endpoint.auth": "optional"})
+    assert not deploy_plan.keys_turn_on(optional, other, other | secret)
+    ran: list[str] = []
+    monkeypatch.setattr(stack, "cdk", lambda verb, cfg, context, extra: (verb == "deploy" and ran.append(cfg.stack_name)) or 0)
+    monkeypatch.setattr(deploy_plan, "make", lambda cfg, context, workdir: deploy_plan.DeployPlan(cfg, context, workdir, None, keys_turn_on=True))
+    monkeypatch.setattr(sys, "stdin", io.StringIO(""))  # no terminal
+    assert cli.main(["deploy", *PROD]) == 1
+    err = " ".join(capsys.readouterr().err.split())
+    assert "API keys turn on with this deploy" in err and "deploy with -c serving.endpoint.auth=optional" in err
+    assert "refusing to turn on API keys without confirmation (no terminal)" in err and ran == []
+    tty = io.StringIO("keys\n")
+    tty.isatty = lambda: True  # type: ignore[method-assign]
+    monkeypatch.setattr(sys, "stdin", tty)
+    assert cli.main(["deploy", *PROD]) == 0 and ran == ["GptOss8k1kProd"]

@@ -37,9 +37,9 @@ RATE, CONCURRENCY = 5, 3
 class KeyedGate:
     """The gate with keys, its secret in moto, and the node's sync."""
 
-    def __init__(self, tmp: Path, upstream: Upstream, moto_url: str) -> None:
+    def __init__(self, tmp: Path, upstream: Upstream, moto_url: str, *, required: bool = True) -> None:
         folder = tmp / "gate"
-        self.check = KeyCheck(requests_per_s=RATE, concurrency=CONCURRENCY, keys_map=str(folder / "api-keys.map"),
+        self.check = KeyCheck(requests_per_s=RATE, concurrency=CONCURRENCY, required=required, keys_map=str(folder / "api-keys.map"),
                               rate_map=str(folder / "api-key-rate.map"), concurrency_map=str(folder / "api-key-concurrency.map"))  # fmt: skip
         self.gate: Gate = start_gate(folder, _proxy(max_requests=64), host="127.0.0.1", port=_port(),
                                      router_port=upstream.server_address[1], max_model_len=MAX_MODEL_LEN, keys=self.check)  # fmt: skip
@@ -248,3 +248,22 @@ def test_a_key_over_its_rate_or_concurrency_gets_429_with_retry_after_and_other_
     failed_lines = [line for line in log.splitlines() if " 502 " in line]
     assert failed_lines and all("key=calm" in line for line in failed_lines), log[-2000:]
     assert busy not in log and calm not in log and wide not in log, "a key in the gate's log"
+
+
+def test_auth_optional_lets_a_request_without_a_key_pass_uncounted_against_limits_and_still_checks_a_key_that_is_sent(
+    upstream: Upstream, tmp_path: Path, moto_url: str
+) -> None:
+    """The way to keys for a cluster whose clients send none: without Authorization a request passes (as 'anonymous',
+    counted, never limited); a wrong key is still 401; a valid key is limited as with auth=keys."""
+    k = KeyedGate(tmp_path, upstream, moto_url, required=False)
+    try:
+        k.sync()
+        assert [call(k.port, None)[0] for _ in range(12)] == [200] * 12, "no key: served, however many"
+        assert call(k.port, "not-a-key-of-this-cluster-at-all")[0] == 401
+        assert [call(k.port, "i" * 48)[0] for _ in range(RATE + 2)] == [200] * RATE + [429, 429]
+        table = k.gate_table()
+        assert table["anonymous"]["http_req_cnt"] == 12 and table["anonymous"]["gpc0"] == 0, table
+        with pytest.raises(KeysError, match="requests without a key"):
+            k.keys.create("anonymous", NOW)
+    finally:
+        k.gate.stop()
