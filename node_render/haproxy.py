@@ -72,6 +72,8 @@ class KeyCheck:
 
     def files(self) -> tuple[str, str, str]:
         return self.keys_map, self.rate_map, self.concurrency_map
+
+
 BODY_MARGIN = 64 * 1024
 MAX_REWRITE = 16 * 1024  # of each buffer, what HAProxy keeps free to add headers
 # What a retry is for (HAProxy's retry-on): a connection to the router that failed, no answer or a
@@ -243,8 +245,8 @@ def _key_rules(k: KeyCheck) -> list[str]:
 
 def api_gate_unit(proxy: Proxy, *, bin_dir: str, restart_sec: int, keys: bool = False) -> dict[str, object]:
     """The values of gptoss-api.service's template (userdata/units)."""
-    return {"keys": keys,
-        "bin": bin_dir, "version": proxy.gate.haproxy_version, "port": proxy.port, "router_port": proxy.router.internal_port,
+    return {
+        "keys": keys, "bin": bin_dir, "version": proxy.gate.haproxy_version, "port": proxy.port, "router_port": proxy.router.internal_port,
         "config": API_CONFIG, "open_files": open_files(proxy),
         "backoff_s": proxy.restart_backoff_s, "backoff_max_s": proxy.restart_backoff_max_s,
         # A start may install the package (apt, up to 600 s) after its back-off.
