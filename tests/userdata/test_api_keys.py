@@ -74,10 +74,10 @@ class KeyedGate:
             rows[fields.pop("key")] = {k: int(v) for k, v in fields.items() if v.isdigit()}
         return rows
 
-    def sync(self, **extra: str) -> subprocess.CompletedProcess[str]:
+    def sync(self, expect: int = 0, **extra: str) -> subprocess.CompletedProcess[str]:
         """What gptoss-keys.timer runs on the node every keys_refresh_s."""
         res = subprocess.run([str(KEYS_SCRIPT), "sync"], env=self.env | extra, capture_output=True, text=True, timeout=120)
-        assert res.returncode == 0, res.stdout + res.stderr
+        assert res.returncode == expect, res.stdout + res.stderr
         return res
 
 
@@ -150,13 +150,17 @@ def test_the_nodes_own_key_holds_from_the_gates_start_here_alone_and_no_secret_c
 
 def test_a_node_that_cannot_read_the_secret_keeps_the_keys_it_has_and_says_why(keyed: KeyedGate) -> None:
     keyed.sync()
-    res = keyed.sync(AWS_ENDPOINT_URL="http://127.0.0.1:9")
+    res = keyed.sync(AWS_ENDPOINT_URL="http://127.0.0.1:9", AWS_MAX_ATTEMPTS="1")
     assert "could not read the secret" in res.stdout and "keeps the keys it has" in res.stdout, res.stdout
     assert call(keyed.port, "i" * 48)[0] == 200
     keyed.client.put_secret_value(SecretId=keyed.secret, SecretString="[not the keys' form]")
     res = keyed.sync()
     assert "is not of the keys' form" in res.stdout, res.stdout
     assert call(keyed.port, "i" * 48)[0] == 200
+    # Once the keys it holds are older than GPTOSS_KEYS_STALE_S, a failed read fails the unit (UnitsNotReady pages).
+    res = keyed.sync(expect=1, AWS_ENDPOINT_URL="http://127.0.0.1:9", AWS_MAX_ATTEMPTS="1", GPTOSS_KEYS_STALE_S="0")
+    assert "the keys this gate holds are" in res.stdout and "does not hold here until the secret can be read again" in res.stdout
+    assert call(keyed.port, "i" * 48)[0] == 200, "the gate still serves with the keys it has"
 
 
 def test_a_rotation_under_32_streaming_clients_fails_no_request(keyed: KeyedGate, upstream: Upstream) -> None:
