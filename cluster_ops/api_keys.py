@@ -19,12 +19,13 @@ from typing import Any
 
 from clusterspec.config import ClusterConfig
 from clusterspec.sections.endpoint import ANONYMOUS, KEY_NAME, keys_secret_name
+from node_render.haproxy import NODE_KEY_NAME
 
 KEY_PREFIX = "gk-"
 KEY_BYTES = 32  # 256 bits: token_urlsafe gives 43 characters
 # Names the gate gives keys of its own: each router node's key for what it sends through its own gate (the deploy
 # gate's test completion, the benchmark), valid there alone and never in the secret.
-RESERVED = {"node": "router node's own key (what it sends through its own gate)",
+RESERVED = {NODE_KEY_NAME: "router node's own key (what it sends through its own gate)",
             ANONYMOUS: "name the gate counts requests without a key under (serving.endpoint.auth=optional)"}
 
 

@@ -70,9 +70,6 @@ class KeyCheck:
     def of(cls, endpoint: Endpoint) -> KeyCheck:
         return cls(requests_per_s=endpoint.key_requests_per_s, concurrency=endpoint.key_concurrency, required=endpoint.auth != "optional")
 
-    def files(self) -> tuple[str, str, str]:
-        return self.keys_map, self.rate_map, self.concurrency_map
-
 
 BODY_MARGIN = 64 * 1024
 MAX_REWRITE = 16 * 1024  # of each buffer, what HAProxy keeps free to add headers
