@@ -13,7 +13,7 @@ import pytest
 from cluster_ops import cli, common, stack
 from clusterspec.loading import load_config
 from tests.cluster_ops.cli_helpers import GPTOSS, PROD, Session, failing, no_credentials
-from tests.conftest import ROOT
+from tests.conftest import ROOT, gptoss_in_process
 
 # ---- one line for every AWS error -----------------------------------------------------------
 
@@ -72,7 +72,8 @@ def html_500() -> Iterator[str]:
 def test_an_endpoint_answering_html_500_is_one_line_naming_it(command: list[str], html_500: str, tmp_path: Path) -> None:
     env = no_credentials(tmp_path) | {"AWS_ENDPOINT_URL": html_500, "AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
                                       "AWS_MAX_ATTEMPTS": "2", "GPTOSS_STATE_DIR": str(tmp_path / "state")}  # fmt: skip
-    r = subprocess.run([str(GPTOSS), *command], capture_output=True, text=True, env=env, cwd=ROOT, timeout=120)
+    # In this process (the installed entry point's own process is the no-credentials test's, above).
+    r = gptoss_in_process(*command, env=env)
     lines = r.stderr.strip().splitlines()
     assert r.returncode == 2, r.stderr
     assert lines[0] == _stack_line(command) and len(lines) == 2, lines

@@ -7,13 +7,13 @@ import subprocess
 import sys
 from typing import Any
 
-from tests.conftest import ROOT
+from tests.conftest import ROOT, gptoss_in_process
 
 
 def plan(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, str(ROOT / "scripts" / "cluster.py"), "plan", *args], capture_output=True, text=True, cwd=ROOT
-    )
+    """`gptoss plan ARGS`, in this process (what it prints is the test; the entry point's own process is
+    test_a_reader_that_stops_early_gets_no_error_message's and the README's, tests/project/test_readme.py)."""
+    return gptoss_in_process("plan", *args)
 
 
 def plan_json(*args: str) -> dict[str, Any]:
@@ -198,7 +198,7 @@ def test_every_subcommand_describes_itself_and_every_option_has_help() -> None:
     for name, sp in sub.choices.items():
         assert sp.description and len(sp.description) > 20, name
         assert [a.option_strings or a.dest for a in sp._actions if not a.help] == [], name
-        r = subprocess.run([sys.executable, str(ROOT / "scripts" / "cluster.py"), name, "--help"], capture_output=True, text=True, cwd=ROOT)
+        r = gptoss_in_process(name, "--help")
         assert r.returncode == 0 and sp.description.split(":")[0][:40] in " ".join(r.stdout.split()), (name, r.stdout)
 
 
@@ -207,19 +207,19 @@ def test_tables_fit_80_columns_in_a_wide_terminal_unless_asked_wider() -> None:
 
     env = os.environ | {"COLUMNS": "200"}
     for args in (["recipes"], ["plan", "--details"], ["plan", "--decode-instances", "8"]):
-        r = subprocess.run([sys.executable, str(ROOT / "scripts" / "cluster.py"), *args], capture_output=True, text=True, cwd=ROOT, env=env)
+        r = gptoss_in_process(*args, env=env)
         assert r.returncode == 0, r.stderr
         # One word longer than a line (a path) runs on; nothing else does.
         long = [line for line in r.stdout.splitlines() if len(line) > 80 and " " in line.strip().rstrip(" \\")]
         assert long == [], (args, long)
-    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "cluster.py"), "recipes", "--wide"], capture_output=True, text=True, cwd=ROOT, env=env)
+    r = gptoss_in_process("recipes", "--wide", env=env)
     assert max(len(line) for line in r.stdout.splitlines()) > 80
 
 
 def test_recipes_at_80_columns_keep_every_name_a_user_copies_whole() -> None:
     from clusterspec.recipes import RECIPES
 
-    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "cluster.py"), "recipes", "--width", "80"], capture_output=True, text=True, cwd=ROOT)
+    r = gptoss_in_process("recipes", "--width", "80")
     assert r.returncode == 0, r.stderr
     cells = {c.strip() for line in r.stdout.splitlines() for c in line.split("│")}
     for recipe in RECIPES.values():
@@ -228,7 +228,7 @@ def test_recipes_at_80_columns_keep_every_name_a_user_copies_whole() -> None:
 
 
 def test_plan_rows_show_no_replica_count_on_decode_nodes() -> None:
-    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "cluster.py"), "plan", "--decode-instances", "8"], capture_output=True, text=True, cwd=ROOT)
+    r = gptoss_in_process("plan", "--decode-instances", "8")
     (row,) = [line for line in r.stdout.splitlines() if line.strip().startswith("decode-0..7")]
     assert row.split()[:4] == ["decode-0..7", "decode", "-", "128/128"], row
 

@@ -46,6 +46,7 @@ from tests.userdata.router_fleet import (
     DECODE_MS,
     DURATION_S,
     FAKES,
+    FAULT_CLIENTS,
     KILL_DECODE_AT,
     KILL_PREFILL_AT,
     NET,
@@ -412,7 +413,7 @@ def test_router_keeps_serving_when_a_prefill_replica_or_a_decode_server_dies(
     toy_run, _, toy_who = _scenario("toy", tmp_path_factory.mktemp("toy-run"), None)
     toy = _numbers(toy_run, toy_who, window)
     with capsys.disabled():
-        print(f"\n{CLIENTS} clients for {DURATION_S:.0f}s over 2 endpoints, 6 prefill replicas ({PREFILL_MS} ms) and 2 decode servers "
+        print(f"\n{FAULT_CLIENTS} clients for {DURATION_S:.0f}s over 2 endpoints, 6 prefill replicas ({PREFILL_MS} ms) and 2 decode servers "
               f"({DECODE_MS} ms), loopback; prefill replica killed at {KILL_PREFILL_AT:.0f}s, back at {RESTART_PREFILL_AT:.0f}s; "
               f"decode server killed at {KILL_DECODE_AT:.0f}s; health window {window}s")  # fmt: skip
         print(f"{'':<58}{'router':>10}{'toy':>10}")
