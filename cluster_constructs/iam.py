@@ -244,7 +244,8 @@ class NodeIdentityRole(Construct):
         cache_uri = cache.uri if cache else None
         statements: list[iam.PolicyStatement] = []
         if config.observability.enabled:
-            # The collector writes this node's own streams (node/unit) only: no node writes another's log.
+            # The collector writes this node's own streams only (node/journal; node/<unit> by a collector of an earlier release
+            # until its node applies this one): no node writes another's log.
             stream = f"{telemetry.log_group(config)}:log-stream:{node}/*"
             statements.append(iam.PolicyStatement(actions=["logs:PutLogEvents"], resources=[
                 f"arn:{partition}:logs:{config.region}:{Aws.ACCOUNT_ID}:log-group:{stream}"]))  # fmt: skip
@@ -296,7 +297,7 @@ class NodeIdentityRole(Construct):
             self.acknowledge(
                 f"AwsSolutions::AwsSolutions-IAM5[Resource::arn:<AWS::Partition>:logs:{config.region}:<AWS::AccountId>:log-group:"
                 f"{telemetry.log_group(config)}:log-stream:{node}/*]",
-                f"Only this node's own log streams ({node}/<unit>) in the cluster's log group; no other node's.",
+                f"Only this node's own log streams ({node}/journal, and {node}/<unit> of an earlier release's collector) in the cluster's log group; no other node's.",
             )
         if keys:
             for resource in keys_secret_resources(config):

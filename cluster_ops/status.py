@@ -126,16 +126,38 @@ def identities(
     return out
 
 
+# The node's health watch, as its lines read in the node's journal stream (gptoss-telemetry: `<unit>: <message>`).
+WATCH_PREFIX = "gptoss-health-watch.service: "
+# How far back the node's own last word is looked for, and how many pages of matches at most.
+SELF_REPORT_DAYS, SELF_REPORT_PAGES = 7, 10
+
+
 def _self_report(cfg: ClusterConfig, logs: Any, node: str) -> str:
-    """The node's own last word before it asked to be replaced, from its health watch's log stream."""
+    """The node's own last word before it asked to be replaced: its health watch's last `unhealthy: ` line in
+    the node's journal stream (the last week's, a bounded number of pages of matches)."""
+    import time
+
     from node_render import telemetry
 
+    kw: dict[str, Any] = {"logGroupName": telemetry.log_group(cfg), "logStreamNames": [f"{node}/journal"],
+                          "filterPattern": '"unhealthy: "', "startTime": int((time.time() - SELF_REPORT_DAYS * 86400) * 1000)}  # fmt: skip
+    marked: list[str] = []
     try:
-        events = logs.get_log_events(logGroupName=telemetry.log_group(cfg), logStreamName=f"{node}/gptoss-health-watch.service",
-                                     limit=20, startFromHead=False)["events"]  # fmt: skip
+        for _ in range(SELF_REPORT_PAGES):
+            page = logs.filter_log_events(**kw)
+            marked += [e["message"] for e in page.get("events", []) if e["message"].startswith(WATCH_PREFIX) and "unhealthy: " in e["message"]]
+            if not page.get("nextToken"):
+                break
+            kw["nextToken"] = page["nextToken"]
     except logs.exceptions.ResourceNotFoundException:
-        return ""
-    marked = [e["message"] for e in events if "unhealthy: " in e["message"]]
+        pass
+    if not marked:  # a node of an earlier release: its collector gave each unit a stream of its own
+        try:
+            events = logs.get_log_events(logGroupName=kw["logGroupName"], logStreamName=f"{node}/gptoss-health-watch.service", limit=20,
+                                         startFromHead=False)["events"]  # fmt: skip
+        except logs.exceptions.ResourceNotFoundException:
+            return ""
+        marked = [e["message"] for e in events if "unhealthy: " in e["message"]]
     return marked[-1].split("unhealthy: ", 1)[1] if marked else ""
 
 

@@ -101,7 +101,7 @@ ALL_METRICS = SERVER_METRICS + NODE_METRICS + ROUTER_METRICS + KEY_METRICS + CLU
 
 
 def log_group(cfg: ClusterConfig) -> str:
-    """The cluster's CloudWatch Logs group: one stream per node and unit."""
+    """The cluster's CloudWatch Logs group: one stream per node (`<node>/journal`, each line after its unit's name)."""
     return f"/gptoss/{cfg.cluster_name}"
 
 

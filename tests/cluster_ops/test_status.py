@@ -115,11 +115,18 @@ def test_status_shows_each_identitys_instance_its_replacements_and_why(aws: None
     stub.add_response("describe_scaling_activities", {"Activities": [no_room]}, {"AutoScalingGroupName": "gptoss-8k1k-decode-0"})
     logs = boto3.client("logs", region_name=REGION)
     logs.create_log_group(logGroupName="/gptoss/gptoss-8k1k")
-    logs.create_log_stream(logGroupName="/gptoss/gptoss-8k1k", logStreamName="prefill-0/gptoss-health-watch.service")
-    logs.put_log_events(logGroupName="/gptoss/gptoss-8k1k", logStreamName="prefill-0/gptoss-health-watch.service", logEvents=[
-        {"timestamp": int(time.time() * 1000), "message": "gptoss-health-watch: marked i-0aaaaaaaaaaaaaaaa (prefill-0) unhealthy: "
-                                                "gptoss-node-check.service failed: gptoss-node-check: Neuron: 15 devices in /dev, the instance table says 16 (neuron_devices); "
-                                                "its group replaces it with an instance of the same identity"}])  # fmt: skip
+    # The node's journal stream as its collector ships it (each line after its unit's name): an older report, the
+    # last one, then other units' lines after it (the status reads the watch's last word, not the stream's last line).
+    logs.create_log_stream(logGroupName="/gptoss/gptoss-8k1k", logStreamName="prefill-0/journal")
+    now = int(time.time() * 1000)
+    logs.put_log_events(logGroupName="/gptoss/gptoss-8k1k", logStreamName="prefill-0/journal", logEvents=[
+        {"timestamp": now - 3000, "message": "gptoss-health-watch.service: gptoss-health-watch: marked i-0bbbbbbbbbbbbbbbb (prefill-0) unhealthy: "
+                                             "an older report"},
+        {"timestamp": now - 2000, "message": "gptoss-health-watch.service: gptoss-health-watch: marked i-0aaaaaaaaaaaaaaaa (prefill-0) unhealthy: "
+                                             "gptoss-node-check.service failed: gptoss-node-check: Neuron: 15 devices in /dev, the instance table says 16 (neuron_devices); "
+                                             "its group replaces it with an instance of the same identity"},
+        {"timestamp": now - 1000, "message": "gptoss-decode.service: a server's line that mentions unhealthy: not the watch's"},
+        {"timestamp": now, "message": "init.scope: Stopping gptoss-decode.service..."}])  # fmt: skip
     from cluster_ops.remote import find_nodes
 
     with stub:
@@ -129,6 +136,22 @@ def test_status_shows_each_identitys_instance_its_replacements_and_why(aws: None
     assert got["prefill-0"].last_cause.endswith("in response to a user health-check.") and got["prefill-0"].last_at == "2026-11-30 10:00 UTC"
     assert got["prefill-0"].reported.startswith("gptoss-node-check.service failed: gptoss-node-check: Neuron: 15 devices")
     assert (got["decode-0"].replaced, got["decode-0"].last_cause) == (0, no_room["StatusMessage"])
+
+
+def test_a_node_of_an_earlier_release_is_read_from_its_health_watchs_own_stream(aws: None) -> None:
+    """Before the collector shipped a node's journal to one stream, each unit had its own: a replacement that happened then
+    still shows the node's reason; a node that left no word shows none."""
+    from cluster_ops.status import _self_report
+
+    cfg = load_config({})
+    logs = boto3.client("logs", region_name=REGION)
+    logs.create_log_group(logGroupName="/gptoss/gptoss-8k1k")
+    assert _self_report(cfg, logs, "decode-0") == ""
+    logs.create_log_stream(logGroupName="/gptoss/gptoss-8k1k", logStreamName="decode-0/gptoss-health-watch.service")
+    logs.put_log_events(logGroupName="/gptoss/gptoss-8k1k", logStreamName="decode-0/gptoss-health-watch.service", logEvents=[
+        {"timestamp": int(time.time() * 1000), "message": "gptoss-health-watch: marked i-0dddddddddddddddd (decode-0) unhealthy: "
+                                                          "gptoss-decode.service failed"}])  # fmt: skip
+    assert _self_report(cfg, logs, "decode-0") == "gptoss-decode.service failed"
 
 
 def test_status_names_each_nodes_instance_and_address_and_a_surges_replacement_beside_the_old_one(aws: None) -> None:

@@ -295,7 +295,7 @@ def test_a_neuron_monitor_that_stopped_reporting_is_not_published_as_current(tmp
         monitor.proc.kill()
 
 
-def test_collector_ships_each_units_journal_to_its_own_stream(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_collector_ships_every_units_journal_to_the_nodes_one_stream_in_one_call(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     entries = [{"__CURSOR": f"c{i}", "_SYSTEMD_UNIT": u, "__REALTIME_TIMESTAMP": str(1_700_000_000_000_000 + i), "MESSAGE": m}
                for i, (u, m) in enumerate([("gptoss-decode.service", "fake vllm: compiling"), ("gptoss-stage.service", "staged"),
                                            ("gptoss-decode.service", [104, 105])])]  # fmt: skip
@@ -319,17 +319,15 @@ def test_collector_ships_each_units_journal_to_its_own_stream(tmp_path: Path, mo
     }
     mod.ship_logs(cfg, set())
     calls = (tmp_path / "aws.log").read_text().splitlines()
-    assert [c.split(" --log-stream-name ")[1].split()[0] for c in calls if "put-log-events" in c] == [
-        "decode-0/gptoss-decode.service",
-        "decode-0/gptoss-stage.service",
-    ]
-    assert sum("create-log-stream" in c for c in calls) == 2
-    payloads = [json.loads(p.read_text()) for p in sorted(tmp_path.glob("payload-*.json"))]
-    assert [e["message"] for e in payloads[0]] == ["fake vllm: compiling", "hi"]
-    for events in payloads:
-        _validate("PutLogEvents", "logs", {"logGroupName": "/gptoss/c1", "logStreamName": "decode-0/x", "logEvents": events})
+    # Two units' lines, one stream made once and one call: each line after its unit's name, in journal order.
+    assert [c.split(" --log-stream-name ")[1].split()[0] for c in calls] == ["decode-0/journal", "decode-0/journal"]
+    assert [c.split()[1] for c in calls] == ["create-log-stream", "put-log-events"]
+    (payload,) = [json.loads(p.read_text()) for p in sorted(tmp_path.glob("payload-*.json"))]
+    assert [e["message"] for e in payload] == ["gptoss-decode.service: fake vllm: compiling", "gptoss-stage.service: staged",
+                                               "gptoss-decode.service: hi"]  # fmt: skip
+    _validate("PutLogEvents", "logs", {"logGroupName": "/gptoss/c1", "logStreamName": "decode-0/journal", "logEvents": payload})
     assert (tmp_path / "state/telemetry.cursor").read_text() == "c2"
-    mod.ship_logs(cfg, {"decode-0/gptoss-decode.service"})
+    mod.ship_logs(cfg, {"decode-0/journal"})
     assert "--after-cursor c2" in (tmp_path / "journalctl.args").read_text().splitlines()[-1]
 
 

@@ -86,23 +86,27 @@ def test_a_stop_of_more_than_a_day_is_shipped_in_batches_cloudwatch_takes_and_ne
     day = 24 * 3600
     n["write"]([("gptoss-decode.service", 0, "stopping"), ("gptoss-decode.service", 2 * day, "started again")])
     mod.ship_logs(n["cfg"], set())
-    assert n["sent"]() == [("decode-0/gptoss-decode.service", "stopping"), ("decode-0/gptoss-decode.service", "started again")]
+    assert n["sent"]() == [("decode-0/journal", "gptoss-decode.service: stopping"), ("decode-0/journal", "gptoss-decode.service: started again")]
     assert n["cursor"].read_text() == "c1" and not list(n["cursor"].parent.glob("*.tmp")), "written whole, by rename"
-    mod.ship_logs(n["cfg"], {"decode-0/gptoss-decode.service"})
+    mod.ship_logs(n["cfg"], {"decode-0/journal"})
     assert len(n["sent"]()) == 2, "nothing is sent twice"
 
 
-def test_a_throttled_stream_is_sent_again_and_the_others_are_not_duplicated(logs_node: dict[str, Any]) -> None:
+def test_a_throttled_call_is_sent_again_and_nothing_is_duplicated(logs_node: dict[str, Any]) -> None:
     n, mod = logs_node, logs_node["mod"]
-    n["write"]([("gptoss-decode.service", 1, "d1"), ("gptoss-stage.service", 2, "s1"), ("gptoss-decode.service", 3, "d2")])
-    n["throttled"].write_text("decode-0/gptoss-stage.service")
+    day = 24 * 3600
+    # Three lines of two units in two batches (a stop of more than a day between them) are taken; the next line's call is throttled.
+    n["write"]([("gptoss-decode.service", 1, "d1"), ("gptoss-stage.service", 2, "s1"), ("gptoss-decode.service", 2 * day, "d2")])
     mod.ship_logs(n["cfg"], set())
-    assert n["cursor"].read_text() == "c0", "up to the first event that must be sent again"
+    n["throttled"].write_text("decode-0/journal")
+    n["write"]([("gptoss-stage.service", 2 * day + 1, "s2")])
+    mod.ship_logs(n["cfg"], {"decode-0/journal"})
+    assert n["cursor"].read_text() == "c2", "up to the first event that must be sent again"
     n["throttled"].write_text("")
-    mod.ship_logs(n["cfg"], set())
-    sent = n["sent"]()
-    assert sent.count(("decode-0/gptoss-stage.service", "s1")) == 1 and sent.count(("decode-0/gptoss-decode.service", "d1")) == 1
-    assert n["cursor"].read_text() == "c2"
+    mod.ship_logs(n["cfg"], {"decode-0/journal"})
+    assert n["sent"]() == [("decode-0/journal", m) for m in ("gptoss-decode.service: d1", "gptoss-stage.service: s1", "gptoss-decode.service: d2",
+                                                               "gptoss-stage.service: s2")]  # fmt: skip
+    assert n["cursor"].read_text() == "c3"
 
 
 def test_a_batch_refused_for_good_is_dropped_and_said_not_re_sent_every_minute(logs_node: dict[str, Any], capsys: Any) -> None:
@@ -122,7 +126,7 @@ def test_an_unusable_cursor_falls_back_to_the_last_ten_minutes(logs_node: dict[s
     mod.ship_logs(n["cfg"], set())
     assert "--since -10min" in n["args"].read_text().splitlines()[-1]
     assert "the saved journal cursor is not usable" in capsys.readouterr().out
-    assert n["sent"]() == [("decode-0/gptoss-decode.service", "d1")] and n["cursor"].read_text() == "c0"
+    assert n["sent"]() == [("decode-0/journal", "gptoss-decode.service: d1")] and n["cursor"].read_text() == "c0"
 
 
 @pytest.mark.parametrize(

@@ -337,15 +337,20 @@ def test_first_boot_serves_with_the_plans_commands_in_the_tested_order(cluster: 
         while True:
             names = cloudwatch.list_metrics(Namespace="GptOss/gptoss-8k1k")["Metrics"]
             published = {m["MetricName"] for m in names if {"Name": "Node", "Value": node} in m["Dimensions"]}
-            # The metrics and the journal's streams within the same two intervals (the collector ships
-            # them apart, each on its own thread: one can land a moment after the other).
+            # The metrics and the node's journal stream within the same two intervals (the collector ships
+            # them apart, each on its own thread: one can land a moment after the other): its staging's lines,
+            # each after its unit's name, in the node's one stream.
             streams = {s["logStreamName"] for s in logs.describe_log_streams(logGroupName="/gptoss/gptoss-8k1k")["logStreams"]}
-            if (per_node <= published and f"{node}/gptoss-stage.service" in streams) or time.monotonic() > deadline:
+            lines = ([e["message"] for e in logs.get_log_events(logGroupName="/gptoss/gptoss-8k1k", logStreamName=f"{node}/journal",
+                                                                 startFromHead=True)["events"]] if f"{node}/journal" in streams else [])  # fmt: skip
+            staged = [m for m in lines if m.startswith("gptoss-stage.service: ")]
+            if (per_node <= published and staged) or time.monotonic() > deadline:
                 break
             time.sleep(10)
         assert per_node - published == set(), f"{node}: not published within two intervals of serving"
         assert {"UnitsNotReady", "ServersDown", "StagingFailing"} <= {m["MetricName"] for m in names}
-        assert f"{node}/gptoss-stage.service" in streams, f"{node}: its journal not shipped within two intervals of serving"
+        assert staged, f"{node}: its journal not shipped within two intervals of serving: {sorted(streams)}, {lines[:5]}"
+        assert {s for s in streams if s.startswith(f"{node}/")} == {f"{node}/journal"}, "one stream a node"
 
 
 # What a crash can leave on prefill-0: a shard cut short beside an intact marker (the reboot's wave),
