@@ -66,7 +66,7 @@ def dashboard_body(cfg: ClusterConfig, *, region: str, lb: tuple[str, str] | Non
         {
             "type": "text", "x": 0, "y": 0, "width": 24, "height": 2,
             "properties": {"markdown": f"# {cfg.cluster_name}: {cfg.recipe} on {cfg.instance_type}\n"
-                           f"{len(cfg.layout.nodes)} nodes. Logs: log group `{telemetry.log_group(cfg)}`, one stream per node (`<node>/journal`, each line after its unit's name)."},
+                           f"{len(cfg.layout.nodes)} nodes. Logs: log group `{telemetry.log_group(cfg)}`, stream `<node>/journal`."},
         },
         _widget(
             "Fleet: units not ready (worst node), servers down, staging failing, replacement held",
