@@ -172,9 +172,9 @@ def inventory(client: Any) -> dict[str, list[str]]:
     return {k: sorted(v) for k, v in kinds.items()}
 
 
-def _run(cmd: list[str], url: str, *, quiet: bool = False) -> int:
+def _run(cmd: list[str], url: str, *, quiet: bool = False, cwd: Path | None = None) -> int:
     print("$ " + " ".join(cmd), file=sys.stderr, flush=True)
-    r = subprocess.run(cmd, cwd=checkout(), env=_env(url), stdin=subprocess.DEVNULL, capture_output=quiet, text=True)
+    r = subprocess.run(cmd, cwd=cwd or checkout(), env=_env(url), stdin=subprocess.DEVNULL, capture_output=quiet, text=True)
     if quiet and r.returncode != 0:
         print((r.stdout + r.stderr)[-2000:], file=sys.stderr)
     return r.returncode
@@ -298,7 +298,10 @@ def up(gptoss: str) -> int:
     print(f"seeded: SSM parameter {PARAMETER} = {image} ({IMAGE_NAME!r}), bucket s3://{BUCKET}", file=sys.stderr)
     print("bootstrapping the CDK in the local account (about 20 s)", file=sys.stderr, flush=True)
     cdk = str(ROOT / "node_modules" / ".bin" / "cdk")
-    if _run([cdk, "bootstrap", f"aws://{ACCOUNT}/{REGION}", "--no-notices"], url, quiet=True) != 0:
+    record.parent.mkdir(parents=True, exist_ok=True)
+    # In the state folder, not the checkout: with its environment named, bootstrap needs no app (from
+    # the checkout, cdk.json's, it would synthesize the default stack for nothing).
+    if _run([cdk, "bootstrap", f"aws://{ACCOUNT}/{REGION}", "--no-notices"], url, quiet=True, cwd=record.parent) != 0:
         raise CliError("cdk bootstrap failed against the local endpoint (its output is above).", 1)
     print("deploying (seconds: the synth, the asset upload, CloudFormation in moto)", file=sys.stderr, flush=True)
     if _run([gptoss, "deploy", "-c", f"config={CONFIG}", "--require-approval", "never"], url) != 0:

@@ -38,6 +38,23 @@ os.environ.setdefault("CDK_VALIDATION", "false")
 if "HYPOTHESIS_STORAGE_DIRECTORY" not in os.environ:
     os.environ["HYPOTHESIS_STORAGE_DIRECTORY"] = tempfile.mkdtemp(prefix="gptoss-hypothesis-")
     atexit.register(shutil.rmtree, os.environ["HYPOTHESIS_STORAGE_DIRECTORY"], ignore_errors=True)
+# moto's EC2 loads every Amazon AMI it knows for the region (about 1,100 in us-east-2: its "latest"
+# and ECS-optimized lists) into each new backend, and serializes them all for a describe_images by
+# owner: about 1 s of CPU for each mock_aws test and moto server. Its own base list of 44 instead
+# (moto's MOTO_AMIS_PATH setting), before moto is imported; the moto servers inherit it. Tests
+# name images from that list (ami-12c6146b) or take the first one.
+if "MOTO_AMIS_PATH" not in os.environ:
+    import gzip
+    import importlib.util
+
+    _spec = importlib.util.find_spec("moto")
+    assert _spec is not None and _spec.origin is not None, "moto is installed by `make setup`"
+    _amis = Path(_spec.origin).parent / "ec2" / "resources" / "amis.json.gz"
+    _fd, _path = tempfile.mkstemp(prefix="gptoss-moto-amis-", suffix=".json")
+    with os.fdopen(_fd, "wb") as _f:
+        _f.write(gzip.decompress(_amis.read_bytes()))
+    os.environ["MOTO_AMIS_PATH"] = _path
+    atexit.register(os.unlink, _path)
 
 
 def cli_env(**extra: str) -> dict[str, str]:

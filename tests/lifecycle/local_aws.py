@@ -51,11 +51,11 @@ class LocalAws:
             name, endpoint_url=self.endpoint, region_name=REGION, aws_access_key_id="testing", aws_secret_access_key="testing"
         )
 
-    def cdk(self, *args: str, timeout: int = 300) -> subprocess.CompletedProcess[str]:
+    def cdk(self, *args: str, timeout: int = 300, cwd: Path = ROOT) -> subprocess.CompletedProcess[str]:
         r = subprocess.run(
             # Its own cloud assembly directory: other tests synthesize into the checkout's cdk.out.
             ["timeout", str(timeout), str(CDK), *args, "--no-notices", "-c", f"config={self.config}", "--output", str(self.outdir)],
-            cwd=ROOT,
+            cwd=cwd,
             env=self.env,
             capture_output=True,
             text=True,
@@ -101,7 +101,9 @@ def started(workdir: Path, *, extended: bool = False) -> Iterator[LocalAws]:
         # moto cannot create names under /aws/...: the parameter name is configurable for this reason.
         aws.client("ssm").put_parameter(Name="/gptoss/test/neuron-dlami", Value=image, Type="String", DataType="aws:ec2:image")
         aws.client("s3").create_bucket(Bucket="gptoss-local-models", CreateBucketConfiguration={"LocationConstraint": REGION})
-        aws.cdk("bootstrap", f"aws://{ACCOUNT}/{REGION}")
+        # Outside the checkout (no cdk.json): with its environment named, bootstrap needs no app, and
+        # from the checkout it would synthesize one anyway (3 s of CPU for nothing).
+        aws.cdk("bootstrap", f"aws://{ACCOUNT}/{REGION}", cwd=workdir)
         yield aws
     finally:
         server.stop()
