@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import ROOT
+from tests.conftest import ROOT, gptoss_in_process
 
 README = (ROOT / "README.md").read_text()
 
@@ -41,13 +41,22 @@ def offline_env(tmp: Path) -> dict[str, str]:
                   "TMPDIR": str(tmp), "CDK_OUT": str(tmp / "cdk.out")}  # fmt: skip
 
 
-def run(command: str, tmp: Path) -> subprocess.CompletedProcess[str]:
+def state_env(tmp: Path) -> dict[str, str]:
     # The runbook's later lines name the stack its `make deploy` recorded: the record it writes.
     state = tmp / "gptoss-state"
     state.mkdir(exist_ok=True)
     (state / "deployed.json").write_text(json.dumps({"GptOss8k1kProd": {"context": ["config=examples/production-3p8d.yaml"]}}))
-    env = offline_env(tmp) | {"GPTOSS_STATE_DIR": str(state)}
-    return subprocess.run(["bash", "-c", command], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    return offline_env(tmp) | {"GPTOSS_STATE_DIR": str(state)}
+
+
+def run(command: str, tmp: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(["bash", "-c", command], cwd=ROOT, env=state_env(tmp), capture_output=True, text=True, timeout=600)
+
+
+def gptoss(argv: list[str], tmp: Path) -> subprocess.CompletedProcess[str]:
+    """`.venv/bin/gptoss ARGV` with run()'s environment, in this process (the entry point's main: what the
+    command says is what is checked; an offline block's `gptoss` line keeps its shell and process)."""
+    return gptoss_in_process(*argv, env=state_env(tmp), cwd=ROOT)
 
 
 # The README and the operations page it sends a user to: every command either shows works as written.
@@ -80,8 +89,8 @@ def test_make_test_is_what_ci_runs(tmp_path: Path) -> None:
 def test_commands_that_need_aws_exist_as_written(command: str, tmp_path: Path) -> None:
     words = shlex.split(command)
     if words[0] == ".venv/bin/gptoss":
-        r = run(shlex.join([words[0], words[1], "--help"]), tmp_path)
-        assert r.returncode == 0, r.stderr
+        r = gptoss([words[1], "--help"], tmp_path)
+        assert r.returncode == 0 and r.stdout.startswith("usage: gptoss"), r.stderr
         # Its options are its own (the parser takes them) ...
         from cluster_ops.cli import build_parser
 
@@ -89,7 +98,7 @@ def test_commands_that_need_aws_exist_as_written(command: str, tmp_path: Path) -
         assert extra == [] or getattr(args, "passthrough", False), (command, extra)
         # ... and the cluster they name is a valid one (everything but talking to AWS).
         params = [a for c in (args.context or []) for a in ("-c", c)] + (["--stack", args.stack] if args.stack else [])
-        r = run(shlex.join([words[0], "plan", *params]), tmp_path)
+        r = gptoss(["plan", *params], tmp_path)
         assert r.returncode == 0, (command, r.stderr[-2000:])
     elif words[:2] == ["npx", "cdk"]:
         # Run verbatim against the local AWS by tests/lifecycle/test_cdk_as_typed.py (its own list checks it reads these).
@@ -118,7 +127,7 @@ def test_the_docs_show_parameter_examples() -> None:
 
 @pytest.mark.parametrize("line", PARAMETER_LINES)
 def test_parameter_examples_are_accepted(line: str, tmp_path: Path) -> None:
-    r = run(f".venv/bin/gptoss plan {line}", tmp_path)
+    r = gptoss(["plan", *shlex.split(line)], tmp_path)
     assert r.returncode == 0, (line, r.stderr[-2000:])
 
 
@@ -133,7 +142,7 @@ def test_every_example_is_accepted_as_shipped_and_with_its_commented_settings_on
     for variant, body in (("as shipped", text), ("commented settings on", _uncommented(text))):
         path = tmp_path / example
         path.write_text(body)
-        r = run(f".venv/bin/gptoss plan -c config={path}", tmp_path)
+        r = gptoss(["plan", "-c", f"config={path}"], tmp_path)
         assert r.returncode == 0, (example, variant, r.stderr[-2000:])
 
 
