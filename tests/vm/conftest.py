@@ -63,6 +63,15 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
     outcome = yield
     report = outcome.get_result()
     cluster = item.funcargs.get("cluster") if hasattr(item, "funcargs") else None
+    if report.when == "call" and isinstance(cluster, VmCluster):
+        # What the scenario cost each guest, by unit (the profile's guest CPU).
+        for vm in cluster.running():
+            try:
+                r = vm.ssh(profile.CPU_READ, check=False, timeout=60) if vm.proc is not None and vm.proc.poll() is None else None
+            except subprocess.TimeoutExpired:
+                r = None
+            if r is not None and r.returncode == 0:
+                profile.record_guest_cpu(item.name, vm.name, r.stdout)
     if report.when == "call" and report.failed and isinstance(cluster, VmCluster):
         for vm in cluster.running():
             journal = ""
@@ -79,7 +88,12 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
-    """Time each scenario whole (setup, which boots the cluster for the first, call and teardown) and name it for the profile."""
+    """Time each scenario whole (setup, which boots the cluster for the first, call and teardown) and name it for the profile.
+    Only the VM scenarios: this hook sees every test of a session (`make test` wrote its own 1,100 rows over the VM
+    suite's profile, from each worker)."""
+    if item.get_closest_marker("vm") is None:
+        yield
+        return
     profile.current = item.name
     started = time.monotonic()
     yield

@@ -27,6 +27,32 @@ current = "(setup)"
 seconds: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
 counts: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
 wall: dict[str, float] = {}
+# Guest CPU by unit (systemd's cgroups, cpu.stat usage_usec), read at each scenario's end: what each scenario
+# cost each guest, per unit since the previous reading of the same boot (the guest's whole first, "(guest)").
+guest_cpu: dict[str, dict[str, dict[str, float]]] = defaultdict(dict)
+_last_reading: dict[str, tuple[str, dict[str, float]]] = {}
+# One guest command: its boot id, then each cgroup's CPU seconds (the guest total, the slices, every unit).
+CPU_READ = (
+    "cat /proc/sys/kernel/random/boot_id; cd /sys/fs/cgroup && "
+    "for f in cpu.stat */cpu.stat system.slice/*/cpu.stat system.slice/*/*/cpu.stat; do "
+    "[ -f \"$f\" ] && echo \"${f%/cpu.stat} $(sed -n 's/^usage_usec //p' \"$f\")\"; done; true"
+)
+
+
+def record_guest_cpu(scenario: str, node: str, text: str) -> None:
+    """Keep one guest's reading (CPU_READ's output) for the scenario: the seconds since the last reading of the same boot."""
+    lines = text.strip().splitlines()
+    if not lines:
+        return
+    boot, now = lines[0], {}
+    for line in lines[1:]:
+        name, _, usec = line.rpartition(" ")
+        if usec.isdigit():
+            now["(guest)" if name == "cpu.stat" else name.replace("system.slice/", "")] = int(usec) / 1e6
+    before = _last_reading.get(node)
+    base = before[1] if before and before[0] == boot else {}
+    guest_cpu[scenario][node] = {k: round(v - base.get(k, 0.0), 1) for k, v in now.items() if v - base.get(k, 0.0) >= 0.5}
+    _last_reading[node] = (boot, now)
 
 
 @contextmanager
@@ -55,6 +81,7 @@ def table() -> list[dict[str, object]]:
         for kind in KINDS:
             row[f"{kind}_s"] = round(seconds[test].get(kind, 0.0), 1)
             row[f"{kind}_n"] = counts[test].get(kind, 0)
+        row["guest_cpu_s"] = guest_cpu.get(test, {})
         rows.append(row)
     return rows
 
@@ -68,4 +95,8 @@ def write(path: Path) -> str:
     for r in rows:
         cells = " ".join(f"{r[f'{k}_s']:>6.0f}s/{r[f'{k}_n']:<2}" for k in KINDS)
         lines.append(f"{str(r['scenario'])[:60]:<60} {r['wall_s']:>5.0f}s {cells}")
+        for node, units in sorted(guest_cpu.get(str(r["scenario"]), {}).items()):
+            total = units.get("(guest)", 0.0)
+            top = sorted(((v, k.rsplit("/", 1)[-1]) for k, v in units.items() if k.endswith((".service", ".scope")) or k == "user.slice"), reverse=True)[:8]
+            lines.append(f"    {node}: guest CPU {total:.0f} s; " + ", ".join(f"{k} {v:.0f}" for v, k in top))
     return "\n".join(lines)
