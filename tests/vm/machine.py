@@ -217,7 +217,11 @@ class Vm:
         one, else a login of its own: the same command either way)."""
         with profile.span("command"):
             cmd = [*self._ssh_args(), "-o", "ControlMaster=no", "root@127.0.0.1", command]
-            r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+            started = time.monotonic()
+            try:
+                r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+            finally:
+                profile.command(command, time.monotonic() - started)
             if check and r.returncode != 0:
                 raise AssertionError(f"{self.name}$ {command}\nexit {r.returncode}\n{r.stdout[-4000:]}\n{r.stderr[-4000:]}")
             return r

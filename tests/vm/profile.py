@@ -27,6 +27,8 @@ current = "(setup)"
 seconds: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
 counts: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
 wall: dict[str, float] = {}
+# The harness's guest commands by what they run (their first words): seconds and count, per scenario.
+commands: dict[str, dict[str, list[float]]] = defaultdict(lambda: defaultdict(lambda: [0.0, 0]))
 # Guest CPU by unit (systemd's cgroups, cpu.stat usage_usec), read at each scenario's end: what each scenario
 # cost each guest, per unit since the previous reading of the same boot (the guest's whole first, "(guest)").
 guest_cpu: dict[str, dict[str, dict[str, float]]] = defaultdict(dict)
@@ -37,6 +39,15 @@ CPU_READ = (
     "for f in cpu.stat */cpu.stat system.slice/*/cpu.stat system.slice/*/*/cpu.stat; do "
     "[ -f \"$f\" ] && echo \"${f%/cpu.stat} $(sed -n 's/^usage_usec //p' \"$f\")\"; done; true"
 )
+
+
+def command(text: str, seconds_taken: float) -> None:
+    """Count one guest command of the running scenario under its first 48 characters."""
+    key = " ".join(text.split())[:48]
+    with _lock:
+        entry = commands[current][key]
+        entry[0] += seconds_taken
+        entry[1] += 1
 
 
 def record_guest_cpu(scenario: str, node: str, text: str) -> None:
@@ -82,6 +93,7 @@ def table() -> list[dict[str, object]]:
             row[f"{kind}_s"] = round(seconds[test].get(kind, 0.0), 1)
             row[f"{kind}_n"] = counts[test].get(kind, 0)
         row["guest_cpu_s"] = guest_cpu.get(test, {})
+        row["commands"] = {k: [round(v[0], 1), v[1]] for k, v in sorted(commands.get(test, {}).items(), key=lambda kv: -kv[1][0])}
         rows.append(row)
     return rows
 
@@ -99,4 +111,7 @@ def write(path: Path) -> str:
             total = units.get("(guest)", 0.0)
             top = sorted(((v, k.rsplit("/", 1)[-1]) for k, v in units.items() if k.endswith((".service", ".scope")) or k == "user.slice"), reverse=True)[:8]
             lines.append(f"    {node}: guest CPU {total:.0f} s; " + ", ".join(f"{k} {v:.0f}" for v, k in top))
+        slow = sorted(commands.get(str(r["scenario"]), {}).items(), key=lambda kv: -kv[1][0])[:5]
+        if slow:
+            lines.append("    harness commands: " + "; ".join(f"{k!r} {v[0]:.0f}s/{v[1]}" for k, v in slow))
     return "\n".join(lines)
