@@ -82,7 +82,8 @@ def _cloud_init_status(result_json: str, status_json: str) -> str:
 
 
 # Every unit a node's health list names is active (a node without the list yet passes: gptoss-status decides).
-ALL_ACTIVE = f"! test -s {HEALTH_FILE} || systemctl is-active --quiet $(awk '{{print $1}}' {HEALTH_FILE})"
+# One systemctl for all (`is-active` exits 0 when any one is active: each unit's line is read instead).
+ALL_ACTIVE = f"! test -s {HEALTH_FILE} || ! systemctl is-active $(awk '{{print $1}}' {HEALTH_FILE}) | grep -qvx active"
 
 
 class VmCluster:

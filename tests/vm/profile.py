@@ -36,8 +36,8 @@ _last_reading: dict[str, tuple[str, dict[str, float]]] = {}
 # One guest command: its boot id, then each cgroup's CPU seconds (the guest total, the slices, every unit).
 CPU_READ = (
     "cat /proc/sys/kernel/random/boot_id; cd /sys/fs/cgroup && "
-    "for f in cpu.stat */cpu.stat system.slice/*/cpu.stat system.slice/*/*/cpu.stat; do "
-    "[ -f \"$f\" ] && echo \"${f%/cpu.stat} $(sed -n 's/^usage_usec //p' \"$f\")\"; done; true"
+    "awk '$1 == \"usage_usec\" {f = FILENAME; sub(\"/?cpu.stat$\", \"\", f); print (f == \"\" ? \"cpu.stat\" : f), $2}' "
+    "cpu.stat */cpu.stat system.slice/*/cpu.stat system.slice/*/*/cpu.stat 2>/dev/null; true"
 )
 
 
